@@ -1,0 +1,1 @@
+"""Planned stage; see docs/ARCHITECTURE.md."""

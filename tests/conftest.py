@@ -1,0 +1,35 @@
+"""Shared fixtures. torch and megatron-core are imported here, in the parent, so that forked
+ranks (tests/harness.py) inherit them instead of importing them again."""
+
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+with warnings.catch_warnings():
+    # megatron-core warns at import that TransformerEngine/apex are absent: expected on CPU.
+    warnings.simplefilter("ignore")
+    import megatron.core  # noqa: F401
+    import megatron.core.parallel_state  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.datasets.gpt_dataset  # noqa: F401
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
