@@ -139,8 +139,10 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer,
                      workers: int = 1, log_interval: int = 1000, skip_bad_lines: bool = False,
                      log=None) -> PreprocessStats:
     """Tokenize `input_path` into indexed datasets; returns the run's statistics."""
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    from megatron_eod.megatron.imports import import_megatron
 
+    indexed = import_megatron("megatron.core.datasets.indexed_dataset")
+    DType, IndexedDatasetBuilder = indexed.DType, indexed.IndexedDatasetBuilder
     global _ENCODER
     _check_args(input_path, json_keys, workers, log_interval)
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))

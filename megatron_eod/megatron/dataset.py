@@ -1,0 +1,79 @@
+"""GPT datasets over Megatron indexed data, built with megatron-core's own builder.
+
+One job: turn Megatron-style data flags (`--data-path`, `--split`, `--seq-length`, the reset
+flags) into megatron-core `GPTDataset` splits via `BlendedMegatronDatasetBuilder`, with the
+dense attention mask switched off (`create_attention_mask=False`): the document structure
+travels as the EoD tokens themselves and `build_doc_layout` recovers it per micro-batch.
+
+What it does not do: no batching or CP slicing (that is `get_batch`, with the trainer), no
+dataset of its own: samples are exactly megatron-core's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+from megatron_eod.megatron.imports import import_megatron
+
+__all__ = ["parse_data_path", "build_gpt_datasets"]
+
+
+def parse_data_path(data_path: Union[str, Sequence[str]]) -> Tuple[List[str], Optional[List[float]]]:
+    """Megatron's `--data-path` forms: `PREFIX ...` or `W1 PREFIX1 W2 PREFIX2 ...`."""
+    items = [data_path] if isinstance(data_path, str) else list(data_path)
+    if not items:
+        raise ValueError("--data-path needs at least one dataset prefix")
+
+    def is_number(text):
+        try:
+            float(text)
+            return True
+        except ValueError:
+            return False
+
+    if len(items) % 2 == 0 and all(is_number(w) for w in items[0::2]):
+        weights, prefixes = [float(w) for w in items[0::2]], list(items[1::2])
+        if any(w <= 0 for w in weights):
+            raise ValueError(f"--data-path weights must be positive, got {weights}")
+    elif any(is_number(x) for x in items):
+        raise ValueError(f"--data-path must be PREFIX... or WEIGHT PREFIX pairs, got {items}")
+    else:
+        weights, prefixes = None, items
+    for prefix in prefixes:
+        for ext in (".bin", ".idx"):
+            if not os.path.isfile(prefix + ext):
+                raise ValueError(f"--data-path {prefix!r}: {prefix + ext} does not exist "
+                                 f"(pass the prefix, e.g. data/corpus_text_document)")
+    return prefixes, weights
+
+
+def build_gpt_datasets(data_path, seq_length: int, tokenizer, num_samples: Sequence[int],
+                       split: str = "969,30,1", seed: int = 1234,
+                       reset_position_ids: bool = True, reset_attention_mask: bool = True,
+                       eod_mask_loss: bool = False, create_attention_mask: bool = False,
+                       path_to_cache: Optional[str] = None,
+                       is_built_on_rank: Callable[[], bool] = lambda: True):
+    """-> (train, valid, test) megatron-core GPTDatasets (None for a split of size 0)."""
+    builder = import_megatron("megatron.core.datasets.blended_megatron_dataset_builder")
+    gpt = import_megatron("megatron.core.datasets.gpt_dataset")
+
+    if seq_length <= 0:
+        raise ValueError(f"--seq-length must be positive, got {seq_length}")
+    if len(num_samples) != 3 or any(n < 0 for n in num_samples):
+        raise ValueError(f"num_samples must be 3 non-negative sizes, got {list(num_samples)}")
+    prefixes, weights = parse_data_path(data_path)
+    config = gpt.GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(prefixes, weights),
+        split=split,
+        tokenizer=tokenizer,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask,
+        path_to_cache=path_to_cache,
+    )
+    return builder.BlendedMegatronDatasetBuilder(gpt.GPTDataset, list(num_samples),
+                                                 is_built_on_rank, config).build()

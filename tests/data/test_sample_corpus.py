@@ -1,0 +1,22 @@
+"""The offline sample corpus: deterministic, valid jsonl, heavy-tailed document lengths."""
+
+import json
+
+import numpy
+
+from megatron_eod.data.sample_corpus import write_sample_corpus
+
+
+def test_corpus_is_deterministic_and_heavy_tailed(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    stats = write_sample_corpus(str(a), max_bytes=600_000)
+    write_sample_corpus(str(b), max_bytes=600_000)
+    assert a.read_bytes() == b.read_bytes()
+    lengths = numpy.array([len(json.loads(line)["text"].encode()) for line in a.open()])
+    assert stats == {"documents": len(lengths), "bytes": int(lengths.sum())}
+    assert 500_000 < lengths.sum() <= 600_000
+    # Heavy tail: the longest documents are far above the median, and tiny ones exist.
+    median = numpy.median(lengths)
+    assert lengths.max() > 20 * median and numpy.percentile(lengths, 5) < median / 4
+    write_sample_corpus(str(tmp_path / "c.jsonl"), max_bytes=600_000, seed=2)
+    assert (tmp_path / "c.jsonl").read_bytes() != a.read_bytes()  # the seed matters
