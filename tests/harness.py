@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import tempfile
 import time
 import traceback
@@ -33,9 +34,15 @@ def _rank_main(fn, rank, world_size, store_path, conn, args, kwargs):
             result = fn(rank, world_size, *args, **kwargs)
         finally:
             dist.destroy_process_group()
-        conn.send(("ok", result))
+        message = ("ok", result)
     except BaseException:  # noqa: BLE001 - the parent re-raises with the rank named
-        conn.send(("error", traceback.format_exc()))
+        message = ("error", traceback.format_exc())
+    try:
+        # Plain pickle copies tensor data; Connection.send would pass tensors through shared
+        # memory that dies with this process.
+        conn.send_bytes(pickle.dumps(message))
+    except BaseException:  # noqa: BLE001 - an unpicklable result
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
     finally:
         conn.close()
         os._exit(0)  # skip atexit hooks inherited from the pytest parent
@@ -69,8 +76,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
             for pipe in ready:
                 rank = pipes.index(pipe)
                 try:
-                    status, payload = pipe.recv()
-                except EOFError:
+                    status, payload = pickle.loads(pipe.recv_bytes())
+                except (EOFError, OSError):
                     status, payload = "error", "rank exited without a result (crashed?)"
                 del remaining[rank]
                 if status == "ok":
