@@ -29,7 +29,7 @@ import numpy
 
 __all__ = ["PreprocessError", "PreprocessStats", "preprocess_jsonl", "output_paths"]
 
-_BATCH_LINES = 64  # lines per worker task: big enough to amortise IPC, small for ordering
+_CHUNK_BYTES = 1 << 20  # bytes of jsonl per worker task: amortises IPC, bounds memory
 _ENCODER = None  # the per-process encoder; set in the parent and inherited by forked workers
 
 
@@ -59,6 +59,10 @@ class _Encoder:
     def __init__(self, tokenizer, json_keys: Sequence[str], append_eod: bool, dtype):
         self.tokenizer, self.json_keys, self.append_eod, self.dtype = (
             tokenizer, tuple(json_keys), append_eod, dtype)
+        # A tokenizer may offer `tokenize_array` (ids as a numpy array): the byte tokenizer
+        # does, and it is ~2x faster than building the array from a list of ints.
+        fast = getattr(tokenizer, "tokenize_array", None)
+        self._to_array = fast or (lambda text: numpy.asarray(tokenizer.tokenize(text), dtype))
 
     def encode(self, raw: bytes):
         """-> ("blank", None) | ("bad", reason) | ("ok", {key: (ids, lengths)})."""
@@ -82,39 +86,61 @@ class _Encoder:
             sentences = [value] if isinstance(value, str) else value
             if not isinstance(sentences, list) or not all(isinstance(x, str) for x in sentences):
                 return "bad", f"key {key!r} must hold a string or a list of strings"
-            ids: List[int] = []
-            lengths: List[int] = []
+            pieces: List[numpy.ndarray] = []
             for sentence in sentences:
                 try:
-                    sentence_ids = self.tokenizer.tokenize(sentence)
+                    piece = self._to_array(sentence)
                 except UnicodeEncodeError as err:
                     return "bad", f"key {key!r} holds text that is not valid Unicode ({err.reason})"
                 except ValueError as err:
                     return "bad", f"key {key!r}: {err}"
-                if sentence_ids:
-                    ids.extend(sentence_ids)
-                    lengths.append(len(sentence_ids))
-            if ids and self.append_eod:
-                ids.append(self.tokenizer.eod)
+                if piece.size:
+                    pieces.append(piece)
+            lengths = [int(p.size) for p in pieces]
+            if pieces and self.append_eod:
+                pieces.append(numpy.array([self.tokenizer.eod], dtype=self.dtype))
                 lengths[-1] += 1
-            out[key] = (numpy.asarray(ids, dtype=self.dtype), lengths)
+            ids = numpy.concatenate(pieces) if pieces else numpy.zeros(0, dtype=self.dtype)
+            out[key] = (ids.astype(self.dtype, copy=False), lengths)
         return "ok", out
 
 
-def _encode_batch(batch: List[Tuple[int, bytes]]):
-    return [(lineno, len(raw), _ENCODER.encode(raw)) for lineno, raw in batch]
+def _encode_chunk(task: Tuple[str, int, int]):
+    """Encode the lines in bytes [start, end) of a file; one pickled array per key comes back.
 
-
-def _read_batches(path: str):
-    batch: List[Tuple[int, bytes]] = []
+    Workers read their chunk themselves and return each key's ids of the whole chunk as one
+    array, so the parent moves neither raw text nor thousands of small arrays through pipes.
+    -> (n_lines, [(line_in_chunk, n_bytes, status, reason | {key: lengths})], {key: ids})
+    """
+    path, start, end = task
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            batch.append((lineno, raw))
-            if len(batch) == _BATCH_LINES:
-                yield batch
-                batch = []
-    if batch:
-        yield batch
+        f.seek(start)
+        lines = f.read(end - start).splitlines(keepends=True)
+    records, pieces = [], {key: [] for key in _ENCODER.json_keys}
+    for i, raw in enumerate(lines):
+        status, payload = _ENCODER.encode(raw)
+        if status == "ok":
+            for key, (ids, _) in payload.items():
+                pieces[key].append(ids)
+            payload = {key: lengths for key, (_, lengths) in payload.items()}
+        records.append((i, len(raw), status, payload))
+    dtype = _ENCODER.dtype
+    packed = {key: numpy.concatenate(p) if p else numpy.zeros(0, dtype)
+              for key, p in pieces.items()}
+    return len(lines), records, packed
+
+
+def _chunks(path: str):
+    """Split a file into ~_CHUNK_BYTES byte ranges that end on line boundaries."""
+    size, chunk_bytes = os.path.getsize(path), _CHUNK_BYTES
+    with open(path, "rb") as f:
+        start = 0
+        while start < size:
+            f.seek(min(start + chunk_bytes, size))
+            f.readline()  # move on to the end of the line the cut fell in
+            end = min(f.tell(), size)
+            yield path, start, end
+            start = end
 
 
 def output_paths(output_prefix: str, key: str) -> Tuple[str, str]:
@@ -157,32 +183,40 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer,
     try:
         if workers > 1:
             pool = multiprocessing.get_context("fork").Pool(workers)
-            results = pool.imap(_encode_batch, _read_batches(input_path), chunksize=4)
+            results = pool.imap(_encode_chunk, _chunks(input_path))
         else:
-            results = map(_encode_batch, _read_batches(input_path))
-        for batch in results:
-            for lineno, n_bytes, (status, payload) in batch:
+            results = map(_encode_chunk, _chunks(input_path))
+        first_line = 1
+        for n_lines, records, packed in results:
+            offsets = dict.fromkeys(json_keys, 0)
+            for i, n_bytes, status, payload in records:
                 stats.bytes_read += n_bytes
                 if status == "blank":
                     stats.blank_lines += 1
                     continue
                 if status == "bad":
-                    where = f"{input_path}:{lineno}: {payload}"
+                    where = f"{input_path}:{first_line + i}: {payload}"
                     if not skip_bad_lines:
                         raise PreprocessError(where + " (or pass --skip-bad-lines)")
                     stats.skipped_lines += 1
                     stats.first_skipped = stats.first_skipped or where
                     continue
-                for key, (ids, lengths) in payload.items():
-                    builders[key].add_document(ids, lengths)
-                    stats.tokens += int(ids.size)
+                doc_tokens = 0
+                for key, lengths in payload.items():
+                    n = sum(lengths)
+                    builders[key].add_document(packed[key][offsets[key]:offsets[key] + n],
+                                               lengths)
+                    offsets[key] += n
+                    doc_tokens += n
+                stats.tokens += doc_tokens
                 stats.documents += 1
-                stats.empty_documents += int(all(ids.size == 0 for ids, _ in payload.values()))
+                stats.empty_documents += int(doc_tokens == 0)
                 if stats.documents % log_interval == 0:
                     stats.seconds = time.perf_counter() - start
                     d, t, mb = stats.rates()
                     log(f"processed {stats.documents} documents "
                         f"({d:.0f} docs/s, {t:.0f} tokens/s, {mb:.2f} MB/s)")
+            first_line += n_lines
         for key, builder in builders.items():
             builder.finalize(output_paths(output_prefix, key)[1])
             stats.outputs[key] = output_paths(output_prefix, key)[0][: -len(".bin")]

@@ -23,6 +23,8 @@ import os
 from collections import OrderedDict
 from typing import List, Optional, Sequence
 
+import numpy
+
 __all__ = [
     "TOKENIZER_TYPES",
     "ByteTokenizer",
@@ -47,8 +49,12 @@ class ByteTokenizer:
         return OrderedDict(**{"class": "megatron_eod.ByteTokenizer"})
 
     def tokenize(self, text: str) -> List[int]:
+        return self.tokenize_array(text).tolist()
+
+    def tokenize_array(self, text: str) -> numpy.ndarray:
+        """The ids as a uint8 array, without a Python list in between."""
         # "strict" makes a lone surrogate (from a JSON "\ud800" escape) an error, not a '?'.
-        return list(text.encode("utf-8", errors="strict"))
+        return numpy.frombuffer(text.encode("utf-8", errors="strict"), dtype=numpy.uint8)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")

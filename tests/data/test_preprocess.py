@@ -86,7 +86,10 @@ def test_json_keys_lists_and_multiple_outputs(tmp_path):
     assert len(read_indexed(stats.outputs["title"])) == 1
 
 
-def test_workers_write_identical_bytes(tmp_path):
+def test_workers_write_identical_bytes(tmp_path, monkeypatch):
+    import megatron_eod.data.preprocess as preprocess
+
+    monkeypatch.setattr(preprocess, "_CHUNK_BYTES", 1000)  # many chunks, cut mid-line
     records = [{"text": f"document {i} " * (i % 37)} for i in range(700)]
     src = write_jsonl(tmp_path / "in.jsonl", records)
     tok = ByteTokenizer()
@@ -122,6 +125,16 @@ def test_invalid_utf8_names_the_line(tmp_path):
     path.write_bytes(b'{"text": "good"}\n\n{"text": "bad \xff\xfe"}\n')
     with pytest.raises(PreprocessError, match=r"in\.jsonl:3: not valid UTF-8"):
         preprocess_jsonl(str(path), str(tmp_path / "o"), ByteTokenizer(), log=lambda m: 0)
+
+
+def test_line_numbers_stay_exact_across_chunks(tmp_path, monkeypatch):
+    import megatron_eod.data.preprocess as preprocess
+
+    monkeypatch.setattr(preprocess, "_CHUNK_BYTES", 64)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "x" * (i % 50)} for i in range(300)]
+                      + ["", '{"text": 1}'])
+    with pytest.raises(PreprocessError, match=r"in\.jsonl:302: "):
+        preprocess_jsonl(src, str(tmp_path / "o"), ByteTokenizer(), workers=2, log=lambda m: 0)
 
 
 def test_skip_bad_lines_counts_and_keeps_the_rest(tmp_path):
