@@ -6,11 +6,13 @@
 Prints, for one row of 131,072 tokens and for 8 rows of 32,768 (documents with lognormal
 lengths, median ~600 tokens):
   * `build_doc_layout` time (median of repeats) and memory (CPU: all bytes torch allocates
-    during one build, an upper bound of the peak; CUDA: max_memory_allocated), beside the bytes of the dense mask
-    megatron-core's GPTDataset builds for the same batch (float32 tril while building, then
-    bool; "f32 tmp" is its float32 tril per sample while building) and the time of megatron-core's own per-EoD Python loop with the mask switched off;
+    during one build, an upper bound of the peak; CUDA: max_memory_allocated);
+  * beside it, what megatron-core's GPTDataset needs for the same batch: its dense bool mask
+    (b*s*s bytes), the float32 tril it builds per sample first ("f32 tmp", 4*s*s bytes), and
+    the time of its per-EoD Python loop with the dense mask switched off (its cheapest mode);
   * preprocessing throughput (MB/s of jsonl) of tools/preprocess_data.py with 1 and 2 workers
-    on the offline sample corpus.
+    on the offline sample corpus, with the byte tokenizer and with an 8k BPE (when the
+    `tokenizers` package is installed).
 """
 
 import argparse
