@@ -37,6 +37,13 @@ def get_args(argv=None):
     return p.parse_args(argv)
 
 
+def progress_printer():
+    """One updating line on a terminal, one line per report otherwise (logs, CI)."""
+    if sys.stderr.isatty():
+        return lambda msg: print("\r" + msg, end="", file=sys.stderr, flush=True)
+    return lambda msg: print(msg, file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
     args = get_args(argv)
     try:
@@ -45,11 +52,13 @@ def main(argv=None) -> int:
         stats = preprocess_jsonl(args.input, args.output_prefix, tokenizer,
                                  json_keys=args.json_keys, append_eod=args.append_eod,
                                  workers=args.workers, log_interval=args.log_interval,
-                                 skip_bad_lines=args.skip_bad_lines)
+                                 skip_bad_lines=args.skip_bad_lines, log=progress_printer())
     except (PreprocessError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     docs_s, tokens_s, mb_s = stats.rates()
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
     print(f"done: {stats.documents} documents ({stats.empty_documents} empty), {stats.tokens} "
           f"tokens, {stats.bytes_read / 1e6:.2f} MB in {stats.seconds:.2f} s "
           f"({docs_s:.0f} docs/s, {tokens_s:.0f} tokens/s, {mb_s:.2f} MB/s)", file=sys.stderr)
