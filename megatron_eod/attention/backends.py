@@ -1,0 +1,199 @@
+"""Local varlen attention kernels with log-sum-exp and a separate backward.
+
+One job: one interface over three kernels, so the CP algorithms never touch a kernel:
+
+    out, lse = backend.forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale)
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
+                                  causal, softmax_scale)
+
+q: [Tq, H, D], k/v: [Tk, Hk, D] (Hk divides H: GQA without repeating), out: like q,
+lse: float32 (float64 for float64 inputs) [Tq, H], -inf for a row with no visible key.
+`causal` is bottom-right aligned per sequence (query i of sq sees keys 0..i + sk - sq), as
+flash-attn. `backward` takes the FINAL out and lse of a row (after merging partial results):
+that makes the per-block gradients exact pieces of the full gradient.
+
+* `CPUExactBackend`: PyTorch's CPU flash kernel (`_scaled_dot_product_flash_attention_for_cpu`
+  and its backward) over batches of sequences with a block-diagonal additive mask (bounded
+  size per call). Exact, fp32/fp64; the test oracle's partner.
+* `TorchVarlenBackend`: PyTorch's CUDA flash kernels (`aten._flash_attention_forward/_backward`,
+  what `torch.nn.attention.varlen.varlen_attn` runs), for GPUs without flash-attn; fp16/bf16.
+* `FlashAttnBackend`: flash-attn's varlen forward/backward, when installed; fp16/bf16.
+
+What it does not do: no communication, no merging (lse.py), no dropout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Tuple
+
+import torch
+
+__all__ = ["CPUExactBackend", "TorchVarlenBackend", "FlashAttnBackend", "get_backend"]
+
+_GPU_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _lse_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class CPUExactBackend:
+    """Exact attention on CPU through PyTorch's flash kernel, a few sequences per call."""
+
+    name = "cpu"
+    max_mask_elements = 1 << 22  # query x key elements of one call's additive mask
+
+    def _batches(self, cu_q: List[int], cu_k: List[int]) -> List[Tuple[int, int]]:
+        batches, first = [], 0
+        for i in range(len(cu_q) - 1):
+            size = (cu_q[i + 1] - cu_q[first]) * (cu_k[i + 1] - cu_k[first])
+            if i > first and size > self.max_mask_elements:
+                batches.append((first, i))
+                first = i
+        if len(cu_q) > 1:
+            batches.append((first, len(cu_q) - 1))
+        return batches
+
+    @staticmethod
+    def _mask(cu_q, cu_k, a, b, causal, dtype):
+        """Additive [tq, tk] mask for sequences a..b-1, and which rows see any key."""
+        lq = torch.tensor([cu_q[i + 1] - cu_q[i] for i in range(a, b)])
+        lk = torch.tensor([cu_k[i + 1] - cu_k[i] for i in range(a, b)])
+        seq_q = torch.repeat_interleave(torch.arange(b - a), lq)
+        seq_k = torch.repeat_interleave(torch.arange(b - a), lk)
+        pos_q = torch.arange(int(lq.sum())) - torch.repeat_interleave(torch.cumsum(lq, 0) - lq, lq)
+        pos_k = torch.arange(int(lk.sum())) - torch.repeat_interleave(torch.cumsum(lk, 0) - lk, lk)
+        allowed = seq_q[:, None] == seq_k[None, :]
+        if causal:
+            shift = torch.repeat_interleave(lk - lq, lq)
+            allowed &= pos_k[None, :] <= (pos_q + shift)[:, None]
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+        return mask, allowed.any(dim=1)
+
+    def _blocks(self, q, k, cu_q, cu_k, causal):
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        for a, b in self._batches(cq, ck):
+            mask, has_key = self._mask(cq, ck, a, b, causal, q.dtype)
+            yield slice(cq[a], cq[b]), slice(ck[a], ck[b]), mask, has_key
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale):
+        out = torch.zeros_like(q)
+        lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=_lse_dtype(q.dtype))
+        for qs, ks, mask, has_key in self._blocks(q, k, cu_q, cu_k, causal):
+            if qs.stop == qs.start or ks.stop == ks.start:
+                continue
+            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[qs].transpose(0, 1).unsqueeze(0), k[ks].transpose(0, 1).unsqueeze(0),
+                v[ks].transpose(0, 1).unsqueeze(0), 0.0, False, attn_mask=mask,
+                scale=softmax_scale)
+            o, l = o[0].transpose(0, 1), l[0].transpose(0, 1).to(lse.dtype)
+            # The kernel returns lse = 0 and out = 0 for rows without keys: make lse -inf.
+            out[qs] = o
+            lse[qs] = torch.where(has_key[:, None], l, torch.full_like(l, float("-inf")))
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
+                 softmax_scale):
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for qs, ks, mask, has_key in self._blocks(q, k, cu_q, cu_k, causal):
+            if qs.stop == qs.start or ks.stop == ks.start:
+                continue
+            l = lse[qs].transpose(0, 1).unsqueeze(0).to(torch.float32 if q.dtype != torch.float64
+                                                        else torch.float64)
+            # Rows without keys contribute nothing; give them a finite lse the kernel accepts.
+            l = torch.where(torch.isinf(l), torch.zeros_like(l), l)
+            g_q, g_k, g_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout[qs].transpose(0, 1).unsqueeze(0).contiguous(),
+                q[qs].transpose(0, 1).unsqueeze(0), k[ks].transpose(0, 1).unsqueeze(0),
+                v[ks].transpose(0, 1).unsqueeze(0), out[qs].transpose(0, 1).unsqueeze(0),
+                l.contiguous(), 0.0, False, attn_mask=mask, scale=softmax_scale)
+            dq[qs] += g_q[0].transpose(0, 1)
+            dk[ks] += g_k[0].transpose(0, 1)
+            dv[ks] += g_v[0].transpose(0, 1)
+        return dq, dk, dv
+
+
+def _lse_to_token_major(lse, total_q, heads):
+    """Kernels give [H, Tq] (packed) or [B, H, max_q] (padded, old flash-attn): -> [Tq, H]."""
+    if lse.dim() == 2 and lse.shape == (heads, total_q):
+        return lse.transpose(0, 1).float()
+    raise ValueError(f"unexpected softmax_lse shape {tuple(lse.shape)} for {total_q} queries "
+                     f"and {heads} heads (flash-attn < 2.6 pads lse per row; use >= 2.6)")
+
+
+class TorchVarlenBackend:
+    """PyTorch's own CUDA flash kernels (no flash-attn needed)."""
+
+    name = "torch_varlen"
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale):
+        out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=softmax_scale)
+        return out, _lse_to_token_major(lse, q.shape[0], q.shape[1])
+
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
+                 softmax_scale):
+        lse_HT = lse.transpose(0, 1).contiguous().float()
+        lse_HT = torch.where(torch.isinf(lse_HT), torch.zeros_like(lse_HT), lse_HT)
+        unused = torch.empty((), dtype=torch.int64, device=q.device)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.contiguous(), q, k, v, out, lse_HT, cu_q, cu_k, max_q, max_k, 0.0, causal,
+            unused, unused, scale=softmax_scale)
+        return dq, dk, dv
+
+
+class FlashAttnBackend:
+    """flash-attn's varlen kernels (imported only here, only when used)."""
+
+    name = "flash_attn"
+
+    def __init__(self):
+        from flash_attn import flash_attn_interface as fai  # noqa: F401 - optional extra
+
+        self._fai = fai
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale):
+        result = self._fai._flash_attn_varlen_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=softmax_scale,
+            causal=causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+            alibi_slopes=None, return_softmax=False)
+        out, lse = result[0], result[1]
+        return out, _lse_to_token_major(lse, q.shape[0], q.shape[1])
+
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
+                 softmax_scale):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        lse_HT = lse.transpose(0, 1).contiguous().float()
+        lse_HT = torch.where(torch.isinf(lse_HT), torch.zeros_like(lse_HT), lse_HT)
+        self._fai._flash_attn_varlen_backward(
+            dout.contiguous(), q, k, v, out, lse_HT, dq, dk, dv, cu_q, cu_k, max_q, max_k,
+            dropout_p=0.0, softmax_scale=softmax_scale, causal=causal, window_size_left=-1,
+            window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
+            rng_state=None)
+        return dq, dk, dv
+
+
+def get_backend(device: torch.device, dtype: torch.dtype, prefer: str = "auto"):
+    """The kernel for tensors on `device` with `dtype`; errors name the rule broken."""
+    if device.type == "cpu":
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"the CPU attention backend takes float32 or float64, got {dtype}")
+        return CPUExactBackend()
+    if device.type != "cuda":
+        raise ValueError(f"no attention backend for device type {device.type!r}")
+    if dtype not in _GPU_DTYPES:
+        raise ValueError(f"GPU varlen attention kernels take float16 or bfloat16, got {dtype} "
+                         f"(train with --bf16 or --fp16)")
+    if prefer in ("auto", "flash_attn"):
+        try:
+            return FlashAttnBackend()
+        except ImportError:
+            if prefer == "flash_attn":
+                raise ValueError("backend 'flash_attn' requested but flash-attn is not "
+                                 "installed (pip install flash-attn)") from None
+    return TorchVarlenBackend()
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

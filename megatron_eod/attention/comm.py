@@ -1,0 +1,56 @@
+"""Communication for the CP algorithms: paired point-to-point exchanges and all-to-alls.
+
+One job: move tensors between ranks of an explicit process group, asynchronously, so that
+the algorithms can overlap a step's transfer with the previous step's compute. Peers are
+given as ranks inside `group`; empty transfers are skipped (both sides know the sizes from the
+plan, so a skipped send always meets a skipped receive).
+
+What it does not do: no attention math, no global process-group state.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Exchange", "exchange", "all_to_all_equal"]
+
+
+class Exchange:
+    """A started send-to-one-peer / receive-from-another; `wait()` returns the received tensor."""
+
+    def __init__(self, works: List, received: Optional[torch.Tensor]):
+        self._works, self._received = works, received
+
+    def wait(self) -> Optional[torch.Tensor]:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        return self._received
+
+
+def exchange(send: Optional[torch.Tensor], send_to: int, recv_shape, recv_from: int, group,
+             dtype: torch.dtype, device, tag: int = 0) -> Exchange:
+    """Start sending `send` to group rank `send_to` and receiving `recv_shape` from
+    `recv_from` (either side may be empty: then it is skipped)."""
+    ops = []
+    received = None
+    if send is not None and send.numel():
+        ops.append(dist.P2POp(dist.isend, send.contiguous(),
+                              dist.get_global_rank(group, send_to), group, tag))
+    if recv_shape is not None and recv_shape[0] > 0:
+        received = torch.empty(recv_shape, dtype=dtype, device=device)
+        ops.append(dist.P2POp(dist.irecv, received, dist.get_global_rank(group, recv_from),
+                              group, tag))
+    works = dist.batch_isend_irecv(ops) if ops else []
+    return Exchange(works, received)
+
+
+def all_to_all_equal(x: torch.Tensor, group) -> torch.Tensor:
+    """x: [world, ...] with chunk j going to group rank j -> [world, ...] with chunk j from j."""
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, unlike empty_like
+    dist.all_to_all_single(out, x, group=group)
+    return out

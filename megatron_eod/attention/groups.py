@@ -1,0 +1,59 @@
+"""Hybrid CP sub-groups: Ulysses groups on consecutive ranks, Ring groups strided across them.
+
+One job: build, once at start-up, the two sub-groups every rank of a CP group needs for
+Hybrid attention, and find them again later. `torch.distributed.new_group` must be called by
+every rank of the world with the same arguments in the same order, so the CP groups of all
+ranks are first gathered (one all_gather_object) and every sub-group of every CP group is
+created in a fixed order. The cache is keyed by (CP ranks, degree); nothing is created at
+import time.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch.distributed as dist
+
+__all__ = ["create_hybrid_groups", "get_hybrid_groups"]
+
+_CACHE: Dict[Tuple[Tuple[int, ...], int], Tuple[object, object]] = {}
+
+
+def _key(cp_group, degree):
+    return tuple(dist.get_process_group_ranks(cp_group)), int(degree)
+
+
+def create_hybrid_groups(cp_group, ulysses_degree: int):
+    """Collective over the whole world: returns this rank's (ulysses_group, ring_group)."""
+    ranks = dist.get_process_group_ranks(cp_group)
+    if ulysses_degree < 1 or len(ranks) % ulysses_degree:
+        raise ValueError(f"ulysses_degree (--ulysses-degree-in-cp) must divide the CP size "
+                         f"({len(ranks)}), got {ulysses_degree}")
+    key = _key(cp_group, ulysses_degree)
+    if key in _CACHE:
+        return _CACHE[key]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, key)
+    me = dist.get_rank()
+    for cp_ranks, u in sorted(set(everyone)):
+        size = len(cp_ranks)
+        ulysses = [cp_ranks[i:i + u] for i in range(0, size, u)]
+        ring = [cp_ranks[j::u] for j in range(u)]
+        made = {}
+        for name, lists in (("ulysses", ulysses), ("ring", ring)):
+            for members in lists:
+                group = dist.new_group(list(members))
+                if me in members:
+                    made[name] = group
+        if me in cp_ranks:
+            _CACHE[(cp_ranks, u)] = (made["ulysses"], made["ring"])
+    return _CACHE[key]
+
+
+def get_hybrid_groups(cp_group, ulysses_degree: int):
+    key = _key(cp_group, ulysses_degree)
+    if key not in _CACHE:
+        raise ValueError(f"no hybrid sub-groups for this CP group and ulysses_degree "
+                         f"{ulysses_degree}: call megatron_eod.create_hybrid_groups(cp_group, "
+                         f"{ulysses_degree}) on every rank first")
+    return _CACHE[key]
