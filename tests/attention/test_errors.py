@@ -1,0 +1,58 @@
+"""Bad inputs to the attention stage raise ValueError naming the argument and the rule."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_eod import context_parallel_attention, plan_context_parallel
+from megatron_eod.attention.backends import get_backend
+from tests.harness import run_ranks
+
+
+def _attempt(rank, world, case):
+    plan = plan_context_parallel([0, 16, 32], world, "ulysses" if case == "heads" else "ring")
+    n = 32 // world
+    q, k = torch.randn(n, 3, 4), torch.randn(n, 1, 4)
+    calls = {
+        "heads": lambda: context_parallel_attention(q, k, k, plan),
+        "tokens": lambda: context_parallel_attention(q[:-1], k[:-1], k[:-1], plan),
+        "plan_size": lambda: context_parallel_attention(
+            q, k, k, plan_context_parallel([0, 32], 4)),
+        "kv_shape": lambda: context_parallel_attention(q, k, torch.randn(n, 2, 4), plan),
+        "dtype": lambda: context_parallel_attention(q, k.double(), k.double(), plan),
+        "causal": lambda: context_parallel_attention(q, k, k, plan, causal=False),
+        "gqa": lambda: context_parallel_attention(q, torch.randn(n, 2, 4),
+                                                  torch.randn(n, 2, 4), plan),
+        "hybrid_groups": lambda: context_parallel_attention(
+            torch.randn(32 // world, 4, 4), k, k,
+            plan_context_parallel([0, 32], world, "hybrid", 1)),
+    }
+    try:
+        calls[case]()
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("case,message", [
+    ("heads", r"attention heads \(3.*divisible by the Ulysses degree \(2\)"),
+    ("tokens", r"q has 15 tokens but the plan gives each rank 16"),
+    ("plan_size", r"plan is for cp_size 4 but the process group has 2 ranks"),
+    ("kv_shape", "k and v must match"),
+    ("dtype", "must share a dtype"),
+    ("causal", "causal=False is not supported"),
+    ("gqa", r"attention heads \(3\) must be divisible by key/value heads \(2\)"),
+    ("hybrid_groups", "call megatron_eod.create_hybrid_groups"),
+])
+def test_bad_inputs(case, message):
+    import re
+
+    for text in run_ranks(_attempt, 2, case):
+        assert re.search(message, text), text
+
+
+def test_gpu_kernels_reject_float32_before_running():
+    with pytest.raises(ValueError, match="GPU varlen attention kernels take float16 or bfloat16"):
+        get_backend(torch.device("cuda"), torch.float32)
+    with pytest.raises(ValueError, match="CPU attention backend takes float32 or float64"):
+        get_backend(torch.device("cpu"), torch.bfloat16)
