@@ -120,15 +120,17 @@ def _best_single(state, cu, giver, k, want):
     return best
 
 
-def _best_exchange(state, cu, g, k, want, limit=6):
-    """g gives x tokens of one piece to g+1 and takes x - k of one of g+1's pieces; x free."""
+def _best_exchange(state, cu, g, k, want, limit=6, other=None):
+    """g gives x tokens of one piece to `other` (default g+1) and takes x - k of one of
+    other's pieces; x is free, so the work moved can be tuned at a fixed token count."""
+    other = g + 1 if other is None else other
     def largest(group):
         opts = _options(state, cu, group, 0)
         return sorted(opts, key=lambda o: o[2] - o[3])[: 2 * limit]
 
     best = None
     for i, hi, ai, bi in largest(g):
-        for j, hj, aj, bj in largest(g + 1):
+        for j, hj, aj, bj in largest(other):
             lo_x, hi_x = max(1, k + 1), min(bi - ai - 1, bj - aj - 1 + k)
             if hi_x < lo_x:
                 continue
@@ -155,6 +157,22 @@ def _cut(state, cu, index, head, count, taker):
     state.pieces[index] = None
     state.give(giver, kept[0], kept[1], doc, doc_start)
     state.give(taker, moved[0], moved[1], doc, doc_start)
+
+
+def _repair(cu, state, groups, share, tolerance=2e-3, rounds=None):
+    """Token-neutral exchanges from the busiest to the idlest group until balanced."""
+    for _ in range(rounds or 4 * groups):
+        a, b = int(np.argmax(state.work)), int(np.argmin(state.work))
+        want = min(state.work[a] - share, share - state.work[b])
+        if max(state.work[a] - share, share - state.work[b]) <= tolerance * share:
+            return
+        best = _best_exchange(state, cu, a, 0, want, other=b)
+        if best is None or best[0][0] >= want:
+            return  # no exchange improves on doing nothing
+        (i, hi, x), (j, hj, y) = best[1]
+        _cut(state, cu, i, hi, x, b)
+        _cut(state, cu, j, hj, y, a)
+        state.pieces = [p for p in state.pieces if p is not None and p[1] > p[0]]
 
 
 def _chain(cu, state, groups, share, tolerance=2e-3):
@@ -283,6 +301,7 @@ def partition_documents(cu_seqlens, groups: int) -> Pieces:
         _refine(state, lengths, pairs, groups, tokens_share, share)
         try:
             _chain(cu, state, groups, share)
+            _repair(cu, state, groups, share)
             break
         except _NoCandidate:
             # No whole document of that group can be cut to move the excess: zigzag its
