@@ -37,6 +37,7 @@ from megatron_eod.plan.cost import doc_pairs
 __all__ = ["Pieces", "partition_documents", "LONG_WORK_FRACTION"]
 
 LONG_WORK_FRACTION = 0.8  # a document with more of a group's pairs than this is zigzagged
+CHAIN_SLACK = 0.002  # the chain may leave this share of a group's pairs for the repair to fix
 
 
 @dataclass(frozen=True)
@@ -109,21 +110,28 @@ def _options(state, cu, group, k):
     return out
 
 
-def _best_single(state, cu, giver, k, want):
+def _best_single(state, cu, giver, k, want, slack=0.0):
     best = None
     for i, head, a, b in _options(state, cu, giver, k):
         err = abs(_part_work(a, b, k, head) - want)
-        traffic = k if head else b - k
-        key = (err, traffic)
+        key = (err if err > slack else 0.0, _move_traffic(a, b, k, head), err)
         if best is None or key < best[0]:
             best = (key, [(i, head, k)])
     return best
 
 
-def _best_exchange(state, cu, g, k, want, limit=6, other=None):
+def _move_traffic(a, b, x, head):
+    """Key/value tokens a cut makes travel (estimate used for ranking): a moved head is needed
+    by the keeper of the rest (x); a moved tail needs what precedes it in its document."""
+    return x if head else b - x
+
+
+def _best_exchange(state, cu, g, k, want, limit=6, other=None, slack=0.0):
     """g gives x tokens of one piece to `other` (default g+1) and takes x - k of one of
-    other's pieces; x is free, so the work moved can be tuned at a fixed token count."""
+    other's pieces; x is free, so the work moved can be tuned at a fixed token count.
+    Among choices within `slack` pairs of the best balance, the least traffic wins."""
     other = g + 1 if other is None else other
+
     def largest(group):
         opts = _options(state, cu, group, 0)
         return sorted(opts, key=lambda o: o[2] - o[3])[: 2 * limit]
@@ -137,8 +145,10 @@ def _best_exchange(state, cu, g, k, want, limit=6, other=None):
             x = np.arange(lo_x, hi_x + 1, dtype=np.float64)
             net = _part_work(ai, bi, x, hi) - _part_work(aj, bj, x - k, hj)
             err = np.abs(net - want)
-            m = int(np.argmin(err))
-            key = (float(err[m]), float(x[m] + x[m] - k))
+            traffic = _move_traffic(ai, bi, x, hi) + _move_traffic(aj, bj, x - k, hj)
+            ok = err <= err.min() + slack
+            m = int(np.flatnonzero(ok)[np.argmin(traffic[ok])])
+            key = (float(err[m]) if err[m] > slack else 0.0, float(traffic[m]), float(err[m]))
             if best is None or key < best[0]:
                 best = (key, [(i, hi, int(x[m])), (j, hj, int(x[m]) - k)])
     return best
@@ -166,8 +176,8 @@ def _repair(cu, state, groups, share, tolerance=2e-3, rounds=None):
         want = min(state.work[a] - share, share - state.work[b])
         if max(state.work[a] - share, share - state.work[b]) <= tolerance * share:
             return
-        best = _best_exchange(state, cu, a, 0, want, other=b)
-        if best is None or best[0][0] >= want:
+        best = _best_exchange(state, cu, a, 0, want, other=b, slack=tolerance * share)
+        if best is None or best[0][2] >= want:
             return  # no exchange improves on doing nothing
         (i, hi, x), (j, hj, y) = best[1]
         _cut(state, cu, i, hi, x, b)
@@ -197,9 +207,10 @@ def _chain(cu, state, groups, share, tolerance=2e-3):
         best = None
         if k != 0:
             giver = g if k > 0 else g + 1
-            best = _best_single(state, cu, giver, abs(k), want if k > 0 else -want)
-        if best is None or best[0][0] > tolerance * share:
-            exchange = _best_exchange(state, cu, g, k, want)
+            best = _best_single(state, cu, giver, abs(k), want if k > 0 else -want,
+                                slack=CHAIN_SLACK * share)
+        if best is None or best[0][2] > CHAIN_SLACK * share:
+            exchange = _best_exchange(state, cu, g, k, want, slack=CHAIN_SLACK * share)
             if exchange is not None and (best is None or exchange[0][0] < best[0][0]):
                 best = exchange
         if best is None:
