@@ -133,8 +133,8 @@ def bench_layouts(samples, seed):
                 cu = pack_rows(std, n, rng) if mix == "stdlib" else web_row(n, rng)
                 results.append(layout_rows(cu, cp))
             print(f"\n{mix} {n // 1024}k tokens / CP {cp} ({samples} batches)")
-            print(f"| layout | balance mean | balance worst | wasted pairs | busiest kv / ring "
-                  f"| padding tokens |")
+            print("| layout | balance mean | balance worst | wasted pairs | busiest kv / ring "
+                  "| padding tokens |")
             print("|---|---|---|---|---|---|")
             for name in results[0]:
                 vals = np.array([r[name] for r in results], dtype=float)

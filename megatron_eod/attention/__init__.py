@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.distributed as dist
 
 from megatron_eod.attention.backends import get_backend

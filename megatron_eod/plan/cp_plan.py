@@ -16,7 +16,7 @@ What it does not do: no communication, no device work (tensors are built on the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch

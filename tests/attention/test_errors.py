@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_eod import context_parallel_attention, plan_context_parallel
 from megatron_eod.attention.backends import get_backend
