@@ -1,0 +1,119 @@
+"""Varlen kernels behind one interface: out, lse (-inf for rows without keys) and a backward
+that takes the FINAL out/lse, checked against a dense float64 computation.
+
+CPU: exact (1e-12 in float64). GPU (marked, skipped without CUDA): PyTorch's flash kernels and
+flash-attn when installed, in bf16 against the float64 reference; tolerance 2e-2 because bf16
+keeps 8 bits of mantissa and the softmax sums hundreds of terms.
+"""
+
+import pytest
+import torch
+
+from megatron_eod.attention.backends import (CPUExactBackend, FlashAttnBackend,
+                                             TorchVarlenBackend)
+from megatron_eod.attention.lse import merge_into
+
+
+def reference(q, k, v, cu_q, cu_k, causal, scale):
+    outs, lses = [], []
+    rep = q.shape[1] // k.shape[1]
+    for i in range(cu_q.numel() - 1):
+        qs = q[cu_q[i]:cu_q[i + 1]].double()
+        ks = k[cu_k[i]:cu_k[i + 1]].double().repeat_interleave(rep, 1)
+        vs = v[cu_k[i]:cu_k[i + 1]].double().repeat_interleave(rep, 1)
+        s = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        if causal:
+            sq, sk = qs.shape[0], ks.shape[0]
+            allowed = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
+            s = s.masked_fill(~allowed.to(s.device), float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        p = torch.where(torch.isinf(lse)[..., None], torch.zeros_like(s),
+                        torch.exp(s - lse[..., None]))
+        outs.append(torch.einsum("hqk,khd->qhd", p, vs))
+        lses.append(lse.transpose(0, 1))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def varlen_case(device, dtype, causal, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lq, lk = [5, 1, 17, 3], ([9, 1, 17, 3] if causal else [4, 2, 30, 0])
+    cu = lambda ls: torch.tensor([0] + torch.tensor(ls).cumsum(0).tolist(), dtype=torch.int32)  # noqa: E731
+    q = torch.randn(sum(lq), 4, 16, generator=gen)
+    k = torch.randn(sum(lk), 2, 16, generator=gen)
+    v = torch.randn(sum(lk), 2, 16, generator=gen)
+    move = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    return (move(q), move(k), move(v), cu(lq).to(device), cu(lk).to(device), max(lq),
+            max(lk))
+
+
+def check_backend(backend, device, dtype, tol):
+    for causal in (False, True):
+        q, k, v, cu_q, cu_k, mq, mk = varlen_case(device, dtype, causal)
+        out, lse = backend.forward(q, k, v, cu_q, cu_k, mq, mk, causal, 0.3)
+        ref_out, ref_lse = reference(q.cpu(), k.cpu(), v.cpu(), cu_q.cpu(), cu_k.cpu(), causal,
+                                     0.3)
+        assert (out.cpu().double() - ref_out).abs().max() < tol
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse.cpu()), finite)  # -inf exactly where no keys
+        assert (lse.cpu().double()[finite] - ref_lse[finite]).abs().max() < tol
+        qr, kr, vr = (t.cpu().double().requires_grad_() for t in (q, k, v))
+        dout = torch.randn_like(ref_out)
+        ro, _ = reference(qr, kr, vr, cu_q.cpu(), cu_k.cpu(), causal, 0.3)
+        gq, gk, gv = torch.autograd.grad(ro, (qr, kr, vr), dout)
+        dq, dk, dv = backend.backward(dout.to(device, dtype), q, k, v, out, lse, cu_q, cu_k, mq,
+                                      mk, causal, 0.3)
+        for mine, ref in ((dq, gq), (dk, gk), (dv, gv)):
+            assert (mine.cpu().double() - ref).abs().max() < tol
+
+
+def test_cpu_backend_is_exact_in_float64():
+    check_backend(CPUExactBackend(), "cpu", torch.float64, 1e-12)
+
+
+def test_cpu_backend_batches_large_calls():
+    backend = CPUExactBackend()
+    backend.max_mask_elements = 64  # force one kernel call per sequence
+    check_backend(backend, "cpu", torch.float64, 1e-12)
+
+
+def test_two_key_blocks_merged_equal_one_call():
+    """The ring's contract: partial results merged by lse, block backward from final out/lse."""
+    backend = CPUExactBackend()
+    q, k, v, cu_q, cu_k, mq, mk = varlen_case("cpu", torch.float64, False, seed=1)
+    cu_q, cu_k = cu_q[:3], cu_k[:3]  # sequences with keys on both sides of the split
+    q, k, v = q[:cu_q[-1]], k[:cu_k[-1]], v[:cu_k[-1]]
+    first = torch.tensor([0, 2, 3], dtype=torch.int32)  # keys 0..1 of seq 0, key 0 of seq 1
+    rows_a = torch.cat([torch.arange(0, 2), torch.arange(4, 5)])
+    rows_b = torch.cat([torch.arange(2, 4), torch.arange(5, 6)])
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+    all_rows = torch.arange(q.shape[0])
+    for rows, cu in ((rows_a, first), (rows_b, torch.tensor([0, 2, 3], dtype=torch.int32))):
+        o, l = backend.forward(q, k[rows], v[rows], cu_q, cu, mq, 2, False, 0.3)
+        merge_into(out, lse, all_rows, o, l)
+    full_out, full_lse = backend.forward(q, k, v, cu_q, cu_k, mq, mk, False, 0.3)
+    assert (out - full_out).abs().max() < 1e-12 and (lse - full_lse).abs().max() < 1e-12
+    dout = torch.randn_like(out)
+    dq_full, dk_full, dv_full = backend.backward(dout, q, k, v, full_out, full_lse, cu_q, cu_k,
+                                                 mq, mk, False, 0.3)
+    dq = torch.zeros_like(q)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for rows, cu in ((rows_a, first), (rows_b, torch.tensor([0, 2, 3], dtype=torch.int32))):
+        gq, gk, gv = backend.backward(dout, q, k[rows], v[rows], out, lse, cu_q, cu, mq, 2,
+                                      False, 0.3)
+        dq += gq
+        dk[rows] += gk
+        dv[rows] += gv
+    for mine, ref in ((dq, dq_full), (dk, dk_full), (dv, dv_full)):
+        assert (mine - ref).abs().max() < 1e-12
+
+
+@pytest.mark.gpu
+def test_torch_varlen_backend_on_gpu():
+    check_backend(TorchVarlenBackend(), "cuda", torch.bfloat16, 2e-2)
+
+
+@pytest.mark.gpu
+def test_flash_attn_backend_on_gpu():
+    pytest.importorskip("flash_attn")
+    check_backend(FlashAttnBackend(), "cuda", torch.bfloat16, 2e-2)
