@@ -24,7 +24,8 @@ import numpy as np
 
 __all__ = ["GroupLoads", "NoCandidate", "chain", "repair", "CHAIN_SLACK"]
 
-CHAIN_SLACK = 0.002  # the chain may leave this share of a group's pairs for the repair to fix
+CHAIN_SLACK = 0.005  # the chain may leave this share of a group's pairs for the repair to fix
+REPAIR_TOLERANCE = 0.005  # repair stops when every group is this close to its share of pairs
 
 
 class GroupLoads:
@@ -58,26 +59,49 @@ def _options(state, cu, group, k):
     return out
 
 
-def _best_single(state, cu, giver, k, want, slack=0.0):
+def kv_per_group(state, cu, groups) -> np.ndarray:
+    """Key/value tokens each group must receive for the pieces placed so far."""
+    by_doc: Dict[int, List[Tuple[int, int, int, int]]] = {}
+    for p in state.pieces:
+        if p is not None:
+            by_doc.setdefault(p[2], []).append(p)
+    kv = np.zeros(groups, dtype=np.float64)
+    for pieces in by_doc.values():
+        if len(pieces) < 2:
+            continue
+        for g in {p[3] for p in pieces}:
+            last = max(p[0] for p in pieces if p[3] == g)
+            kv[g] += sum(p[1] - p[0] for p in pieces if p[3] != g and p[1] <= last)
+    return kv
+
+
+def _load_after(kv, group, added):
+    return kv[group] + added
+
+
+def _best_single(state, cu, giver, taker, k, want, kv, slack=0.0):
+    """Cut k tokens off one of giver's pieces. Ranking: balance (within slack), then the
+    key/value load the cut adds: a moved head [a, a+k) is needed by the giver, which keeps the
+    later part (k), and its new owner needs the document before it (a); a moved tail
+    [b-k, b) needs what precedes it (b - k)."""
     best = None
     for i, head, a, b in _options(state, cu, giver, k):
         err = abs(_part_work(a, b, k, head) - want)
-        key = (err if err > slack else 0.0, _move_traffic(a, b, k, head), err)
+        if head:
+            load = max(_load_after(kv, giver, k), _load_after(kv, taker, a))
+        else:
+            load = _load_after(kv, taker, b - k)
+        key = (err if err > slack else 0.0, load, err)
         if best is None or key < best[0]:
             best = (key, [(i, head, k)])
     return best
 
 
-def _move_traffic(a, b, x, head):
-    """Key/value tokens a cut makes travel (estimate used for ranking): a moved head is needed
-    by the keeper of the rest (x); a moved tail needs what precedes it in its document."""
-    return x if head else b - x
-
-
-def _best_exchange(state, cu, g, k, want, limit=6, other=None, slack=0.0):
+def _best_exchange(state, cu, g, k, want, kv, limit=6, other=None, slack=0.0):
     """g gives x tokens of one piece to `other` (default g+1) and takes x - k of one of
     other's pieces; x is free, so the work moved can be tuned at a fixed token count.
-    Among choices within `slack` pairs of the best balance, the least traffic wins."""
+    Among choices within `slack` pairs of the best balance, the one leaving the smaller
+    key/value load on the two groups wins."""
     other = g + 1 if other is None else other
 
     def largest(group):
@@ -91,14 +115,19 @@ def _best_exchange(state, cu, g, k, want, limit=6, other=None, slack=0.0):
             if hi_x < lo_x:
                 continue
             x = np.arange(lo_x, hi_x + 1, dtype=np.float64)
-            net = _part_work(ai, bi, x, hi) - _part_work(aj, bj, x - k, hj)
+            y = x - k
+            net = _part_work(ai, bi, x, hi) - _part_work(aj, bj, y, hj)
             err = np.abs(net - want)
-            traffic = _move_traffic(ai, bi, x, hi) + _move_traffic(aj, bj, x - k, hj)
+            # See _best_single: a head [a, a+x) costs its giver x and its taker a; a tail
+            # [b-x, b) costs its taker b - x.
+            load_g = kv[g] + (x if hi else 0.0) + (aj if hj else bj - y)
+            load_o = kv[other] + (ai if hi else bi - x) + (y if hj else 0.0)
+            load = np.maximum(load_g, load_o)
             ok = err <= err.min() + slack
-            m = int(np.flatnonzero(ok)[np.argmin(traffic[ok])])
-            key = (float(err[m]) if err[m] > slack else 0.0, float(traffic[m]), float(err[m]))
+            m = int(np.flatnonzero(ok)[np.argmin(load[ok])])
+            key = (float(err[m]) if err[m] > slack else 0.0, float(load[m]), float(err[m]))
             if best is None or key < best[0]:
-                best = (key, [(i, hi, int(x[m])), (j, hj, int(x[m]) - k)])
+                best = (key, [(i, hi, int(x[m])), (j, hj, int(y[m]))])
     return best
 
 
@@ -117,14 +146,15 @@ def _cut(state, cu, index, head, count, taker):
     state.give(taker, moved[0], moved[1], doc, doc_start)
 
 
-def repair(cu, state, groups, share, tolerance=2e-3, rounds=None):
+def repair(cu, state, groups, share, tolerance=REPAIR_TOLERANCE, rounds=None):
     """Token-neutral exchanges from the busiest to the idlest group until balanced."""
     for _ in range(rounds or 4 * groups):
         a, b = int(np.argmax(state.work)), int(np.argmin(state.work))
         want = min(state.work[a] - share, share - state.work[b])
         if max(state.work[a] - share, share - state.work[b]) <= tolerance * share:
             return
-        best = _best_exchange(state, cu, a, 0, want, other=b, slack=tolerance * share)
+        kv = kv_per_group(state, cu, groups)
+        best = _best_exchange(state, cu, a, 0, want, kv, other=b, slack=tolerance * share)
         if best is None or best[0][2] >= want:
             return  # no exchange improves on doing nothing
         (i, hi, x), (j, hj, y) = best[1]
@@ -133,7 +163,7 @@ def repair(cu, state, groups, share, tolerance=2e-3, rounds=None):
         state.pieces = [p for p in state.pieces if p is not None and p[1] > p[0]]
 
 
-def chain(cu, state, groups, share, tolerance=2e-3):
+def chain(cu, state, groups, share, tolerance=REPAIR_TOLERANCE):
     tokens_share = int(cu[-1]) // groups
     for g in range(groups - 1):
         k = int(state.tokens[g] - tokens_share)
@@ -153,12 +183,13 @@ def chain(cu, state, groups, share, tolerance=2e-3):
             k = int(state.tokens[g] - tokens_share)
             want = state.work[g] - share
         best = None
+        kv = kv_per_group(state, cu, groups)
         if k != 0:
-            giver = g if k > 0 else g + 1
-            best = _best_single(state, cu, giver, abs(k), want if k > 0 else -want,
+            giver, taker = (g, g + 1) if k > 0 else (g + 1, g)
+            best = _best_single(state, cu, giver, taker, abs(k), want if k > 0 else -want, kv,
                                 slack=CHAIN_SLACK * share)
         if best is None or best[0][2] > CHAIN_SLACK * share:
-            exchange = _best_exchange(state, cu, g, k, want, slack=CHAIN_SLACK * share)
+            exchange = _best_exchange(state, cu, g, k, want, kv, slack=CHAIN_SLACK * share)
             if exchange is not None and (best is None or exchange[0][0] < best[0][0]):
                 best = exchange
         if best is None:

@@ -34,6 +34,7 @@ from megatron_eod.plan.cost import doc_pairs
 __all__ = ["Pieces", "partition_documents", "LONG_WORK_FRACTION"]
 
 LONG_WORK_FRACTION = 0.8  # a document with more of a group's pairs than this is zigzagged
+M_WORK_FRACTION = 0.9  # ... over m groups, m the fewest that keep its share per group below this
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ def partition_documents(cu_seqlens, groups: int) -> Pieces:
         is_long[list(extra_long)] = True
         for d in sorted(np.flatnonzero(is_long), key=lambda d: -pairs[d]):
             m = max(2, int(np.ceil(lengths[d] / tokens_share)),
-                    int(np.ceil(pairs[d] / (LONG_WORK_FRACTION * share))))
+                    int(np.ceil(pairs[d] / (M_WORK_FRACTION * share))))
             m = min(m, groups)
             order = np.lexsort((np.arange(groups), state.work))
             _zigzag_long(d, cu, m, list(order), state)
@@ -163,6 +164,16 @@ def partition_documents(cu_seqlens, groups: int) -> Pieces:
             if not whole:
                 raise AssertionError("partition: no document left to cut") from None
             extra_long.add(int(max(whole, key=lambda d: lengths[d])))
-    arr = np.array(sorted(state.pieces, key=lambda p: (p[3], p[0])), dtype=np.int64)
-    arr = arr.reshape(-1, 4)
+    return _merged(state.pieces)
+
+
+def _merged(pieces) -> Pieces:
+    """Sort by (group, start) and join touching pieces of one document in one group."""
+    out = []
+    for s, e, d, g in sorted(pieces, key=lambda p: (p[3], p[0])):
+        if out and out[-1][3] == g and out[-1][2] == d and out[-1][1] == s:
+            out[-1][1] = e
+        else:
+            out.append([s, e, d, g])
+    arr = np.array(out, dtype=np.int64).reshape(-1, 4)
     return Pieces(start=arr[:, 0], end=arr[:, 1], doc=arr[:, 2], group=arr[:, 3])
