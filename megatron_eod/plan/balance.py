@@ -193,6 +193,8 @@ def chain(cu, state, groups, share, tolerance=REPAIR_TOLERANCE):
             if exchange is not None and (best is None or exchange[0][0] < best[0][0]):
                 best = exchange
         if best is None:
+            if k == 0:
+                continue  # balanced in tokens; the work gap is left to `repair`
             raise NoCandidate(g)
         moves = best[1]
         if len(moves) == 1:

@@ -106,3 +106,15 @@ def test_bad_rank():
     plan = plan_context_parallel([0, 8], 2)
     with pytest.raises(ValueError, match=r"cp_rank must be in \[0, 2\)"):
         plan.token_index(2)
+
+
+def test_partition_never_fails_on_random_small_streams():
+    rng = np.random.default_rng(5)
+    for trial in range(300):
+        groups = int(rng.choice([2, 3, 4, 8]))
+        n = groups * int(rng.integers(1, 40))
+        cuts = np.unique(rng.integers(1, n, size=int(rng.integers(0, n)))) if n > 1 else []
+        cu = np.concatenate([[0], cuts, [n]]).astype(np.int64)
+        pieces = partition_documents(cu, groups)
+        counts = [pieces.token_index(g).size for g in range(groups)]
+        assert counts == [n // groups] * groups, (cu.tolist(), groups, counts)
