@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_eod.plan.balance import GroupLoads, NoCandidate, chain, repair
+from megatron_eod.plan.balance import GroupLoads, NoCandidate, chain, kv_per_group, repair
 from megatron_eod.plan.cost import doc_pairs
 
 __all__ = ["Pieces", "partition_documents", "LONG_WORK_FRACTION"]
@@ -144,8 +144,12 @@ def partition_documents(cu_seqlens, groups: int) -> Pieces:
             m = max(2, int(np.ceil(lengths[d] / tokens_share)),
                     int(np.ceil(pairs[d] / (M_WORK_FRACTION * share))))
             m = min(m, groups)
-            order = np.lexsort((np.arange(groups), state.work))
-            _zigzag_long(d, cu, m, list(order), state)
+            # The m least-loaded groups; within them, the one receiving least so far takes
+            # the outermost chunks (it will need the most keys: (2m-2) of 2m chunks).
+            chosen = np.lexsort((np.arange(groups), state.work))[:m]
+            received = kv_per_group(state, cu, groups)
+            roles = sorted(chosen, key=lambda g: (received[g], state.work[g], g))
+            _zigzag_long(d, cu, m, roles, state)
         for d in sorted(np.flatnonzero(~is_long), key=lambda d: (-pairs[d], d)):
             load = np.maximum((state.work + pairs[d]) / share,
                               (state.tokens + lengths[d]) / tokens_share)
