@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Context-parallel layouts side by side, and a CPU wall-clock run of the three algorithms.
 
-    python tools/bench_cp.py [--samples 8] [--skip-wallclock] [--wall-tokens 4096]
+    python tools/bench_cp.py [--samples 16] [--skip-wallclock] [--wall-tokens 4096]
 
 Part 1 (no communication, pure host arithmetic): for two document-length mixes,
   stdlib  the offline sample corpus (Python stdlib text, byte tokens + EoD) packed into rows
@@ -209,7 +209,7 @@ def bench_wallclock(n_tokens):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--samples", type=int, default=8, help="random batches per configuration")
+    p.add_argument("--samples", type=int, default=16, help="random batches per configuration")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-wallclock", action="store_true")
     p.add_argument("--wall-tokens", type=int, default=4096)

@@ -25,7 +25,7 @@ import numpy as np
 __all__ = ["GroupLoads", "NoCandidate", "chain", "repair", "CHAIN_SLACK"]
 
 CHAIN_SLACK = 0.005  # the chain may leave this share of a group's pairs for the repair to fix
-REPAIR_TOLERANCE = 0.005  # repair stops when every group is this close to its share of pairs
+REPAIR_TOLERANCE = 0.003  # repair stops when every group is this close to its share of pairs
 
 
 class GroupLoads:
@@ -148,7 +148,7 @@ def _cut(state, cu, index, head, count, taker):
 
 def repair(cu, state, groups, share, tolerance=REPAIR_TOLERANCE, rounds=None):
     """Token-neutral exchanges from the busiest to the idlest group until balanced."""
-    for _ in range(rounds or 4 * groups):
+    for _ in range(rounds or 8 * groups):
         a, b = int(np.argmax(state.work)), int(np.argmin(state.work))
         want = min(state.work[a] - share, share - state.work[b])
         if max(state.work[a] - share, share - state.work[b]) <= tolerance * share:
