@@ -47,14 +47,20 @@ def context_parallel_attention(q, k, v, plan, group=None, causal=True, softmax_s
     """
     if not causal:
         raise ValueError("causal=False is not supported: EoD-reset training is causal")
-    group = group if group is not None else dist.group.WORLD
-    _check(q, k, v, plan, dist.get_world_size(group))
-    rank = dist.get_rank(group)
+    if plan.cp_size == 1 and group is None:
+        rank = 0  # no context parallelism: one local varlen call, no process group needed
+        _check(q, k, v, plan, 1)
+    else:
+        group = group if group is not None else dist.group.WORLD
+        _check(q, k, v, plan, dist.get_world_size(group))
+        rank = dist.get_rank(group)
     backend = backend or get_backend(q.device, q.dtype)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     schedule = plan.schedule(rank)
     if schedule.local.q_index.device != q.device:
         schedule = schedule.to(q.device)
+    if plan.cp_size == 1:
+        return ring_attention(q, k, v, schedule, None, backend, scale)
     if plan.algo == "ring":
         return ring_attention(q, k, v, schedule, group, backend, scale)
     if plan.algo == "ulysses":

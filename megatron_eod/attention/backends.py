@@ -24,12 +24,14 @@ What it does not do: no communication, no merging (lse.py), no dropout.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import List, Tuple
 
 import torch
 
-__all__ = ["CPUExactBackend", "TorchVarlenBackend", "FlashAttnBackend", "get_backend"]
+__all__ = ["CPUExactBackend", "TorchVarlenBackend", "FlashAttnBackend", "get_backend",
+           "has_transformer_engine"]
 
 _GPU_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -117,7 +119,10 @@ class CPUExactBackend:
 def _lse_to_token_major(lse, total_q, heads):
     """Kernels give [H, Tq] (packed) or [B, H, max_q] (padded, old flash-attn): -> [Tq, H]."""
     if lse.dim() == 2 and lse.shape == (heads, total_q):
-        return lse.transpose(0, 1).float()
+        lse = lse.transpose(0, 1).float()
+        # flash kernels mark rows without any key with +inf (so that their backward is 0);
+        # the contract here is -inf (no probability mass), which merges correctly.
+        return lse.masked_fill(lse == float("inf"), float("-inf"))
     raise ValueError(f"unexpected softmax_lse shape {tuple(lse.shape)} for {total_q} queries "
                      f"and {heads} heads (flash-attn < 2.6 pads lse per row; use >= 2.6)")
 
@@ -193,6 +198,11 @@ def get_backend(device: torch.device, dtype: torch.dtype, prefer: str = "auto"):
                 raise ValueError("backend 'flash_attn' requested but flash-attn is not "
                                  "installed (pip install flash-attn)") from None
     return TorchVarlenBackend()
+
+
+def has_transformer_engine() -> bool:
+    """Whether TransformerEngine is importable (its layer spec is used on GPUs when it is)."""
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def default_scale(head_dim: int) -> float:

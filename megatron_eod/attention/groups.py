@@ -5,7 +5,9 @@ Hybrid attention, and find them again later. `torch.distributed.new_group` must 
 every rank of the world with the same arguments in the same order, so the CP groups of all
 ranks are first gathered (one all_gather_object) and every sub-group of every CP group is
 created in a fixed order. The cache is keyed by (CP ranks, degree); nothing is created at
-import time.
+import time. Where megatron-core's parallel_state already built the same sub-groups
+(`initialize_model_parallel(hierarchical_context_parallel_sizes=[u, cp // u])`), the trainer
+hands them over with `register_hybrid_groups` instead of creating new ones.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Dict, Tuple
 
 import torch.distributed as dist
 
-__all__ = ["create_hybrid_groups", "get_hybrid_groups"]
+__all__ = ["create_hybrid_groups", "get_hybrid_groups", "register_hybrid_groups"]
 
 _CACHE: Dict[Tuple[Tuple[int, ...], int], Tuple[object, object]] = {}
 
@@ -57,3 +59,20 @@ def get_hybrid_groups(cp_group, ulysses_degree: int):
                          f"{ulysses_degree}: call megatron_eod.create_hybrid_groups(cp_group, "
                          f"{ulysses_degree}) on every rank first")
     return _CACHE[key]
+
+
+def register_hybrid_groups(cp_group, ulysses_degree: int, ulysses_group, ring_group):
+    """Cache sub-groups built elsewhere (megatron-core's hierarchical CP groups) after
+    checking they are the layout Hybrid needs: consecutive Ulysses ranks, strided Ring."""
+    cp_ranks = dist.get_process_group_ranks(cp_group)
+    u, me = int(ulysses_degree), dist.get_rank()
+    pos = cp_ranks.index(me)
+    want_u = cp_ranks[pos - pos % u:pos - pos % u + u]
+    want_r = cp_ranks[pos % u::u]
+    got_u = dist.get_process_group_ranks(ulysses_group)
+    got_r = dist.get_process_group_ranks(ring_group)
+    if got_u != want_u or got_r != want_r:
+        raise ValueError(f"hybrid sub-groups have ranks {got_u} / {got_r}; Ulysses groups must "
+                         f"be consecutive ({want_u}) and Ring groups strided ({want_r})")
+    _CACHE[_key(cp_group, u)] = (ulysses_group, ring_group)
+    return ulysses_group, ring_group

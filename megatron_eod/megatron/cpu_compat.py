@@ -16,6 +16,12 @@ RNG tracker, GPTModel, RoPE) run on a machine without a GPU, for tests and the C
 | by-name import in `fusions.fused_softmax`)              |                                          |
 | `rope_utils.get_pos_emb_on_this_cp_rank` (and its       | pin_memory() + .cuda() on the CP index   |
 | by-name import in `rotary_pos_embedding`)               |                                          |
+| `pipeline_parallel.schedules.torch` (the module's own   | each schedule counts tokens in           |
+| reference to torch)                                     | `torch.zeros(..., device="cuda")`; the   |
+|                                                         | proxy maps that one literal to the CPU   |
+| `LanguageModule.setup_embeddings_and_output_layer`      | with PP > 1 it moves the tied embedding  |
+|                                                         | with `.cuda()` before an all-reduce; the |
+|                                                         | wrapper makes `.cuda()` a no-op inside   |
 
 What it does not do: nothing at import time, no walking of loaded modules, no patches for
 features the CPU path does not use (TransformerEngine, fused kernels, CUDA graphs, the
@@ -57,6 +63,41 @@ def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
     cp_size, cp_rank = cp_group.size(), cp_group.rank()
     chunks = pos_emb.chunk(2 * cp_size, dim=seq_dim)
     return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=seq_dim)
+
+
+class _TorchWithoutCudaZeros:
+    """torch, except that `zeros(..., device="cuda")` allocates on the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+def _embeddings_setup_on_cpu():
+    original = _originals[(_LANGUAGE_MODULE, "setup_embeddings_and_output_layer")]
+
+    def setup_embeddings_and_output_layer(self):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
+        try:
+            return original(self)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    return setup_embeddings_and_output_layer
+
+
+_LANGUAGE_MODULE = "megatron.core.models.common.language_module.language_module:LanguageModule"
+
+
+def _target(name: str):
+    """A module, or a class inside one ("package.module:Class")."""
+    module_name, _, class_name = name.partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, class_name) if class_name else module
 
 
 def _cpu_rng_tracker_class():
@@ -108,6 +149,8 @@ PATCHES: List[Tuple[str, str, Callable[[], object]]] = [
      lambda: _pos_emb_on_this_cp_rank),
     ("megatron.core.models.common.embeddings.rotary_pos_embedding",
      "get_pos_emb_on_this_cp_rank", lambda: _pos_emb_on_this_cp_rank),
+    ("megatron.core.pipeline_parallel.schedules", "torch", _TorchWithoutCudaZeros),
+    (_LANGUAGE_MODULE, "setup_embeddings_and_output_layer", _embeddings_setup_on_cpu),
 ]
 
 _originals: Dict[Tuple[str, str], object] = {}
@@ -127,11 +170,10 @@ def apply(force: bool = False) -> bool:
     if torch.cuda.is_available() and not force:
         return False
     for module_name, attr, make in PATCHES:
-        module = importlib.import_module(module_name)
-        _originals[(module_name, attr)] = getattr(module, attr)
+        _originals[(module_name, attr)] = getattr(_target(module_name), attr)
     # Build replacements only after every original is saved (the tracker subclasses one).
     for module_name, attr, make in PATCHES:
-        setattr(importlib.import_module(module_name), attr, make())
+        setattr(_target(module_name), attr, make())
     from megatron.core.tensor_parallel import random as mc_random
 
     # A tracker built before apply() is a CUDA one; the next seeding must build ours.
@@ -144,7 +186,7 @@ def remove() -> None:
     if not _originals:
         return
     for (module_name, attr), original in _originals.items():
-        setattr(importlib.import_module(module_name), attr, original)
+        setattr(_target(module_name), attr, original)
     _originals.clear()
     from megatron.core.tensor_parallel import random as mc_random
 

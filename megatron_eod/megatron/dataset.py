@@ -54,7 +54,10 @@ def build_gpt_datasets(data_path, seq_length: int, tokenizer, num_samples: Seque
                        eod_mask_loss: bool = False, create_attention_mask: bool = False,
                        path_to_cache: Optional[str] = None,
                        is_built_on_rank: Callable[[], bool] = lambda: True):
-    """-> (train, valid, test) megatron-core GPTDatasets (None for a split of size 0)."""
+    """-> (train, valid, test) megatron-core GPTDatasets (None for a split of size 0).
+
+    `data_path=None` builds megatron-core's MockGPTDataset (synthetic documents, --mock-data).
+    """
     builder = import_megatron("megatron.core.datasets.blended_megatron_dataset_builder")
     gpt = import_megatron("megatron.core.datasets.gpt_dataset")
 
@@ -62,11 +65,13 @@ def build_gpt_datasets(data_path, seq_length: int, tokenizer, num_samples: Seque
         raise ValueError(f"--seq-length must be positive, got {seq_length}")
     if len(num_samples) != 3 or any(n < 0 for n in num_samples):
         raise ValueError(f"num_samples must be 3 non-negative sizes, got {list(num_samples)}")
-    prefixes, weights = parse_data_path(data_path)
+    blend, dataset_class = None, gpt.MockGPTDataset  # data_path None: megatron's mock data
+    if data_path is not None:
+        blend, dataset_class = parse_data_path(data_path), gpt.GPTDataset
     config = gpt.GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
-        blend=(prefixes, weights),
+        blend=blend,
         split=split,
         tokenizer=tokenizer,
         reset_position_ids=reset_position_ids,
@@ -75,5 +80,5 @@ def build_gpt_datasets(data_path, seq_length: int, tokenizer, num_samples: Seque
         create_attention_mask=create_attention_mask,
         path_to_cache=path_to_cache,
     )
-    return builder.BlendedMegatronDatasetBuilder(gpt.GPTDataset, list(num_samples),
+    return builder.BlendedMegatronDatasetBuilder(dataset_class, list(num_samples),
                                                  is_built_on_rank, config).build()

@@ -6,8 +6,8 @@ is index tensors computed once per micro-batch on the host, so the attention lay
 host work and no host syncs.
 
 For group g with R groups:
-* the local call: every local piece attends, causally, to itself, after the earlier pieces of
-  its document that g also holds (bottom-right-aligned causal mask over [earlier, itself]);
+* the local call: one causal sequence per run of g's pieces of one document (they are
+  consecutive in local order), so it runs over the local rows as they are, with no gather;
 * step t = 1..R-1: g receives from group (g - t) mod R exactly the pieces of that group that
   precede one of g's pieces in the same document (each such piece once), sends to group
   (g + t) mod R the pieces that group needs from g, and makes one non-causal call in which
@@ -128,9 +128,18 @@ def build_schedules(pieces: Pieces, groups: int) -> List[GroupSchedule]:
     for g in range(groups):
         mine = by_group[g]
         n_tokens = int(length[mine].sum())
-        q_rows = [rows(i) for i in mine]
-        k_rows = [np.concatenate([rows(j) for j in earlier(i, g)] + [rows(i)]) for i in mine]
-        local = _call(q_rows, k_rows, causal=True)
+        # The group's pieces of one document are consecutive in local order (pieces are in
+        # stream order and documents are contiguous): one causal sequence per run, so the
+        # local call covers the local rows in order (q_index = k_index = identity).
+        runs = []
+        for i in mine:
+            if runs and pieces.doc[runs[-1][-1]] == pieces.doc[i]:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        run_rows = [np.arange(local_start[r[0]], local_start[r[-1]] + length[r[-1]])
+                    for r in runs]
+        local = _call(run_rows, run_rows, causal=True)
         steps = []
         for t in range(1, groups):
             src, dst = (g - t) % groups, (g + t) % groups

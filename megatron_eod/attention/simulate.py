@@ -1,0 +1,116 @@
+"""Run a CP plan's attention in ONE process: every ring group's kernel calls, no process group.
+
+One job: check and time a plan's per-group compute on a single device. A GPU machine with one
+GPU cannot run NCCL ranks side by side, yet the plan, the kernel calls, the log-sum-exp
+merges and the key/value gradient returns are what decide correctness and speed there; this
+module runs them group after group, with the "received" key/value rows gathered from the full
+tensors instead of sent. Used by the GPU tests and by tools/bench_cp_gpu.py.
+
+    sim = SimulatedPlan(plan, q_NHD, k_NGD, v_NGD, dout_NHD)   # gathers, outside any timing
+    result = sim.run_group(g)        # group g's forward + backward compute only (time this)
+    out, dq, dk, dv = sim.run()      # all groups, scattered back to stream order
+
+The compute is ring.py's own `ring_forward`/`ring_backward` with an in-process transport.
+What it does not do: no communication and no overlap (that is ring.py's job), no Ulysses
+all-to-all: a Hybrid/Ulysses group computes all heads here, so its time stands for its u
+ranks together.
+
+Shape key: N = stream tokens, T = a group's rows, H = heads, G = key/value heads, D = head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import torch
+
+from megatron_eod.attention.backends import default_scale, get_backend
+from megatron_eod.attention.ring import ring_backward, ring_forward
+
+__all__ = ["SimulatedPlan", "GroupResult"]
+
+
+@dataclass
+class GroupResult:
+    rows: torch.Tensor  # int64 [T]: stream rows of the group, in its local order
+    out: torch.Tensor  # [T, H, D]
+    dq: torch.Tensor  # [T, H, D]
+    dk: torch.Tensor  # [T, G, D], local rows only
+    dv: torch.Tensor
+    returned: List[Tuple[torch.Tensor, torch.Tensor]]  # (stream rows, dkv [N, 2, G, D])
+
+
+class _Ready:
+    def __init__(self, value):
+        self.value = value
+
+    def wait(self):
+        return self.value
+
+
+class _InProcessTransport:
+    """Hands out the key/value rows gathered up front; keeps the gradients sent back."""
+
+    def __init__(self, received, received_rows):
+        self.received, self.received_rows, self.returned = received, received_rows, []
+
+    def start_kv(self, step, kv_T2GD):
+        return _Ready(self.received[step.step - 1])
+
+    def start_grad(self, step, grad_N2GD, row_shape, dtype, device):
+        if grad_N2GD is not None:
+            self.returned.append((self.received_rows[step.step - 1], grad_N2GD))
+        return _Ready(None)  # gradients of rows this group sent are landed by run()
+
+
+class SimulatedPlan:
+    def __init__(self, plan, q_NHD, k_NGD, v_NGD, dout_NHD, backend=None, softmax_scale=None):
+        device = q_NHD.device
+        self.backend = backend or get_backend(device, q_NHD.dtype)
+        self.scale = softmax_scale or default_scale(q_NHD.shape[-1])
+        self.shape = (q_NHD.shape, k_NGD.shape)
+        self.schedules = [s.to(device) for s in plan.schedules]
+        self.rows = [torch.from_numpy(plan.pieces.token_index(g)).to(device)
+                     for g in range(plan.ring_size)]
+        kv_N2GD = torch.stack([k_NGD, v_NGD], dim=1)
+        self.inputs = []
+        for g, schedule in enumerate(self.schedules):
+            rows = self.rows[g]
+            received, received_rows = [], []
+            for step in schedule.steps:
+                sender = self.schedules[step.recv_from].steps[step.step - 1]
+                if sender.send_to != g:
+                    raise AssertionError("plan schedules disagree on who sends to whom")
+                stream_rows = self.rows[step.recv_from][sender.send_index]
+                received.append(kv_N2GD[stream_rows] if stream_rows.numel() else None)
+                received_rows.append(stream_rows)
+            self.inputs.append((q_NHD[rows], k_NGD[rows], v_NGD[rows], dout_NHD[rows],
+                                received, received_rows))
+
+    def run_group(self, g: int) -> GroupResult:
+        """Group g's forward and backward compute, exactly as ring.py runs it."""
+        q, k, v, dout, received, received_rows = self.inputs[g]
+        transport = _InProcessTransport(received, received_rows)
+        schedule = self.schedules[g]
+        out, lse = ring_forward(q, k, v, schedule, transport, self.backend, self.scale)
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, schedule, transport, self.backend,
+                                   self.scale)
+        return GroupResult(self.rows[g], out, dq, dk, dv, transport.returned)
+
+    def run(self):
+        """(out, dq, dk, dv) over the whole stream, in stream order."""
+        (q_shape, k_shape), device = self.shape, self.rows[0].device
+        dtype = self.inputs[0][0].dtype
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        out = torch.zeros(q_shape, dtype=dtype, device=device)
+        dq = torch.zeros(q_shape, dtype=dtype, device=device)
+        dkv = torch.zeros((k_shape[0], 2) + tuple(k_shape[1:]), dtype=acc, device=device)
+        for g in range(len(self.schedules)):
+            result = self.run_group(g)
+            out[result.rows], dq[result.rows] = result.out, result.dq
+            dkv[:, 0].index_add_(0, result.rows, result.dk.to(acc))
+            dkv[:, 1].index_add_(0, result.rows, result.dv.to(acc))
+            for rows, grad in result.returned:
+                dkv.index_add_(0, rows, grad.to(acc))
+        return out, dq, dkv[:, 0].to(dtype), dkv[:, 1].to(dtype)

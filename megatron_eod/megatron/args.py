@@ -1,0 +1,378 @@
+"""Megatron-style command-line flags for `pretrain_gpt.py`.
+
+One job: parse Megatron's flag spellings (dest names as in Megatron-LM: `--num-layers` ->
+`args.num_layers`, `--disable-bias-linear` -> `args.add_bias_linear = False`, mirrored as
+`args.disable_bias_linear`), fill the derived fields (`world_size`, `data_parallel_size`,
+`ulysses_degree`, `params_dtype`, batch and LR defaults, ...) and reject every invalid
+combination with a `FlagError` that names the flags.
+`--context-parallel-algo` also takes the Ascend spellings (`megatron_cp_algo` -> ring,
+`ulysses_cp_algo` -> ulysses, `hybrid_cp_algo` -> hybrid) and stores the short name.
+
+What it does not do: no file checks (dataset.py and build_tokenizer check that paths exist),
+no process groups, no global args object, no import of optional tokenizer packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+from typing import Optional, Sequence
+
+import torch
+
+from megatron_eod.data.tokenizers import TOKENIZER_TYPES
+
+__all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "parse_args", "validate_args"]
+
+# Accepted --context-parallel-algo values -> the name stored in args.context_parallel_algo.
+CP_ALGO_ALIASES = {"ring": "ring", "ulysses": "ulysses", "hybrid": "hybrid",
+                   "megatron_cp_algo": "ring", "ulysses_cp_algo": "ulysses",
+                   "hybrid_cp_algo": "hybrid"}
+
+
+class FlagError(ValueError):
+    """An invalid flag or flag combination; the message names the flags and the rule."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors raise FlagError (one clean line) instead of exiting."""
+
+    def error(self, message):
+        raise FlagError(message)
+
+
+def _switches(g, *flags: str) -> None:
+    for flag in flags:
+        g.add_argument(flag, action="store_true")
+
+
+def _typed(g, kind, *specs) -> None:
+    """(flag, default[, help]) specs of one type; a None default is derived or means 'off'."""
+    for flag, default, *help_text in specs:
+        g.add_argument(flag, type=kind, default=default, help=(help_text or [None])[0])
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"):
+        g.add_argument(flag, type=int, required=True)
+    _typed(g, int, ("--num-query-groups", None, "default: --num-attention-heads (MHA)"),
+           ("--ffn-hidden-size", None, "default: 4 x --hidden-size"),
+           ("--kv-channels", None, "default: --hidden-size / --num-attention-heads"),
+           ("--max-position-embeddings", None, "default: --seq-length"),
+           ("--rotary-base", 10000), ("--make-vocab-size-divisible-by", 128))
+    _typed(g, float, ("--rotary-percent", 1.0), ("--init-method-std", 0.02),
+           ("--hidden-dropout", 0.1),
+           ("--attention-dropout", 0.0, "must be 0: the varlen attention kernels apply none"))
+    _switches(g, "--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--position-embedding-type", choices=("rope", "none"), default="rope")
+
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--lr", type=float, required=True)
+    _typed(g, int, ("--micro-batch-size", 1),
+           ("--global-batch-size", None, "default: --micro-batch-size x data-parallel size"),
+           ("--lr-warmup-iters", 0), ("--lr-decay-iters", None, "default: --train-iters"),
+           ("--seed", 1234), ("--recompute-num-layers", None, "default with full: 1"))
+    _typed(g, float, ("--min-lr", 0.0), ("--weight-decay", 0.01),
+           ("--clip-grad", 1.0, "0 disables clipping"), ("--adam-beta1", 0.9),
+           ("--adam-beta2", 0.999), ("--adam-eps", 1e-8))
+    _switches(g, "--bf16", "--fp16", "--use-cpu-initialization")
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="default with full: uniform")
+    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+                   help="default: nccl with CUDA, else gloo")
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="PREFIX ... or WEIGHT PREFIX ... (required unless --mock-data)")
+    _switches(g, "--mock-data")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="ByteTokenizer")
+    _typed(g, str, ("--tokenizer-model", None), ("--vocab-file", None), ("--merge-file", None),
+           ("--data-cache-path", None))
+    _typed(g, int, ("--vocab-size", None), ("--num-workers", 0))
+
+
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging and checkpoints")
+    _typed(g, str, ("--save", None), ("--load", None), ("--tensorboard-dir", None),
+           ("--metrics-file", None))
+    _typed(g, int, ("--save-interval", None), ("--eval-interval", 1000), ("--eval-iters", 100),
+           ("--log-interval", 100), ("--exit-interval", None))
+    _switches(g, "--no-load-optim", "--no-load-rng")
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism and EoD")
+    _typed(g, int, ("--tensor-model-parallel-size", 1), ("--pipeline-model-parallel-size", 1),
+           ("--context-parallel-size", 1),
+           ("--ulysses-degree-in-cp", None, "Ulysses group size for --context-parallel-algo "
+                                            "hybrid"))
+    g.add_argument("--context-parallel-algo", default="ring",
+                   help=f"one of {', '.join(CP_ALGO_ALIASES)}")
+    _switches(g, "--sequence-parallel", "--use-flash-attn", "--reset-attention-mask",
+              "--reset-position-ids", "--eod-mask-loss")
+    g.add_argument("--attention-mask-type", choices=("causal", "general"), default=None,
+                   help="general = EoD document mask (default with --reset-attention-mask)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of `pretrain_gpt.py`; usage errors raise FlagError."""
+    parser = _Parser(description="GPT pretraining with EoD reset under context parallelism",
+                     allow_abbrev=False)
+    for add in (_add_model_args, _add_training_args, _add_data_args, _add_logging_args,
+                _add_parallel_args):
+        add(parser)
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
+               cuda_available: Optional[bool] = None) -> argparse.Namespace:
+    """Parse `argv` (default sys.argv[1:]) and `validate_args`; unknown flags are a FlagError."""
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        raise FlagError(f"unrecognized flags: {' '.join(unknown)}")
+    if world_size is None:
+        try:
+            world_size = int(os.environ.get("WORLD_SIZE", 1))
+        except ValueError:
+            raise FlagError(f"WORLD_SIZE must be an integer, got "
+                            f"{os.environ['WORLD_SIZE']!r}") from None
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    return validate_args(args, world_size, cuda_available)
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise FlagError(message)
+
+
+def _positive(args, *dests: str) -> None:
+    for dest in dests:
+        value = getattr(args, dest)
+        _require(value is None or value > 0, f"{_flag(dest)} must be positive, got {value}")
+
+
+def validate_args(args: argparse.Namespace, world_size: int,
+                  cuda_available: bool) -> argparse.Namespace:
+    """Fill the derived fields of `args` in place and check every rule; returns `args`."""
+    _require(isinstance(world_size, int) and world_size > 0,
+             f"WORLD_SIZE must be a positive integer, got {world_size!r}")
+    args.world_size = world_size
+    _check_parallel_sizes(args)
+    _check_model(args)
+    _check_context_parallel(args)
+    _check_training(args, bool(cuda_available))
+    _check_sequence_parallel(args)
+    _check_data(args)
+    _check_eod(args)
+    _check_logging(args)
+    return args
+
+
+def _check_parallel_sizes(args) -> None:
+    _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size",
+              "context_parallel_size")
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.context_parallel_size)
+    _require(args.world_size % (tp * pp * cp) == 0,
+             f"WORLD_SIZE {args.world_size} is not divisible by --tensor-model-parallel-size x "
+             f"--pipeline-model-parallel-size x --context-parallel-size = {tp} x {pp} x {cp} = "
+             f"{tp * pp * cp}")
+    args.data_parallel_size = args.world_size // (tp * pp * cp)
+
+
+def _check_model(args) -> None:
+    _positive(args, "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+              "ffn_hidden_size", "kv_channels", "seq_length", "max_position_embeddings",
+              "make_vocab_size_divisible_by", "rotary_base", "init_method_std")
+    heads, tp = args.num_attention_heads, args.tensor_model_parallel_size
+    if args.num_query_groups is None:  # Megatron: --group-query-attention alone means 1 group
+        args.num_query_groups = 1 if args.group_query_attention else heads
+    groups = args.num_query_groups
+    _require(heads % groups == 0, f"--num-attention-heads {heads} must be divisible by "
+                                  f"--num-query-groups {groups}")
+    _require(heads % tp == 0, f"--num-attention-heads {heads} must be divisible by "
+                              f"--tensor-model-parallel-size {tp}")
+    _require(groups % tp == 0, f"--num-query-groups {groups} must be divisible by "
+                               f"--tensor-model-parallel-size {tp}")
+    args.group_query_attention = groups < heads
+    args.disable_bias_linear = not args.add_bias_linear  # the flag's name, for readers of args
+    if args.kv_channels is None:
+        _require(args.hidden_size % heads == 0,
+                 f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads "
+                 f"{heads} (or pass --kv-channels)")
+        args.kv_channels = args.hidden_size // heads
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    _require(args.seq_length <= args.max_position_embeddings,
+             f"--seq-length {args.seq_length} must be <= --max-position-embeddings "
+             f"{args.max_position_embeddings}")
+    pp = args.pipeline_model_parallel_size
+    _require(args.num_layers % pp == 0, f"--num-layers {args.num_layers} must be divisible by "
+                                        f"--pipeline-model-parallel-size {pp}")
+    _require(0.0 < args.rotary_percent <= 1.0,
+             f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
+    _require(0.0 <= args.hidden_dropout < 1.0,
+             f"--hidden-dropout must be in [0, 1), got {args.hidden_dropout}")
+    _require(args.attention_dropout == 0.0,
+             f"--attention-dropout {args.attention_dropout}: our varlen attention kernels "
+             f"apply no dropout; pass --attention-dropout 0")
+
+
+def _check_context_parallel(args) -> None:
+    algo = CP_ALGO_ALIASES.get(args.context_parallel_algo)
+    _require(algo is not None, f"--context-parallel-algo {args.context_parallel_algo!r} is not "
+                               f"supported; choose one of {', '.join(CP_ALGO_ALIASES)}")
+    args.context_parallel_algo = algo
+    cp, tp, given = (args.context_parallel_size, args.tensor_model_parallel_size,
+                     args.ulysses_degree_in_cp)
+    _require(args.seq_length % cp == 0, f"--seq-length {args.seq_length} must be divisible by "
+                                        f"--context-parallel-size {cp}")
+    if algo == "ring":
+        _require(given in (None, 1), f"--ulysses-degree-in-cp {given} contradicts "
+                                     f"--context-parallel-algo ring (Ulysses degree 1)")
+        degree, source = 1, None
+    elif algo == "ulysses":
+        _require(given in (None, cp), f"--ulysses-degree-in-cp {given} contradicts "
+                                      f"--context-parallel-algo ulysses (degree = "
+                                      f"--context-parallel-size {cp})")
+        degree, source = cp, "--context-parallel-size"
+    else:
+        _require(given is not None,
+                 "--context-parallel-algo hybrid needs --ulysses-degree-in-cp")
+        _require(1 < given < cp, f"--ulysses-degree-in-cp {given} must be > 1 and < "
+                                 f"--context-parallel-size {cp} for --context-parallel-algo "
+                                 f"hybrid (use ring for 1, ulysses for {cp})")
+        _require(cp % given == 0, f"--ulysses-degree-in-cp {given} must divide "
+                                  f"--context-parallel-size {cp}")
+        degree, source = given, "--ulysses-degree-in-cp"
+    heads_per_rank = args.num_attention_heads // tp
+    _require(source is None or heads_per_rank % degree == 0,
+             f"--num-attention-heads {args.num_attention_heads} / --tensor-model-parallel-size "
+             f"{tp} = {heads_per_rank} heads per rank must be divisible by {source} {degree} "
+             f"(--context-parallel-algo {algo} spreads heads over the Ulysses group)")
+    args.ulysses_degree = degree
+
+
+def _check_sequence_parallel(args) -> None:
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    if tp == 1:
+        args.sequence_parallel = False  # as Megatron: nothing to shard at TP 1
+    tokens = args.micro_batch_size * args.seq_length // cp
+    _require(not args.sequence_parallel or tokens % tp == 0,
+             f"--sequence-parallel needs --micro-batch-size x --seq-length / "
+             f"--context-parallel-size = {tokens} tokens divisible by "
+             f"--tensor-model-parallel-size {tp}")
+
+
+def _check_training(args, cuda_available: bool) -> None:
+    _positive(args, "micro_batch_size", "global_batch_size", "train_iters", "lr",
+              "lr_decay_iters", "adam_eps")
+    mbs, dp = args.micro_batch_size, args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    _require(args.global_batch_size % (mbs * dp) == 0,
+             f"--global-batch-size {args.global_batch_size} must be a multiple of "
+             f"--micro-batch-size {mbs} x data-parallel size {dp}")
+    args.num_micro_batches = args.global_batch_size // (mbs * dp)
+    _require(0.0 <= args.min_lr <= args.lr,
+             f"--min-lr {args.min_lr} must be in [0, --lr {args.lr}]")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    _require(0 <= args.lr_warmup_iters <= args.lr_decay_iters,
+             f"--lr-warmup-iters {args.lr_warmup_iters} must be in [0, --lr-decay-iters "
+             f"{args.lr_decay_iters}]")
+    for dest in ("weight_decay", "clip_grad"):
+        _require(getattr(args, dest) >= 0, f"{_flag(dest)} must be >= 0, got "
+                                           f"{getattr(args, dest)}")
+    for dest in ("adam_beta1", "adam_beta2"):
+        _require(0.0 <= getattr(args, dest) < 1.0, f"{_flag(dest)} must be in [0, 1), got "
+                                                   f"{getattr(args, dest)}")
+    _check_recompute(args)
+    _check_device_flags(args, cuda_available)
+
+
+def _check_recompute(args) -> None:
+    if args.recompute_granularity != "full":
+        for dest in ("recompute_method", "recompute_num_layers"):
+            _require(getattr(args, dest) is None,
+                     f"{_flag(dest)} needs --recompute-granularity full")
+        return
+    args.recompute_method = args.recompute_method or "uniform"
+    if args.recompute_num_layers is None:
+        args.recompute_num_layers = 1
+    per_stage = args.num_layers // args.pipeline_model_parallel_size
+    _require(1 <= args.recompute_num_layers <= per_stage,
+             f"--recompute-num-layers {args.recompute_num_layers} must be in [1, --num-layers / "
+             f"--pipeline-model-parallel-size = {per_stage}]")
+
+
+def _check_device_flags(args, cuda_available: bool) -> None:
+    _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive; pass one")
+    for dest in ("bf16", "fp16"):
+        _require(not getattr(args, dest) or cuda_available,
+                 f"{_flag(dest)} needs CUDA: the CPU attention kernel takes float32/float64; "
+                 f"drop {_flag(dest)} on CPU")
+    args.params_dtype = (torch.bfloat16 if args.bf16 else
+                         torch.float16 if args.fp16 else torch.float32)
+    if args.use_flash_attn:
+        _require(cuda_available, "--use-flash-attn needs CUDA; drop it on CPU")
+        try:
+            importlib.import_module("flash_attn")
+        except ImportError:
+            raise FlagError("--use-flash-attn needs the flash_attn package: "
+                            "pip install flash-attn") from None
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if cuda_available else "gloo"
+    _require(args.distributed_backend != "nccl" or cuda_available,
+             "--distributed-backend nccl needs CUDA; use --distributed-backend gloo on CPU")
+
+
+def _check_data(args) -> None:
+    _require(not (args.mock_data and args.data_path),
+             "--data-path and --mock-data are exclusive; pass one")
+    _require(bool(args.mock_data or args.data_path),
+             "--data-path PREFIX ... is required (or pass --mock-data)")
+    needs = {"HuggingFaceTokenizer": ("tokenizer_model",),
+             "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+             "NullTokenizer": ("vocab_size",)}.get(args.tokenizer_type, ())
+    for dest in needs:
+        _require(getattr(args, dest) is not None,
+                 f"--tokenizer-type {args.tokenizer_type} needs {_flag(dest)}")
+    _positive(args, "vocab_size")
+    _require(args.num_workers >= 0, f"--num-workers must be >= 0, got {args.num_workers}")
+
+
+def _check_eod(args) -> None:
+    if args.attention_mask_type is None:
+        args.attention_mask_type = "general" if args.reset_attention_mask else "causal"
+    elif args.attention_mask_type == "general":
+        args.reset_attention_mask = True
+    _require(args.attention_mask_type == "general" or not args.reset_attention_mask,
+             "--attention-mask-type causal contradicts --reset-attention-mask (causal attends "
+             "across EoD); drop one of them")
+
+
+def _check_logging(args) -> None:
+    _positive(args, "save_interval", "eval_interval", "log_interval", "exit_interval")
+    _require(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
+    _require(args.save_interval is None or args.save is not None,
+             "--save-interval needs --save DIR")

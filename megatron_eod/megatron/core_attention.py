@@ -1,0 +1,65 @@
+"""`EodCoreAttention`: the `core_attention` of a megatron-core GPT layer spec.
+
+One job: take q/k/v from megatron-core's SelfAttention ([s, b, heads, dim], heads already
+split over tensor parallelism, no rotary applied because the model is built with
+position_embedding_type="none"), apply RoPE at the micro-batch's RESET position ids, and run
+`context_parallel_attention` with the micro-batch's plan. The micro-batch arrives packed as
+b = 1 row of the rank's b*s/cp tokens in plan order (see batch_context.py for how the plan
+gets here). Returns [s, b, heads*dim] as megatron-core expects.
+
+What it does not do: no dropout on attention probabilities (varlen kernels here have none;
+--attention-dropout must be 0), no padding masks (pads are documents of their own).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_eod.attention import context_parallel_attention
+from megatron_eod.megatron.imports import import_megatron
+
+__all__ = ["EodCoreAttention"]
+
+_module = import_megatron("megatron.core.transformer.module")
+_rope = import_megatron("megatron.core.models.common.embeddings.rope_utils")
+
+
+class EodCoreAttention(_module.MegatronModule):
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                 pg_collection=None, registry=None, rotary_base: float = 10000.0,
+                 rotary_percent: float = 1.0):
+        super().__init__(config=config)
+        if registry is None:
+            raise ValueError("EodCoreAttention needs the model's EodContextRegistry "
+                             "(build the spec with get_gpt_layer_eod_spec(registry))")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"--attention-dropout must be 0 with EoD attention (got {dropout}): "
+                             f"the varlen kernels apply no dropout")
+        self.registry = registry
+        self.head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.head_dim)
+        self.rotary_dim = int(self.head_dim * rotary_percent)
+        self.rotary_base = rotary_base
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("EodCoreAttention takes no packed_seq_params or attention_bias: "
+                             "documents come from the EoD plan")
+        ctx = self.registry.lookup(attention_mask)
+        s, b = query.shape[:2]
+        if b != 1:
+            raise ValueError(f"EodCoreAttention expects the micro-batch packed as one row "
+                             f"([s, 1, ...]), got b={b}")
+        if self.rotary_dim:  # rotary_percent = 0: no RoPE (--position-embedding-type none)
+            freqs = ctx.rotary_freqs(self.rotary_dim, self.rotary_base, torch.float32,
+                                     query.device)
+            query = _rope.apply_rotary_pos_emb(query, freqs, self.config, cp_group=ctx.cp_group)
+            key = _rope.apply_rotary_pos_emb(key, freqs, self.config, cp_group=ctx.cp_group)
+        out = context_parallel_attention(query[:, 0], key[:, 0], value[:, 0], ctx.plan,
+                                         group=ctx.cp_group, softmax_scale=self.softmax_scale)
+        return out.reshape(s, 1, -1)

@@ -1,0 +1,45 @@
+"""The GPT layer and block specs with EoD context-parallel attention.
+
+One job: megatron-core's own GPT layer spec (local modules on CPU, TransformerEngine's where
+installed and asked for) with the `core_attention` slot replaced by `EodCoreAttention`, bound
+to the model's context registry. Build the GPTModel with position_embedding_type="none":
+RoPE is applied inside the attention at the reset position ids. Without TransformerEngine the
+norms are `norm.TorchNorm` (megatron-core's torch wrapper refuses sequence parallelism);
+`get_gpt_eod_block_spec` also sets the block's final norm, for this pipeline stage's layers.
+"""
+
+from __future__ import annotations
+
+from megatron_eod.megatron.core_attention import EodCoreAttention
+from megatron_eod.megatron.imports import import_megatron
+from megatron_eod.megatron.norm import TorchNorm
+
+__all__ = ["get_gpt_layer_eod_spec", "get_gpt_eod_block_spec"]
+
+
+def get_gpt_layer_eod_spec(registry, use_transformer_engine: bool = False,
+                           rotary_base: float = 10000.0, rotary_percent: float = 1.0,
+                           normalization: str = "LayerNorm", qk_layernorm: bool = False):
+    specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs")
+    spec_module = import_megatron("megatron.core.transformer.spec_utils")
+    if use_transformer_engine:
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    else:
+        spec = specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm,
+                                              normalization=normalization)
+        spec.submodules.input_layernorm = TorchNorm
+        spec.submodules.pre_mlp_layernorm = TorchNorm
+    spec.submodules.self_attention.submodules.core_attention = spec_module.ModuleSpec(
+        module=EodCoreAttention,
+        params={"registry": registry, "rotary_base": rotary_base,
+                "rotary_percent": rotary_percent})
+    return spec
+
+
+def get_gpt_eod_block_spec(registry, config, use_transformer_engine: bool = False, **kwargs):
+    """TransformerBlockSubmodules for this pipeline stage: its layers and the final norm."""
+    block = import_megatron("megatron.core.transformer.transformer_block")
+    layer = get_gpt_layer_eod_spec(registry, use_transformer_engine, **kwargs)
+    norm = block.LayerNormImpl if use_transformer_engine else TorchNorm
+    return block.TransformerBlockSubmodules(
+        layer_specs=[layer] * block.get_num_layers_to_build(config), layer_norm=norm)

@@ -1,0 +1,70 @@
+"""Start-up: process group, megatron-core parallel state, CPU compat, hybrid groups, seeds.
+
+One job: bring a rank from "launched by torchrun" (or "forked by a test with a process group
+already up") to "ready to build the model". NCCL on GPUs, gloo on CPUs; on a machine without
+CUDA the megatron-core CPU patches are applied (cpu_compat). For Hybrid CP, parallel_state
+builds the Ulysses (consecutive) and Ring (strided) sub-groups as its hierarchical CP groups
+and they are handed to the attention (`register_hybrid_groups`). Seeds follow Megatron:
+seed + 100 * pipeline rank for the default generators, and megatron-core's model-parallel
+RNG tracker (`model_parallel_cuda_manual_seed`).
+
+What it does not do: no teardown of a process group it did not create (`shutdown`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_eod.attention.groups import register_hybrid_groups
+from megatron_eod.megatron import cpu_compat
+from megatron_eod.megatron.imports import import_megatron
+
+__all__ = ["initialize", "shutdown"]
+
+_OWNS_PROCESS_GROUP = False
+
+
+def initialize(args):
+    global _OWNS_PROCESS_GROUP
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    else:
+        cpu_compat.apply()
+    if not dist.is_initialized():
+        dist.init_process_group(args.distributed_backend, timeout=timedelta(minutes=30))
+        _OWNS_PROCESS_GROUP = True
+    if dist.get_world_size() != args.world_size:
+        raise ValueError(f"the process group has {dist.get_world_size()} ranks but the flags "
+                         f"were validated for WORLD_SIZE {args.world_size}")
+    ps = import_megatron("megatron.core.parallel_state")
+    cp, u = args.context_parallel_size, args.ulysses_degree
+    hybrid = args.context_parallel_algo == "hybrid" and cp > 1
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=cp,
+        hierarchical_context_parallel_sizes=[u, cp // u] if hybrid else None,
+        create_gloo_process_groups=False)
+    if hybrid:
+        inner, outer = ps.get_hierarchical_context_parallel_groups()
+        register_hybrid_groups(ps.get_context_parallel_group(), u, inner, outer)
+    seed = args.seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    import_megatron("megatron.core.tensor_parallel").model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown():
+    global _OWNS_PROCESS_GROUP
+    import_megatron("megatron.core.parallel_state").destroy_model_parallel()
+    if _OWNS_PROCESS_GROUP and dist.is_initialized():
+        dist.destroy_process_group()
+        _OWNS_PROCESS_GROUP = False
+    cpu_compat.remove()

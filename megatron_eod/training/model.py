@@ -1,0 +1,77 @@
+"""The GPT model the trainer runs: megatron-core's GPTModel with the EoD attention spec.
+
+One job: turn validated flags into a `TransformerConfig`, build this pipeline stage's
+`GPTModel` with `get_gpt_layer_eod_spec` (local modules on CPU; TransformerEngine's where it
+is installed and a GPU is present) and wrap it in megatron-core's DistributedDataParallel
+(gradients accumulate in float32 buffers and are summed over DP x CP by
+`finalize_model_grads`, per-token loss mode).
+
+What it does not do: no optimizer, no data. Fusions stay off on CPU (see cpu_compat).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_eod.attention.backends import has_transformer_engine
+from megatron_eod.megatron.imports import import_megatron
+from megatron_eod.megatron.layer_spec import get_gpt_eod_block_spec
+
+__all__ = ["transformer_config", "build_model"]
+
+
+def transformer_config(args):
+    core = import_megatron("megatron.core.transformer")
+    gpu = torch.cuda.is_available()
+    recompute = args.recompute_granularity
+    return core.TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels,
+        hidden_dropout=args.hidden_dropout, attention_dropout=0.0,
+        init_method_std=args.init_method_std, normalization=args.normalization,
+        gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=not args.disable_bias_linear,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        params_dtype=args.params_dtype, bf16=args.bf16, fp16=args.fp16,
+        pipeline_dtype=args.params_dtype,
+        use_cpu_initialization=args.use_cpu_initialization or not gpu,
+        recompute_granularity=recompute,
+        recompute_method=args.recompute_method if recompute == "full" else None,
+        recompute_num_layers=args.recompute_num_layers if recompute == "full" else None,
+        calculate_per_token_loss=True,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+        batch_p2p_sync=gpu)  # the sync after batched p2p is torch.cuda.synchronize()
+
+
+def build_model(args, registry, vocab_size: int):
+    """-> (DDP-wrapped GPTModel of this pipeline stage, its TransformerConfig)."""
+    ps = import_megatron("megatron.core.parallel_state")
+    gpt = import_megatron("megatron.core.models.gpt")
+    ddp = import_megatron("megatron.core.distributed")
+    config = transformer_config(args)
+    use_rope = args.position_embedding_type == "rope"
+    spec = get_gpt_eod_block_spec(
+        registry, config, use_transformer_engine=torch.cuda.is_available() and has_transformer_engine(),
+        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent if use_rope else 0.0,
+        normalization=args.normalization)
+    model = gpt.GPTModel(
+        config, spec, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type="none")
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if args.fp16 or args.bf16:
+        model = import_megatron("megatron.core.transformer.module").Float16Module(config, model)
+    ddp_config = ddp.DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                   overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=False)
+    model = ddp.DistributedDataParallel(config, ddp_config, model)
+    return model, config

@@ -1,0 +1,186 @@
+"""The training loop behind `pretrain_gpt.py`: EoD-reset GPT pretraining under TP/PP/CP/DP.
+
+One job: flags -> start-up -> model, optimizer, data -> iterations of megatron-core's
+pipeline schedule with our step functions -> logging, validation, checkpoints. Each
+iteration: zero DDP's gradient buffers, run `num_micro_batches` micro-batches through the
+schedule (which calls `finalize_model_grads`: gradients summed over DP x CP, the shared
+embedding over PP, layer norms over TP with sequence parallelism, all divided by the global
+count of loss tokens), one optimizer step, one LR schedule step. The reported lm loss is the
+global token-weighted mean over all micro-batches, DP and CP ranks, so it is the same number
+at any CP size.
+
+    pretrain(argv)   # parse, run, tear down; raises SystemExit(2) on a flag error
+
+What it does not do: no virtual pipeline stages, no distributed optimizer, no MoE.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_eod.data.tokenizers import padded_vocab_size
+from megatron_eod.megatron.args import FlagError, parse_args
+from megatron_eod.megatron.batch_context import EodContextRegistry
+from megatron_eod.megatron.imports import import_megatron
+from megatron_eod.megatron.steps import EodGPTSteps, is_dataset_built_on_rank
+from megatron_eod.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron_eod.training.data import MicroBatches, build_datasets, build_tokenizer_from_args
+from megatron_eod.training.initialize import initialize, shutdown
+from megatron_eod.training.model import build_model
+from megatron_eod.training.optimizer import build_optimizer
+from megatron_eod.training.reporting import Reporter
+
+__all__ = ["pretrain"]
+
+
+def pretrain(argv=None):
+    """Run a training job; returns this rank's per-iteration lm losses (nan off the last
+    pipeline stage). Works under torchrun or inside an already initialised process group."""
+    world_size = dist.get_world_size() if dist.is_initialized() else None
+    try:
+        args = parse_args(argv, world_size=world_size)
+    except FlagError as error:
+        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    initialize(args)
+    try:
+        return _Trainer(args).run()
+    finally:
+        shutdown()
+
+
+class _Trainer:
+    def __init__(self, args):
+        self.args = a = args
+        ps = self.ps = import_megatron("megatron.core.parallel_state")
+        schedules = import_megatron("megatron.core.pipeline_parallel")
+        finalize = import_megatron("megatron.core.distributed").finalize_model_grads
+        tokenizer = build_tokenizer_from_args(a)
+        vocab = padded_vocab_size(tokenizer.vocab_size, a.make_vocab_size_divisible_by,
+                                  a.tensor_model_parallel_size)
+        self.registry = EodContextRegistry()
+        self.model, config = build_model(a, self.registry, vocab)
+        self.optimizer, self.scheduler = build_optimizer(self.model, a)
+        config.no_sync_func = self.model.no_sync
+        config.finalize_model_grads_func = finalize
+        if a.fp16:
+            config.grad_scale_func = self.optimizer.scaler
+        self.iteration, counters = 0, {}
+        if a.load:
+            self.iteration, counters = load_checkpoint(a, self.model, self.optimizer,
+                                                       self.scheduler)
+        self.counters = {"consumed_train_samples": 0, "consumed_valid_samples": 0,
+                         "skipped": 0, "nan": 0, **counters}
+        # Collective (megatron-core's builder has barriers); None where no data is read.
+        train, valid, test = build_datasets(a, tokenizer, is_dataset_built_on_rank)
+        dp_rank, dp = ps.get_data_parallel_rank(), a.data_parallel_size
+        make = lambda ds, consumed, name: None if ds is None else MicroBatches(  # noqa: E731
+            ds, a.micro_batch_size, dp_rank, dp, consumed, name, cyclic=name != "train")
+        self.train_iter = make(train, self.counters["consumed_train_samples"], "train")
+        self.valid_iter = make(valid, self.counters["consumed_valid_samples"], "valid")
+        self.test_ds = test
+        self.steps = EodGPTSteps(
+            tokenizer.eod, self.registry, a.seq_length, a.micro_batch_size,
+            algo=a.context_parallel_algo, ulysses_degree=a.ulysses_degree,
+            reset_position_ids=a.reset_position_ids,
+            reset_attention_mask=a.reset_attention_mask, eod_mask_loss=a.eod_mask_loss,
+            pad_token_id=getattr(tokenizer, "pad", None))
+        self.fwd_bwd = schedules.get_forward_backward_func()
+        self.reporter = Reporter(a, dist.get_rank() == dist.get_world_size() - 1)
+
+    def _schedule(self, data_iterator, forward_only):
+        a = self.args
+        return self.fwd_bwd(forward_step_func=self.steps.forward_step,
+                            data_iterator=data_iterator, model=[self.model],
+                            num_microbatches=a.num_micro_batches,
+                            seq_length=a.micro_batch_size * a.seq_length, micro_batch_size=1,
+                            forward_only=forward_only)
+
+    def _mean_loss(self, outputs):
+        """Token-weighted mean over micro-batches and DP x CP ranks (last stage), else nan."""
+        if not self.ps.is_pipeline_last_stage():
+            return float("nan")
+        total = torch.zeros(2, dtype=torch.float64)
+        for out in outputs:
+            total += out["lm loss"].detach().double().cpu()
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        total = total.to(device)
+        dist.all_reduce(total, group=self.ps.get_data_parallel_group(with_context_parallel=True))
+        return (total[0] / total[1].clamp(min=1)).item()
+
+    def _train_step(self):
+        self.model.zero_grad_buffer()
+        self.steps.pairs_seen = 0
+        lr = self.optimizer.param_groups[0]["lr"]
+        loss = self._mean_loss(self._schedule(self.train_iter, forward_only=False))
+        updated, grad_norm = self.optimizer.step()
+        if updated:
+            self.scheduler.step(increment=1)
+        else:
+            self.counters["skipped"] += 1
+        pairs = torch.tensor([float(self.steps.pairs_seen)], dtype=torch.float64,
+                             device="cuda" if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(pairs, group=self.ps.get_data_parallel_group())
+        return loss, grad_norm, lr, pairs.item()
+
+    def evaluate(self, label="validation"):
+        a = self.args
+        if a.eval_iters == 0:
+            return
+        if label == "validation":
+            iterator = self.valid_iter
+        else:
+            iterator = None if self.test_ds is None else MicroBatches(
+                self.test_ds, a.micro_batch_size, self.ps.get_data_parallel_rank(),
+                a.data_parallel_size, 0, "test", cyclic=True)
+        if iterator is None and is_dataset_built_on_rank():
+            return  # the split has no samples (e.g. --split 100,0,0)
+        self.model.eval()
+        outputs = []
+        with torch.no_grad():
+            for _ in range(a.eval_iters):
+                outputs += self._schedule(iterator, forward_only=True)
+        self.model.train()
+        if label == "validation":
+            self.counters["consumed_valid_samples"] += a.eval_iters * a.global_batch_size
+        self.reporter.validation(self.iteration, self._mean_loss(outputs), label)
+
+    def run(self):
+        a, counters = self.args, self.counters
+        self.model.train()
+        losses = []
+        while self.iteration < a.train_iters:
+            start = time.perf_counter()
+            loss, grad_norm, lr, pairs = self._train_step()
+            self.iteration += 1
+            counters["consumed_train_samples"] += a.global_batch_size
+            if self.ps.is_pipeline_last_stage() and not math.isfinite(loss):
+                counters["nan"] += 1
+            losses.append(loss)
+            self.reporter.iteration(self.iteration, time.perf_counter() - start, lr, loss,
+                                    grad_norm, counters["skipped"], counters["nan"],
+                                    counters["consumed_train_samples"], pairs)
+            if a.eval_interval and self.iteration % a.eval_interval == 0 and \
+                    self.iteration < a.train_iters:
+                self.evaluate()
+            if a.save and a.save_interval and self.iteration % a.save_interval == 0:
+                save_checkpoint(a, self.iteration, self.model, self.optimizer, self.scheduler,
+                                counters)
+            if a.exit_interval and self.iteration % a.exit_interval == 0:
+                if a.save and not (a.save_interval and self.iteration % a.save_interval == 0):
+                    save_checkpoint(a, self.iteration, self.model, self.optimizer,
+                                    self.scheduler, counters)
+                self.reporter.close()
+                return losses
+        self.evaluate()
+        self.evaluate("test")
+        if a.save and not (a.save_interval and self.iteration % a.save_interval == 0):
+            save_checkpoint(a, self.iteration, self.model, self.optimizer, self.scheduler,
+                            counters)
+        self.reporter.close()
+        return losses

@@ -1,0 +1,87 @@
+"""Megatron-style log lines, the --metrics-file JSON lines and TensorBoard scalars.
+
+One job: report an iteration from the rank that has the loss (the last rank of the last
+pipeline stage). Iteration lines look like Megatron's:
+
+     [2026-11-23 10:00:00] iteration        3/      10 | consumed samples:           12 |
+     elapsed time per iteration (ms): 812.3 | learning rate: 1.000000E-03 | global batch
+     size:     4 | lm loss: 5.512345E+00 | grad norm: 1.234 | number of skipped iterations:
+     0 | number of nan iterations:   0 |
+
+`--metrics-file PATH` gets one JSON object per iteration (iteration, lm_loss, grad_norm, lr,
+tokens, tokens_per_s, attention_tflops: attention FLOP/s per rank counting only the query-key
+pairs a document mask needs, forward and backward) and one per validation (kind "valid").
+
+What it does not do: no timers breakdown, no memory report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+__all__ = ["Reporter"]
+
+
+class Reporter:
+    def __init__(self, args, is_reporting_rank: bool):
+        self.args, self.active = args, is_reporting_rank
+        self.metrics = open(args.metrics_file, "a") if (self.active and args.metrics_file) else None
+        self.writer = None
+        if self.active and args.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                print(" --tensorboard-dir given but tensorboard is not installed; skipping",
+                      flush=True)
+            else:
+                self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
+
+    def iteration(self, iteration, seconds, lr, loss, grad_norm, skipped, nan, consumed,
+                  attention_pairs):
+        if not self.active:
+            return
+        a = self.args
+        tokens = a.global_batch_size * a.seq_length
+        # 4*H*D flops per pair forward, twice that backward, per layer; per rank.
+        flops = attention_pairs * 4 * a.num_attention_heads * a.kv_channels * 3 * a.num_layers
+        record = {"iteration": iteration, "lm_loss": loss, "grad_norm": grad_norm, "lr": lr,
+                  "tokens": tokens, "tokens_per_s": tokens / seconds,
+                  "attention_tflops": flops / seconds / a.world_size / 1e12,
+                  "iteration_ms": seconds * 1e3}
+        if iteration % a.log_interval == 0 or iteration == a.train_iters:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            print(f" [{stamp}] iteration {iteration:8d}/{a.train_iters:8d} | consumed samples: "
+                  f"{consumed:12d} | elapsed time per iteration (ms): {seconds * 1e3:.1f} | "
+                  f"learning rate: {lr:.6E} | global batch size: {a.global_batch_size:5d} | "
+                  f"lm loss: {loss:.6E} | grad norm: {grad_norm:.3f} | "
+                  f"number of skipped iterations: {skipped:3d} | "
+                  f"number of nan iterations: {nan:3d} |", flush=True)
+        self._write(record)
+        if self.writer:
+            for key in ("lm_loss", "grad_norm", "lr", "tokens_per_s", "attention_tflops"):
+                self.writer.add_scalar(key, record[key], iteration)
+
+    def validation(self, iteration, loss, label="validation"):
+        if not self.active:
+            return
+        ppl = math.exp(min(20.0, loss))
+        line = (f" {label} loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+                f"lm loss PPL: {ppl:.6E} | ")
+        print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), flush=True)
+        self._write({"kind": "valid" if label == "validation" else "test",
+                     "iteration": iteration, "lm_loss": loss})
+        if self.writer:
+            self.writer.add_scalar(f"{label} lm_loss", loss, iteration)
+
+    def _write(self, record):
+        if self.metrics:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+
+    def close(self):
+        if self.metrics:
+            self.metrics.close()
+        if self.writer:
+            self.writer.close()

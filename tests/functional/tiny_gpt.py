@@ -1,0 +1,31 @@
+"""The tiny GPT of the CPU functional tests: its flags, and a rank function that trains it.
+
+2 layers, hidden 64, 4 heads over 2 query groups (GQA), RoPE, sequence 128, micro-batch 2,
+global batch 4, 10 iterations, float32, dropout off (dropout masks depend on which rank
+holds a token, so they would differ between CP sizes), EoD reset on.
+"""
+
+from megatron_eod.training.pretrain import pretrain
+
+ITERS = 10
+
+
+def tiny_flags(data_path, *extra):
+    return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--num-query-groups", "2", "--seq-length", "128", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--train-iters", str(ITERS), "--lr", "2e-3",
+            "--min-lr", "2e-4", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
+            "--hidden-dropout", "0", "--data-path", data_path, "--split", "90,8,2",
+            "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
+            "--eval-interval", "5", "--eval-iters", "1", "--log-interval", "100",
+            "--seed", "1234", *extra]
+
+
+def train_rank(rank, world_size, argv):
+    """Train on this forked rank; the last rank returns the per-iteration losses."""
+    losses = pretrain(argv)
+    return losses if rank == world_size - 1 else None
+
+
+def losses_of(results):
+    return results[-1]

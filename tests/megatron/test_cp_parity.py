@@ -1,0 +1,142 @@
+"""A tiny megatron-core GPT with EoD attention: loss and gradients at CP=N equal CP=1.
+
+Same weights (CPU initialization is CP-invariant), same full micro-batch on every rank; each
+CP rank runs the model on its plan tokens; the loss sum and the parameter gradients are
+summed over the CP group. float32, tolerance 2e-5 relative on the loss and 1e-4 on gradients:
+only the summation order differs (attention partials merged by log-sum-exp, loss summed per
+rank).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_eod import create_hybrid_groups
+from megatron_eod.megatron import cpu_compat
+from megatron_eod.megatron.batch import slice_batch_for_cp
+from megatron_eod.megatron.batch_context import EodContextRegistry
+from megatron_eod.megatron.layer_spec import get_gpt_layer_eod_spec
+from tests.harness import run_ranks
+from tests.reference import random_layout_tokens
+
+VOCAB, EOD, B, S = 64, 63, 2, 48
+
+
+def _loss_and_grads(rank, world, algo, degree):
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    cpu_compat.apply()
+    parallel_state.initialize_model_parallel(context_parallel_size=world)
+    try:
+        cp_group = parallel_state.get_context_parallel_group() if world > 1 else None
+        if algo == "hybrid":
+            create_hybrid_groups(cp_group, degree)
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        torch.manual_seed(1234)
+        config = TransformerConfig(
+            num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+            ffn_hidden_size=64, context_parallel_size=world, use_cpu_initialization=True,
+            hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
+            bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+            persist_layer_norm=False, gradient_accumulation_fusion=False)
+        registry = EodContextRegistry()
+        model = GPTModel(config, get_gpt_layer_eod_spec(registry), vocab_size=VOCAB,
+                         max_sequence_length=S, position_embedding_type="none")
+        stream = random_layout_tokens("mixed", B, S + 1, EOD, seed=5)
+        tokens, labels = stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+        batch = slice_batch_for_cp(tokens, labels, EOD, registry, cp_size=world, cp_rank=rank,
+                                   cp_group=cp_group, algo=algo, ulysses_degree=degree,
+                                   eod_mask_loss=True)
+        losses = model(batch.tokens, batch.position_ids, batch.attention_mask,
+                       labels=batch.labels)
+        loss_sum = (losses.float() * batch.loss_mask).sum()
+        count = batch.loss_mask.sum()
+        totals = torch.stack([loss_sum.detach(), count])
+        if cp_group is not None:
+            dist.all_reduce(totals, group=cp_group)
+        (loss_sum / totals[1]).backward()
+        grads = {}
+        for name, param in model.named_parameters():
+            grad = param.grad.detach().clone()
+            if cp_group is not None:
+                dist.all_reduce(grad, group=cp_group)
+            grads[name] = grad
+        return (totals[0] / totals[1]).item(), grads
+    finally:
+        parallel_state.destroy_model_parallel()
+        cpu_compat.remove()
+
+
+@pytest.fixture(scope="module")
+def cp1():
+    return run_ranks(_loss_and_grads, 1, "ring", None)[0]
+
+
+@pytest.mark.parametrize("algo,world,degree", [("ring", 2, None), ("ring", 4, None),
+                                               ("ulysses", 2, None), ("hybrid", 4, 2)])
+def test_cp_equals_cp1(cp1, algo, world, degree):
+    loss1, grads1 = cp1
+    for loss, grads in run_ranks(_loss_and_grads, world, algo, degree):
+        assert loss == pytest.approx(loss1, rel=2e-5)
+        for name, g1 in grads1.items():
+            assert (grads[name] - g1).abs().max().item() < 1e-4, name
+
+
+def test_rope_uses_the_reset_positions_of_each_rank():
+    """RoPE is relative, so model outputs cannot reveal absolute positions; instead record the
+    rotary angles each layer applies and compare them with the reset position ids of the
+    rank's tokens. Fails if RoPE used 0..s-1 (or the unpermuted order)."""
+    for recorded, expected in run_ranks(_record_rope_angles, 2):
+        assert len(recorded) == 4  # 2 layers x (q, k)
+        for freqs in recorded:
+            assert torch.allclose(freqs, expected)
+
+
+def _record_rope_angles(rank, world):
+    import megatron_eod.megatron.core_attention as core_attention
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    cpu_compat.apply()
+    parallel_state.initialize_model_parallel(context_parallel_size=world)
+    original = core_attention._rope.apply_rotary_pos_emb
+    recorded = []
+
+    def recording(t, freqs, *args, **kwargs):
+        recorded.append(freqs[:, 0, 0, :].clone())
+        return original(t, freqs, *args, **kwargs)
+
+    core_attention._rope.apply_rotary_pos_emb = recording
+    try:
+        tensor_parallel.model_parallel_cuda_manual_seed(7)
+        config = TransformerConfig(
+            num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+            context_parallel_size=world, use_cpu_initialization=True, hidden_dropout=0.0,
+            attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
+            apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+            gradient_accumulation_fusion=False)
+        registry = EodContextRegistry()
+        model = GPTModel(config, get_gpt_layer_eod_spec(registry), vocab_size=VOCAB,
+                         max_sequence_length=S, position_embedding_type="none")
+        tokens = random_layout_tokens("mixed", B, S, EOD, seed=9)
+        batch = slice_batch_for_cp(tokens, tokens, EOD, registry, cp_size=world, cp_rank=rank,
+                                   cp_group=parallel_state.get_context_parallel_group())
+        model(batch.tokens, batch.position_ids, batch.attention_mask)
+        # Expected angles: position (reset at every EoD) times the inverse frequencies.
+        from megatron_eod import build_doc_layout
+
+        positions = build_doc_layout(tokens, EOD).position_ids.reshape(-1)
+        local = positions[batch.plan.token_index(rank)].float()
+        assert torch.equal(local.long(), batch.position_ids[0])
+        assert (positions == 0).sum() > B  # the positions do restart inside rows
+        assert not torch.equal(local, torch.arange(local.numel()).float())
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 8, 2).float() / 8))
+        angles = local[:, None] * inv_freq[None, :]
+        return recorded, torch.cat([angles, angles], dim=-1)
+    finally:
+        core_attention._rope.apply_rotary_pos_emb = original
+        parallel_state.destroy_model_parallel()
+        cpu_compat.remove()

@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""Attention compute per CP rank on one GPU: our plan against the layouts others use.
+
+    python tools/bench_cp_gpu.py [--samples 3] [--heads 32 --kv-heads 8 --head-dim 128]
+
+For the two document mixes of tools/bench_cp.py at 32k tokens / CP 4 and 128k / CP 8, runs on
+ONE device, group after group (megatron_eod.attention.simulate), the forward+backward kernel
+work each CP rank does, in bf16 through the GPU varlen kernel, and reports the BUSIEST rank's
+time (it sets the step time) for:
+  ideal        one varlen call over the whole row, divided by cp (perfect balance, no overhead)
+  ours ring    our plan: local call + one call per ring step with received keys, lse merges
+  ours hybrid  Ulysses degree 2: a group's time over its 2 ranks
+  contiguous   row cut in cp pieces; each piece attends to its documents' earlier keys
+  doc-zigzag   every document padded to 2*cp and zigzagged (TransformerEngine THD layout);
+               computed here as ONE call per rank (generous: TE makes one per ring step)
+with "useful TFLOP/s per GPU": the pairs a document mask needs x 4*H*D flops x 3.5 (forward
++ backward), over cp x the busiest rank's time. Communication is not included (one GPU).
+On a CPU it runs the same with the exact CPU kernel in float32 (slow: use small sizes).
+"""
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench_cp import pack_rows, stdlib_lengths, web_row  # noqa: E402
+from megatron_eod import plan_context_parallel  # noqa: E402
+from megatron_eod.attention.backends import get_backend  # noqa: E402
+from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
+from megatron_eod.plan.cost import doc_pairs  # noqa: E402
+from megatron_eod.plan.kv_schedule import _call  # noqa: E402
+
+
+def timed(fn, repeats, device):
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first run warms up
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def prefix_calls(cu, owner_rows):
+    """One causal call per rank: each of its (document, segment) query runs attends to the
+    document's keys from its start to the segment's end."""
+    calls = []
+    for segments in owner_rows:
+        q_rows = [np.arange(a, b) for a, b, _ in segments]
+        k_rows = [np.arange(ds, b) for a, b, ds in segments]
+        calls.append(_call(q_rows, k_rows, causal=True))
+    return calls
+
+
+def contiguous_segments(cu, cp):
+    n = int(cu[-1])
+    out = []
+    for r in range(cp):
+        lo, hi = r * n // cp, (r + 1) * n // cp
+        segs = []
+        for ds, de in zip(cu[:-1], cu[1:]):
+            a, b = max(ds, lo), min(de, hi)
+            if a < b:
+                segs.append((int(a), int(b), int(ds)))
+        out.append(segs)
+    return out
+
+
+def doc_zigzag_segments(cu, cp):
+    lengths = np.diff(cu)
+    padded = -(-lengths // (2 * cp)) * (2 * cp)
+    starts = np.concatenate([[0], np.cumsum(padded)[:-1]])
+    out = [[] for _ in range(cp)]
+    for ds, size in zip(starts, padded):
+        chunk = size // (2 * cp)
+        for c in range(2 * cp):
+            r = c if c < cp else 2 * cp - 1 - c
+            out[r].append((int(ds + c * chunk), int(ds + (c + 1) * chunk), int(ds)))
+    return out, int(padded.sum())
+
+
+def run_call(backend, call, q, k, v, dout, scale):
+    def fn():
+        qs, ks, vs = q[call.q_index], k[call.k_index], v[call.k_index]
+        o, lse = backend.forward(qs, ks, vs, call.cu_seqlens_q, call.cu_seqlens_k,
+                                 call.max_seqlen_q, call.max_seqlen_k, True, scale)
+        backend.backward(dout[call.q_index], qs, ks, vs, o, lse, call.cu_seqlens_q,
+                         call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k, True, scale)
+    return fn
+
+
+def random_qkv(n, args, device, dtype, gen):
+    make = lambda h: torch.randn(n, h, args.head_dim, generator=gen).to(device, dtype)  # noqa: E731
+    return make(args.heads), make(args.kv_heads), make(args.kv_heads), make(args.heads)
+
+
+def bench_row(cu, cp, args, device, dtype, backend):
+    n = int(cu[-1])
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = random_qkv(n, args, device, dtype, gen)
+    scale = args.head_dim ** -0.5
+    to_dev = lambda c: c.to(device)  # noqa: E731
+    times = {}
+    full = to_dev(_call([np.arange(a, b) for a, b in zip(cu[:-1], cu[1:])],
+                        [np.arange(a, b) for a, b in zip(cu[:-1], cu[1:])], causal=True))
+    times["ideal"] = timed(run_call(backend, full, q, k, v, dout, scale), args.repeats,
+                           device) / cp
+    for name, algo, u in (("ours ring", "ring", None), ("ours hybrid u=2", "hybrid", 2)):
+        plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
+        sim = SimulatedPlan(plan, q, k, v, dout, backend, scale)
+        times[name] = max(timed(lambda g=g: sim.run_group(g), args.repeats, device)
+                          for g in range(plan.ring_size)) / (u or 1)
+    calls = [to_dev(c) for c in prefix_calls(cu, contiguous_segments(cu, cp))]
+    times["contiguous"] = max(timed(run_call(backend, c, q, k, v, dout, scale), args.repeats,
+                                    device) for c in calls)
+    segments, padded_n = doc_zigzag_segments(cu, cp)
+    pq, pk, pv, pd = random_qkv(padded_n, args, device, dtype, gen)
+    calls = [to_dev(c) for c in prefix_calls(cu, segments)]
+    times["doc-zigzag (padded)"] = max(timed(run_call(backend, c, pq, pk, pv, pd, scale),
+                                             args.repeats, device) for c in calls)
+    needed = float(doc_pairs(np.diff(cu)).sum())
+    flops = needed * 4 * args.heads * args.head_dim * 3.5
+    return {name: (t, flops / (cp * t) / 1e12) for name, t in times.items()}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--samples", type=int, default=3, help="random rows per configuration")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--configs", default="32768:4,131072:8",
+                   help="comma-separated TOKENS:CP pairs")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
+    for n, cp in configs:
+        if n % (2 * cp):
+            p.error(f"--configs: tokens {n} must be divisible by 2*cp = {2 * cp}")
+    if args.heads % args.kv_heads:
+        p.error("--heads must be divisible by --kv-heads")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = get_backend(device, dtype)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{name}, backend {backend.name}, {dtype}, heads {args.heads}/{args.kv_heads} x "
+          f"{args.head_dim}, busiest rank forward+backward, best of {args.repeats}, "
+          f"{args.samples} rows per configuration")
+    std = stdlib_lengths()
+    for mix in ("stdlib", "web"):
+        for n, cp in configs:
+            rng = np.random.default_rng(args.seed)
+            rows = []
+            for _ in range(args.samples):
+                cu = pack_rows(std, n, rng) if mix == "stdlib" else web_row(n, rng)
+                rows.append(bench_row(cu, cp, args, device, dtype, backend))
+            print(f"\n{mix} {n // 1024}k tokens / CP {cp}")
+            print("| layout | busiest rank ms | over ideal | useful TFLOP/s per GPU |")
+            print("|---|---|---|---|")
+            ideal = np.mean([r["ideal"][0] for r in rows])
+            for layout in rows[0]:
+                t = np.mean([r[layout][0] for r in rows])
+                tf = np.mean([r[layout][1] for r in rows])
+                print(f"| {layout} | {t * 1e3:.3f} | {t / ideal:.2f} | {tf:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
