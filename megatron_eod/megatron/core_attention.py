@@ -18,6 +18,7 @@ import math
 import torch
 
 from megatron_eod.attention import context_parallel_attention
+from megatron_eod.attention.backends import get_backend
 from megatron_eod.megatron.imports import import_megatron
 
 __all__ = ["EodCoreAttention"]
@@ -30,8 +31,10 @@ class EodCoreAttention(_module.MegatronModule):
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None,
                  pg_collection=None, registry=None, rotary_base: float = 10000.0,
-                 rotary_percent: float = 1.0):
+                 rotary_percent: float = 1.0, kernel: str = "auto"):
         super().__init__(config=config)
+        if kernel not in ("auto", "flash_attn", "torch"):
+            raise ValueError(f"kernel must be 'auto', 'flash_attn' or 'torch', got {kernel!r}")
         if registry is None:
             raise ValueError("EodCoreAttention needs the model's EodContextRegistry "
                              "(build the spec with get_gpt_layer_eod_spec(registry))")
@@ -44,6 +47,7 @@ class EodCoreAttention(_module.MegatronModule):
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.head_dim)
         self.rotary_dim = int(self.head_dim * rotary_percent)
         self.rotary_base = rotary_base
+        self.kernel = kernel  # GPU kernel choice (--use-flash-attn: "flash_attn"); CPU: exact
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -61,5 +65,7 @@ class EodCoreAttention(_module.MegatronModule):
             query = _rope.apply_rotary_pos_emb(query, freqs, self.config, cp_group=ctx.cp_group)
             key = _rope.apply_rotary_pos_emb(key, freqs, self.config, cp_group=ctx.cp_group)
         out = context_parallel_attention(query[:, 0], key[:, 0], value[:, 0], ctx.plan,
-                                         group=ctx.cp_group, softmax_scale=self.softmax_scale)
+                                         group=ctx.cp_group, softmax_scale=self.softmax_scale,
+                                         backend=get_backend(query.device, query.dtype,
+                                                             prefer=self.kernel))
         return out.reshape(s, 1, -1)

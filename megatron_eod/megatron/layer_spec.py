@@ -6,6 +6,8 @@ to the model's context registry. Build the GPTModel with position_embedding_type
 RoPE is applied inside the attention at the reset position ids. Without TransformerEngine the
 norms are `norm.TorchNorm` (megatron-core's torch wrapper refuses sequence parallelism);
 `get_gpt_eod_block_spec` also sets the block's final norm, for this pipeline stage's layers.
+`kernel` picks the GPU attention kernel: "auto" (flash-attn when installed, else PyTorch's
+varlen kernel), "flash_attn" (required; what --use-flash-attn asks for) or "torch".
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ __all__ = ["get_gpt_layer_eod_spec", "get_gpt_eod_block_spec"]
 
 def get_gpt_layer_eod_spec(registry, use_transformer_engine: bool = False,
                            rotary_base: float = 10000.0, rotary_percent: float = 1.0,
-                           normalization: str = "LayerNorm", qk_layernorm: bool = False):
+                           normalization: str = "LayerNorm", qk_layernorm: bool = False,
+                           kernel: str = "auto"):
     specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs")
     spec_module = import_megatron("megatron.core.transformer.spec_utils")
     if use_transformer_engine:
@@ -32,7 +35,7 @@ def get_gpt_layer_eod_spec(registry, use_transformer_engine: bool = False,
     spec.submodules.self_attention.submodules.core_attention = spec_module.ModuleSpec(
         module=EodCoreAttention,
         params={"registry": registry, "rotary_base": rotary_base,
-                "rotary_percent": rotary_percent})
+                "rotary_percent": rotary_percent, "kernel": kernel})
     return spec
 
 

@@ -58,9 +58,11 @@ def build_model(args, registry, vocab_size: int):
     config = transformer_config(args)
     use_rope = args.position_embedding_type == "rope"
     spec = get_gpt_eod_block_spec(
-        registry, config, use_transformer_engine=torch.cuda.is_available() and has_transformer_engine(),
+        registry, config,
+        use_transformer_engine=torch.cuda.is_available() and has_transformer_engine(),
         rotary_base=args.rotary_base, rotary_percent=args.rotary_percent if use_rope else 0.0,
-        normalization=args.normalization)
+        normalization=args.normalization,
+        kernel="flash_attn" if args.use_flash_attn else "auto")
     model = gpt.GPTModel(
         config, spec, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),

@@ -15,17 +15,15 @@ from megatron_eod import create_hybrid_groups
 from megatron_eod.megatron import cpu_compat
 from megatron_eod.megatron.batch import slice_batch_for_cp
 from megatron_eod.megatron.batch_context import EodContextRegistry
-from megatron_eod.megatron.layer_spec import get_gpt_layer_eod_spec
 from tests.harness import run_ranks
+from tests.megatron.tiny_model import EOD, tiny_gpt
 from tests.reference import random_layout_tokens
 
-VOCAB, EOD, B, S = 64, 63, 2, 48
+B, S = 2, 48
 
 
 def _loss_and_grads(rank, world, algo, degree):
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core import parallel_state
 
     cpu_compat.apply()
     parallel_state.initialize_model_parallel(context_parallel_size=world)
@@ -33,17 +31,8 @@ def _loss_and_grads(rank, world, algo, degree):
         cp_group = parallel_state.get_context_parallel_group() if world > 1 else None
         if algo == "hybrid":
             create_hybrid_groups(cp_group, degree)
-        tensor_parallel.model_parallel_cuda_manual_seed(1234)
-        torch.manual_seed(1234)
-        config = TransformerConfig(
-            num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-            ffn_hidden_size=64, context_parallel_size=world, use_cpu_initialization=True,
-            hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
-            bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-            persist_layer_norm=False, gradient_accumulation_fusion=False)
         registry = EodContextRegistry()
-        model = GPTModel(config, get_gpt_layer_eod_spec(registry), vocab_size=VOCAB,
-                         max_sequence_length=S, position_embedding_type="none")
+        model = tiny_gpt(world, registry, seed=1234)
         stream = random_layout_tokens("mixed", B, S + 1, EOD, seed=5)
         tokens, labels = stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
         batch = slice_batch_for_cp(tokens, labels, EOD, registry, cp_size=world, cp_rank=rank,
@@ -96,9 +85,7 @@ def test_rope_uses_the_reset_positions_of_each_rank():
 
 def _record_rope_angles(rank, world):
     import megatron_eod.megatron.core_attention as core_attention
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core import parallel_state
 
     cpu_compat.apply()
     parallel_state.initialize_model_parallel(context_parallel_size=world)
@@ -111,16 +98,8 @@ def _record_rope_angles(rank, world):
 
     core_attention._rope.apply_rotary_pos_emb = recording
     try:
-        tensor_parallel.model_parallel_cuda_manual_seed(7)
-        config = TransformerConfig(
-            num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-            context_parallel_size=world, use_cpu_initialization=True, hidden_dropout=0.0,
-            attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
-            apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-            gradient_accumulation_fusion=False)
         registry = EodContextRegistry()
-        model = GPTModel(config, get_gpt_layer_eod_spec(registry), vocab_size=VOCAB,
-                         max_sequence_length=S, position_embedding_type="none")
+        model = tiny_gpt(world, registry, seed=7, num_query_groups=None)
         tokens = random_layout_tokens("mixed", B, S, EOD, seed=9)
         batch = slice_batch_for_cp(tokens, tokens, EOD, registry, cp_size=world, cp_rank=rank,
                                    cp_group=parallel_state.get_context_parallel_group())

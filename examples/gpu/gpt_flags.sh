@@ -1,0 +1,71 @@
+# Sourced by the GPU launchers in this folder: the pretrain_gpt.py flags of a ~1.2B GPT
+# (Llama-like: RMSNorm, SwiGLU, RoPE, GQA, untied embeddings) trained with EoD reset under
+# context parallelism, in bf16. Every value can be overridden from the environment.
+#   ALGO            ring | ulysses | hybrid                  (first argument of the launcher)
+#   CP_SIZE         context-parallel size                    (launcher default)
+#   ULYSSES_DEGREE  Ulysses degree inside CP for hybrid      (launcher default)
+#   TP_SIZE PP_SIZE tensor / pipeline parallel sizes         (1, 1)
+#   SEQ_LENGTH      tokens per row                           (32768)
+#   MBS GBS         micro / global batch size                (1, 64)
+#   TRAIN_ITERS     iterations                               (1000)
+#   DATA_PATH       indexed dataset prefix (tools/preprocess_data.py); unset: --mock-data
+#   TOKENIZER       a local HF tokenizer dir or tokenizer.json; unset: byte-level
+#   CKPT_DIR        checkpoints (--save and --load)          (runs/gpt_<algo>/ckpt)
+#   USE_FLASH_ATTN  1: --use-flash-attn (flash-attn's kernels; an error if not installed),
+#                   0: PyTorch's varlen kernel, auto: 1 when flash_attn imports  (auto)
+#   DRY_RUN=1       print the command instead of running it
+# Extra arguments after ALGO are appended to the flags (Megatron spellings).
+
+: "${ALGO:?first argument: ring, ulysses or hybrid}"
+SEQ_LENGTH="${SEQ_LENGTH:-32768}"
+RUN_DIR="${RUN_DIR:-$ROOT/runs/gpt_${ALGO}}"
+CKPT_DIR="${CKPT_DIR:-$RUN_DIR/ckpt}"
+
+GPT_FLAGS=(
+  --num-layers 24 --hidden-size 2048 --ffn-hidden-size 5632
+  --num-attention-heads 16 --group-query-attention --num-query-groups 8
+  --normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights
+  --position-embedding-type rope --rotary-base 500000
+  --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
+  --attention-dropout 0 --hidden-dropout 0
+  --micro-batch-size "${MBS:-1}" --global-batch-size "${GBS:-64}"
+  --train-iters "${TRAIN_ITERS:-1000}" --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 100
+  --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 --bf16
+  --tensor-model-parallel-size "${TP_SIZE:-1}" --pipeline-model-parallel-size "${PP_SIZE:-1}"
+  --context-parallel-size "$CP_SIZE" --context-parallel-algo "$ALGO"
+  --reset-attention-mask --reset-position-ids --eod-mask-loss
+  --log-interval 10 --eval-interval 200 --eval-iters 10
+  --save "$CKPT_DIR" --load "$CKPT_DIR" --save-interval 500
+  --metrics-file "$RUN_DIR/metrics.jsonl" --tensorboard-dir "$RUN_DIR/tensorboard"
+)
+if [ "$ALGO" = hybrid ]; then
+  GPT_FLAGS+=(--ulysses-degree-in-cp "$ULYSSES_DEGREE")
+fi
+if [ "${SEQUENCE_PARALLEL:-auto}" = auto ] && [ "${TP_SIZE:-1}" -gt 1 ]; then
+  GPT_FLAGS+=(--sequence-parallel)
+fi
+USE_FLASH_ATTN="${USE_FLASH_ATTN:-auto}"
+if [ "$USE_FLASH_ATTN" = auto ]; then
+  "${PYTHON:-python3}" -c "import flash_attn" 2>/dev/null && USE_FLASH_ATTN=1 || USE_FLASH_ATTN=0
+fi
+if [ "$USE_FLASH_ATTN" = 1 ]; then
+  GPT_FLAGS+=(--use-flash-attn)
+fi
+if [ -n "${DATA_PATH:-}" ]; then
+  GPT_FLAGS+=(--data-path $DATA_PATH --split 99,1,0)  # unquoted: "W1 P1 W2 P2" blends
+else
+  GPT_FLAGS+=(--mock-data)
+fi
+if [ -n "${TOKENIZER:-}" ]; then
+  GPT_FLAGS+=(--tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER")
+fi
+
+# launch CMD...: run it, or print it with DRY_RUN=1 (one argument per line after the program).
+launch() {
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    printf '%s\n' "$@"
+  else
+    mkdir -p "$RUN_DIR"
+    "$@"
+  fi
+}

@@ -1,0 +1,29 @@
+"""The tiny megatron-core GPT with our EoD attention spec that the model-level tests build.
+
+`tiny_gpt(world, registry, seed)` must run inside a rank with `cpu_compat` applied and
+parallel_state initialised (CP size `world`); weights depend only on the seed (CPU
+initialisation), so every CP size builds the same model.
+"""
+
+import torch
+
+from megatron_eod.megatron.layer_spec import get_gpt_layer_eod_spec
+
+VOCAB, EOD = 64, 63
+
+
+def tiny_gpt(world, registry, seed, num_query_groups=2, max_sequence_length=48):
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=num_query_groups,
+        ffn_hidden_size=64, context_parallel_size=world, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, gradient_accumulation_fusion=False)
+    return GPTModel(config, get_gpt_layer_eod_spec(registry), vocab_size=VOCAB,
+                    max_sequence_length=max_sequence_length, position_embedding_type="none")

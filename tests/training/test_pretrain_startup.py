@@ -1,0 +1,31 @@
+"""`pretrain` stops at start-up on invalid flag combinations: exit status 2 and one line on
+stderr that names the flags, before any process group, model or data is created."""
+
+import pytest
+import torch.distributed as dist
+
+from megatron_eod.training.pretrain import pretrain
+from tests.functional.tiny_gpt import tiny_flags
+
+
+@pytest.mark.parametrize("world,extra,named", [
+    (4, ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid",
+         "--ulysses-degree-in-cp", "3"], ["--ulysses-degree-in-cp", "--context-parallel-size"]),
+    (4, ["--context-parallel-size", "4", "--context-parallel-algo", "ulysses",
+         "--num-attention-heads", "2"], ["--num-attention-heads", "--context-parallel-size"]),
+    (4, ["--context-parallel-size", "4", "--seq-length", "130"],
+     ["--seq-length", "--context-parallel-size"]),
+    (2, ["--context-parallel-size", "2", "--context-parallel-algo", "zigzag"],
+     ["--context-parallel-algo"]),
+    (3, ["--context-parallel-size", "2"], ["WORLD_SIZE", "--context-parallel-size"]),
+], ids=["ulysses-degree", "heads", "seq-length", "unknown-algo", "world-size"])
+def test_invalid_flags_stop_at_startup(monkeypatch, capsys, world, extra, named):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(SystemExit) as stop:
+        pretrain(tiny_flags("/nonexistent/data", *extra))
+    assert stop.value.code == 2
+    message = capsys.readouterr().err
+    assert message.startswith("pretrain_gpt.py: error: --") or "WORLD_SIZE" in message
+    for flag in named:
+        assert flag in message, message
+    assert not dist.is_initialized()
