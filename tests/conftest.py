@@ -33,3 +33,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """A small indexed dataset made once per session from the offline sample corpus (byte
+    tokens, EoD appended): the data of the tiny GPT runs."""
+    from megatron_eod.data.preprocess import preprocess_jsonl
+    from megatron_eod.data.sample_corpus import write_sample_corpus
+    from megatron_eod.data.tokenizers import ByteTokenizer
+
+    root = tmp_path_factory.mktemp("tiny_data")
+    corpus = os.path.join(root, "stdlib.jsonl")
+    write_sample_corpus(corpus, max_bytes=300_000, seed=1234)
+    prefix = os.path.join(root, "stdlib")
+    preprocess_jsonl(corpus, prefix, ByteTokenizer(), append_eod=True, log=lambda msg: None)
+    return prefix + "_text_document"

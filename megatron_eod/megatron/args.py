@@ -23,7 +23,8 @@ import torch
 
 from megatron_eod.data.tokenizers import TOKENIZER_TYPES
 
-__all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "parse_args", "validate_args"]
+__all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "check_context_parallel", "parse_args",
+           "validate_args"]
 
 # Accepted --context-parallel-algo values -> the name stored in args.context_parallel_algo.
 CP_ALGO_ALIASES = {"ring": "ring", "ulysses": "ulysses", "hybrid": "hybrid",
@@ -176,7 +177,7 @@ def validate_args(args: argparse.Namespace, world_size: int,
     args.world_size = world_size
     _check_parallel_sizes(args)
     _check_model(args)
-    _check_context_parallel(args)
+    check_context_parallel(args)
     _check_training(args, bool(cuda_available))
     _check_sequence_parallel(args)
     _check_data(args)
@@ -237,7 +238,9 @@ def _check_model(args) -> None:
              f"apply no dropout; pass --attention-dropout 0")
 
 
-def _check_context_parallel(args) -> None:
+def check_context_parallel(args) -> None:
+    """The CP rules on any namespace with Megatron's attribute names (Megatron-LM's args too):
+    normalises `context_parallel_algo`, sets `ulysses_degree`; FlagError names the flags."""
     algo = CP_ALGO_ALIASES.get(args.context_parallel_algo)
     _require(algo is not None, f"--context-parallel-algo {args.context_parallel_algo!r} is not "
                                f"supported; choose one of {', '.join(CP_ALGO_ALIASES)}")

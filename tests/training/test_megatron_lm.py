@@ -1,0 +1,110 @@
+"""The providers for Megatron-LM's trainer (training/megatron_lm.py), against a stand-in for
+`megatron.training` (absent from megatron-core 0.16.1): it supplies `get_args` (our parsed
+flags with Megatron-LM's extra fields), `get_tokenizer` and `core_transformer_config_from_args`.
+
+What this shows: the providers build the EoD model and datasets and their forward_step gives
+the same loss at CP=2 ring and CP=4 hybrid (2x2, Megatron's hierarchical CP groups) as at
+CP=1, float32, 1e-5 relative (summation order only). What it cannot show: that Megatron-LM's
+real `get_args` carries every field the providers read (checked by name against its flags
+only by reading its source).
+"""
+
+import argparse
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_eod.data.tokenizers import ByteTokenizer, padded_vocab_size
+from megatron_eod.megatron import cpu_compat
+from megatron_eod.megatron.args import FlagError, parse_args
+from megatron_eod.training.data import MicroBatches
+from megatron_eod.training.megatron_lm import EodProviders, add_eod_args, check_megatron_lm_args
+from megatron_eod.training.model import transformer_config
+from tests.functional.tiny_gpt import tiny_flags
+from tests.harness import run_ranks
+
+
+def megatron_lm_args(data, world, *extra):
+    """Our parsed flags, made to look like Megatron-LM's args before our checks ran."""
+    args = parse_args(tiny_flags(data, "--context-parallel-size", str(world), *extra),
+                      world_size=world, cuda_available=False)
+    del args.ulysses_degree  # set by our checks; the providers must derive it themselves
+    args.padded_vocab_size = padded_vocab_size(ByteTokenizer().vocab_size, 128, 1)
+    args.transformer_impl = "local"
+    u = args.ulysses_degree_in_cp
+    args.hierarchical_context_parallel_sizes = [u, world // u] if u else None
+    return args
+
+
+def install_stand_in(args):
+    training = types.ModuleType("megatron.training")
+    training.get_args = lambda: args
+    training.get_tokenizer = ByteTokenizer
+    arguments = types.ModuleType("megatron.training.arguments")
+    arguments.core_transformer_config_from_args = transformer_config
+    training.arguments = arguments
+    sys.modules["megatron.training"] = training
+    sys.modules["megatron.training.arguments"] = arguments
+
+
+def _first_loss(rank, world, data, extra):
+    from megatron.core import parallel_state, tensor_parallel
+
+    args = megatron_lm_args(data, world, *extra)
+    install_stand_in(args)
+    cpu_compat.apply()
+    parallel_state.initialize_model_parallel(
+        context_parallel_size=world,
+        hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes)
+    try:
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        torch.manual_seed(1234)
+        providers = EodProviders()
+        model = providers.model_provider(pre_process=True, post_process=True)
+        train, _, _ = providers.datasets_provider([8, 0, 0])
+        output, loss_fn = providers.forward_step(MicroBatches(train, 2, 0, 1), model)
+        loss_sum, tokens, report = loss_fn(output)
+        loss_sum.backward()
+        totals = report["lm loss"].detach()
+        if world > 1:
+            dist.all_reduce(totals, group=parallel_state.get_context_parallel_group())
+        return (totals[0] / totals[1]).item(), args.context_parallel_algo
+    finally:
+        parallel_state.destroy_model_parallel()
+        cpu_compat.remove()
+
+
+@pytest.mark.parametrize("world,extra", [
+    (2, ["--context-parallel-algo", "ring"]),
+    (4, ["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"])],
+    ids=["ring2", "hybrid2x2"])
+def test_providers_give_the_cp1_loss(tiny_data, world, extra):
+    reference, _ = run_ranks(_first_loss, 1, tiny_data, [])[0]
+    for loss, algo in run_ranks(_first_loss, world, tiny_data, extra):
+        assert loss == pytest.approx(reference, rel=1e-5)
+        assert algo == extra[1].replace("_cp_algo", "")
+
+
+def test_hybrid_needs_megatron_hierarchical_sizes(tiny_data):
+    args = megatron_lm_args(tiny_data, 4, "--context-parallel-algo", "hybrid",
+                            "--ulysses-degree-in-cp", "2")
+    args.hierarchical_context_parallel_sizes = None
+    with pytest.raises(FlagError, match="--hierarchical-context-parallel-sizes 2 2"):
+        check_megatron_lm_args(args)
+
+
+def test_cp_rules_apply_to_megatron_lm_args(tiny_data):
+    args = megatron_lm_args(tiny_data, 4, "--context-parallel-algo", "ring")
+    args.context_parallel_algo = "zigzag"
+    with pytest.raises(FlagError, match="--context-parallel-algo 'zigzag'"):
+        check_megatron_lm_args(args)
+
+
+def test_extra_args_and_distributed_marker():
+    parser = add_eod_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--context-parallel-algo", "ulysses", "--ulysses-degree-in-cp", "4"])
+    assert (args.context_parallel_algo, args.ulysses_degree_in_cp) == ("ulysses", 4)
+    assert EodProviders().datasets_provider.is_distributed
