@@ -11,26 +11,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_eod import create_hybrid_groups
 from megatron_eod.megatron import cpu_compat
 from megatron_eod.megatron.batch import slice_batch_for_cp
 from megatron_eod.megatron.batch_context import EodContextRegistry
 from tests.harness import run_ranks
-from tests.megatron.tiny_model import EOD, tiny_gpt
+from tests.megatron.tiny_model import EOD, cp_setup, tiny_gpt
 from tests.reference import random_layout_tokens
 
 B, S = 2, 48
 
 
 def _loss_and_grads(rank, world, algo, degree):
-    from megatron.core import parallel_state
-
-    cpu_compat.apply()
-    parallel_state.initialize_model_parallel(context_parallel_size=world)
-    try:
-        cp_group = parallel_state.get_context_parallel_group() if world > 1 else None
-        if algo == "hybrid":
-            create_hybrid_groups(cp_group, degree)
+    with cp_setup(world, algo, degree) as cp_group:
         registry = EodContextRegistry()
         model = tiny_gpt(world, registry, seed=1234)
         stream = random_layout_tokens("mixed", B, S + 1, EOD, seed=5)
@@ -53,9 +45,6 @@ def _loss_and_grads(rank, world, algo, degree):
                 dist.all_reduce(grad, group=cp_group)
             grads[name] = grad
         return (totals[0] / totals[1]).item(), grads
-    finally:
-        parallel_state.destroy_model_parallel()
-        cpu_compat.remove()
 
 
 @pytest.fixture(scope="module")

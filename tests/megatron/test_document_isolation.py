@@ -10,12 +10,10 @@ then differ by far more than the tolerance, so the test can fail.
 import pytest
 import torch
 
-from megatron_eod import create_hybrid_groups
-from megatron_eod.megatron import cpu_compat
 from megatron_eod.megatron.batch import slice_batch_for_cp
 from megatron_eod.megatron.batch_context import EodContextRegistry
 from tests.harness import run_ranks
-from tests.megatron.tiny_model import EOD, tiny_gpt
+from tests.megatron.tiny_model import EOD, cp_setup, tiny_gpt
 
 S, TARGET_LEN = 48, 13
 
@@ -35,14 +33,7 @@ def _rows():
 
 
 def _logits(rank, world, algo, degree, reset_attention_mask):
-    from megatron.core import parallel_state
-
-    cpu_compat.apply()
-    parallel_state.initialize_model_parallel(context_parallel_size=world)
-    try:
-        cp_group = parallel_state.get_context_parallel_group() if world > 1 else None
-        if algo == "hybrid":
-            create_hybrid_groups(cp_group, degree)
+    with cp_setup(world, algo, degree) as cp_group:
         registry = EodContextRegistry()
         model = tiny_gpt(world, registry, seed=3, max_sequence_length=S).eval()
         rows, _ = _rows()
@@ -56,9 +47,6 @@ def _logits(rank, world, algo, degree, reset_attention_mask):
                 logits = model(batch.tokens, batch.position_ids, batch.attention_mask)
                 out.append((batch.plan.token_index(rank), logits[0]))
         return out
-    finally:
-        parallel_state.destroy_model_parallel()
-        cpu_compat.remove()
 
 
 def _target_logits(world, algo, degree, reset_attention_mask):
