@@ -83,10 +83,23 @@ def test_pp2_cp2_equals_pp2_cp1(tiny_data):
     assert_same(losses, reference)
 
 
-def test_data_parallel_cp_equals_cp1(cp1, tiny_data):
-    """DP=2 x CP=2: each DP rank trains half of the global batch."""
-    losses = train(4, tiny_data, "--context-parallel-size", "2")
+def test_data_parallel_cp_equals_cp1(cp1, tiny_data, tmp_path):
+    """DP=2 x CP=2: each DP rank trains half of the global batch. Its --metrics-file holds
+    one record per iteration with the reported losses, and validation records."""
+    metrics = tmp_path / "metrics.jsonl"
+    losses = train(4, tiny_data, "--context-parallel-size", "2", "--metrics-file", str(metrics))
     assert_same(losses, cp1)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    train_records = [r for r in records if "kind" not in r]
+    assert [r["iteration"] for r in train_records] == list(range(1, ITERS + 1))
+    assert [r["lm_loss"] for r in train_records] == losses
+    for r in train_records:
+        assert r["tokens"] == 4 * 128  # --global-batch-size x --seq-length
+        assert r["tokens_per_s"] > 0 and r["attention_tflops"] > 0 and r["grad_norm"] > 0
+    # Megatron's warmup: the first step runs at lr 0, then lr rises to --lr and decays.
+    lrs = [r["lr"] for r in train_records]
+    assert lrs[0] == 0 and lrs[2] == max(lrs) == pytest.approx(2e-3) and lrs[-1] < lrs[2]
+    assert [r["iteration"] for r in records if r.get("kind") == "valid"] == [5, 10]
 
 
 def test_kill_and_resume_is_bit_identical(cp1, tiny_data, tmp_path):
