@@ -50,12 +50,17 @@ EOD=(--reset-attention-mask --reset-position-ids --eod-mask-loss)
 run() {  # run NAME FLAGS...: one training job on $NPROC CPU ranks
   local name="$1"; shift
   echo "== 4. train: $name ($NPROC CPU ranks)"
+  local log="$WORK_DIR/log_$name.txt" rc=0
   rm -f "$WORK_DIR/metrics_$name.jsonl"
   OMP_NUM_THREADS=1 "$VENV/bin/torchrun" --standalone --nproc-per-node "$NPROC" \
     "$ROOT/pretrain_gpt.py" "${MODEL[@]}" "${TRAIN[@]}" "${DATA[@]}" "${EOD[@]}" \
-    --metrics-file "$WORK_DIR/metrics_$name.jsonl" "$@" 2>&1 | tee "$WORK_DIR/log_$name.txt" \
-    | grep -E "iteration +[0-9]+/|validation loss|error" || true
-  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "run $name failed; see $WORK_DIR/log_$name.txt"; exit 1; }
+    --metrics-file "$WORK_DIR/metrics_$name.jsonl" "$@" > "$log" 2>&1 || rc=$?
+  grep -E "iteration +[0-9]+/|validation loss|error" "$log" || true
+  if [ "$rc" -ne 0 ]; then
+    echo "run $name failed (exit $rc); the last lines of $log:" >&2
+    tail -n 20 "$log" >&2
+    exit 1
+  fi
 }
 
 CP_EXTRA=("$@")

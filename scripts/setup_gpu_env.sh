@@ -30,7 +30,8 @@ if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
     -r "$ROOT/requirements/gpu.txt"
   if [ "${INSTALL_FLASH_ATTN:-0}" = 1 ]; then
     echo "[setup-gpu] building flash-attn ${FLASH_ATTN_VERSION:-2.8.3} (needs nvcc)"
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check ninja
+    # flash-attn's setup.py imports these itself (no build isolation: it builds against torch)
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check ninja wheel packaging
     MAX_JOBS="${MAX_JOBS:-8}" "$VENV/bin/python" -m pip install --quiet \
       --disable-pip-version-check --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION:-2.8.3}"
   fi

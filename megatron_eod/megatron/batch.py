@@ -50,5 +50,5 @@ def slice_batch_for_cp(tokens, labels, eod_token_id, registry, cp_size=1, cp_ran
     positions = flat(layout.position_ids)
     context = EodBatchContext(plan=plan, position_ids=positions[0], cp_group=cp_group)
     return LocalBatch(tokens=flat(tokens), labels=flat(labels), loss_mask=flat(mask),
-                      position_ids=positions, attention_mask=registry.register(context, device),
+                      position_ids=positions, attention_mask=registry.register(context),
                       plan=plan)

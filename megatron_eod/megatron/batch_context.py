@@ -8,7 +8,9 @@ GPTModel to each layer's core attention and saves it (as a tensor) for recompute
 slot carries a 1-element int64 tensor: the id of the context in a registry owned by the model.
 
 What it does not do: no planning (plan/), no communication. The registry keeps the last
-`capacity` contexts, enough for every micro-batch a pipeline schedule keeps in flight.
+`capacity` contexts, enough for every micro-batch a pipeline schedule keeps in flight. The id
+tensor stays on the CPU even on GPUs: every layer reads it (`lookup`), and a CUDA id would
+cost a device-to-host sync per layer.
 """
 
 from __future__ import annotations

@@ -109,7 +109,8 @@ def load_checkpoint(args, model, optimizer, scheduler):
         raise ValueError(f"--load {root}: saved with {state['sizes']}, this run has "
                          f"{_sizes(args)}; resharding is not supported")
     model.load_state_dict(state["model"])
-    if not args.no_load_optim:
+    optimizer.reload_model_params()  # masters follow the loaded weights ...
+    if not args.no_load_optim:  # ... unless the checkpoint has its own float32 masters
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
     rng_path = _rng_file(root, iteration)

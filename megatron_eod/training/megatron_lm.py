@@ -72,6 +72,20 @@ def check_megatron_lm_args(args) -> None:
     if getattr(args, "virtual_pipeline_model_parallel_size", None):
         raise FlagError("--num-layers-per-virtual-pipeline-stage is not supported with "
                         "EoD attention")
+    if getattr(args, "rotary_interleaved", False):
+        raise FlagError("--rotary-interleaved is not supported: EoD attention applies RoPE "
+                        "in the non-interleaved layout")
+    if (args.pipeline_model_parallel_size > 1 and args.micro_batch_size > 1
+            and not getattr(args, "variable_seq_lengths", False)):
+        raise FlagError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} "
+                        f"with --micro-batch-size {args.micro_batch_size}: Megatron-LM's "
+                        f"schedule shapes stage-to-stage buffers [s/cp, mbs, h] but EoD "
+                        f"micro-batches travel packed as [mbs*s/cp, 1, h]; use "
+                        f"--micro-batch-size 1 or --variable-seq-lengths")
+    if not getattr(args, "mock_data", False) and not getattr(args, "data_path", None):
+        raise FlagError("EoD providers read --data-path (blended prefixes allowed) or "
+                        "--mock-data; --train-data-path/--valid-data-path/--test-data-path "
+                        "and --per-split-data-args-path are not supported")
 
 
 class EodProviders:
@@ -99,7 +113,8 @@ class EodProviders:
             self._groups_registered = True
         return args
 
-    def model_provider(self, pre_process=True, post_process=True, vp_stage=None, config=None):
+    def model_provider(self, pre_process=True, post_process=True, vp_stage=None, config=None,
+                       pg_collection=None, **_unused):
         args = self._args()
         if config is None:
             config = importlib.import_module(
@@ -119,7 +134,7 @@ class EodProviders:
             post_process=post_process,
             fp16_lm_cross_entropy=getattr(args, "fp16_lm_cross_entropy", False),
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type="none")
+            position_embedding_type="none", pg_collection=pg_collection)
 
     def datasets_provider(self, train_val_test_num_samples):
         args = self._args()
@@ -144,7 +159,8 @@ class EodProviders:
                 algo=args.context_parallel_algo, ulysses_degree=args.ulysses_degree,
                 reset_position_ids=args.reset_position_ids,
                 reset_attention_mask=args.reset_attention_mask,
-                eod_mask_loss=args.eod_mask_loss, pad_token_id=getattr(tokenizer, "pad", None))
+                eod_mask_loss=args.eod_mask_loss,
+                pad_token_id=None)  # GPTDataset already turned pads into loss-masked zeros
         return self._steps
 
 

@@ -105,12 +105,23 @@ class MasterAdam:
             for m in self.masters:
                 m.grad = None
 
+    def reload_model_params(self):
+        """Copy the model's (just loaded) weights into the float32 masters; without this a
+        bf16/fp16 run whose masters were not loaded would step from its random init."""
+        if self.mixed:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.masters):
+                    m.copy_(p)
+
     def state_dict(self):
         return {"optimizer": self.optimizer.state_dict(),
                 "masters": self.masters if self.mixed else None,
-                "loss_scale": self.scaler.scale if self.scaler else None}
+                "loss_scale": self.scaler.scale if self.scaler else None,
+                "loss_scale_clean_steps": self.scaler.clean if self.scaler else None}
 
     def load_state_dict(self, state):
+        """Optimizer state; float32 masters when the checkpoint has them (a mixed-precision
+        run's), else they stay as `reload_model_params` set them."""
         self.optimizer.load_state_dict(state["optimizer"])
         if self.mixed and state.get("masters") is not None:
             with torch.no_grad():
@@ -118,6 +129,7 @@ class MasterAdam:
                     m.copy_(saved)
         if self.scaler is not None and state.get("loss_scale") is not None:
             self.scaler.scale = state["loss_scale"]
+            self.scaler.clean = state.get("loss_scale_clean_steps") or 0
 
 
 def build_optimizer(model, args):

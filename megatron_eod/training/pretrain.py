@@ -17,6 +17,7 @@ What it does not do: no virtual pipeline stages, no distributed optimizer, no Mo
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 
@@ -45,7 +46,9 @@ def pretrain(argv=None):
     try:
         args = parse_args(argv, world_size=world_size)
     except FlagError as error:
-        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+        if rank == 0:  # every rank parses the same flags: say it once
+            print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     initialize(args)
     try:
@@ -138,7 +141,7 @@ class _Trainer:
             iterator = None if self.test_ds is None else MicroBatches(
                 self.test_ds, a.micro_batch_size, self.ps.get_data_parallel_rank(),
                 a.data_parallel_size, 0, "test", cyclic=True)
-        if iterator is None and is_dataset_built_on_rank():
+        if not self._split_has_samples(iterator):
             return  # the split has no samples (e.g. --split 100,0,0)
         self.model.eval()
         outputs = []
@@ -149,6 +152,16 @@ class _Trainer:
         if label == "validation":
             self.counters["consumed_valid_samples"] += a.eval_iters * a.global_batch_size
         self.reporter.validation(self.iteration, self._mean_loss(outputs), label)
+
+    def _split_has_samples(self, iterator) -> bool:
+        """Decided where data is read (TP rank 0) and shared with the whole TP group, whose
+        other ranks hold no iterator: all of them evaluate or none does."""
+        has = torch.tensor([0 if iterator is None and is_dataset_built_on_rank() else 1],
+                           device="cuda" if torch.cuda.is_available() else "cpu")
+        if self.ps.get_tensor_model_parallel_world_size() > 1:
+            dist.broadcast(has, src=self.ps.get_tensor_model_parallel_src_rank(),
+                           group=self.ps.get_tensor_model_parallel_group())
+        return bool(has.item())
 
     def run(self):
         a, counters = self.args, self.counters

@@ -8,6 +8,7 @@ gradients summed over ranks), which over 10 Adam steps stays around 1e-6.
 """
 
 import json
+import math
 import os
 
 import pytest
@@ -64,6 +65,13 @@ def test_tp2_cp2_equals_cp1(cp1, tiny_data):
                    "--context-parallel-size", "2", "--sequence-parallel",
                    "--make-vocab-size-divisible-by", "64")
     assert_same(losses, cp1)
+
+
+def test_tp2_with_empty_validation_and_test_splits_finishes(tiny_data):
+    """Only TP rank 0 reads data; every TP rank must agree to skip an empty split's
+    evaluation (else the others wait in the TP broadcast for a batch that never comes)."""
+    losses = train(2, tiny_data, "--tensor-model-parallel-size", "2", "--split", "100,0,0")
+    assert len(losses) == ITERS and all(math.isfinite(x) for x in losses)
 
 
 @pytest.mark.parametrize("granularity", [["full", "--recompute-method", "uniform"],

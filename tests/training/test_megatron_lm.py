@@ -63,7 +63,9 @@ def _first_loss(rank, world, data, extra):
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
         torch.manual_seed(1234)
         providers = EodProviders()
-        model = providers.model_provider(pre_process=True, post_process=True)
+        # Megatron-LM's get_model passes config= and pg_collection= as keywords.
+        model = providers.model_provider(pre_process=True, post_process=True, config=None,
+                                         pg_collection=None)
         train, _, _ = providers.datasets_provider([8, 0, 0])
         output, loss_fn = providers.forward_step(MicroBatches(train, 2, 0, 1), model)
         loss_sum, tokens, report = loss_fn(output)
@@ -100,6 +102,18 @@ def test_cp_rules_apply_to_megatron_lm_args(tiny_data):
     args = megatron_lm_args(tiny_data, 4, "--context-parallel-algo", "ring")
     args.context_parallel_algo = "zigzag"
     with pytest.raises(FlagError, match="--context-parallel-algo 'zigzag'"):
+        check_megatron_lm_args(args)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(pipeline_model_parallel_size=2), "--micro-batch-size 1 or --variable-seq-lengths"),
+    (dict(data_path=None), "--train-data-path/--valid-data-path/--test-data-path"),
+    (dict(rotary_interleaved=True), "--rotary-interleaved is not supported"),
+], ids=["pp-with-mbs2", "per-split-data", "rotary-interleaved"])
+def test_unsupported_megatron_lm_settings_are_named(tiny_data, change, message):
+    args = megatron_lm_args(tiny_data, 2, "--context-parallel-algo", "ring")
+    vars(args).update(change)
+    with pytest.raises(FlagError, match=message):
         check_megatron_lm_args(args)
 
 
