@@ -54,8 +54,11 @@ run() {  # run NAME FLAGS...: one training job on $NPROC CPU ranks
   rm -f "$WORK_DIR/metrics_$name.jsonl"
   OMP_NUM_THREADS=1 "$VENV/bin/torchrun" --standalone --nproc-per-node "$NPROC" \
     "$ROOT/pretrain_gpt.py" "${MODEL[@]}" "${TRAIN[@]}" "${DATA[@]}" "${EOD[@]}" \
-    --metrics-file "$WORK_DIR/metrics_$name.jsonl" "$@" > "$log" 2>&1 || rc=$?
-  grep -E "iteration +[0-9]+/|validation loss|error" "$log" || true
+    --metrics-file "$WORK_DIR/metrics_$name.jsonl" "$@" > "$log" 2>&1 &
+  local pid=$!
+  # Show the iteration lines as they come; the full log stays in $log.
+  tail -n +1 -f --pid="$pid" "$log" | grep --line-buffered -E "iteration +[0-9]+/|validation loss|error" || true
+  wait "$pid" || rc=$?
   if [ "$rc" -ne 0 ]; then
     echo "run $name failed (exit $rc); the last lines of $log:" >&2
     tail -n 20 "$log" >&2
