@@ -48,6 +48,7 @@ class EodCoreAttention(_module.MegatronModule):
         self.rotary_dim = int(self.head_dim * rotary_percent)
         self.rotary_base = rotary_base
         self.kernel = kernel  # GPU kernel choice (--use-flash-attn: "flash_attn"); CPU: exact
+        self._backends = {}  # (device, dtype) -> backend: chosen once, not per forward
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -66,6 +67,11 @@ class EodCoreAttention(_module.MegatronModule):
             key = _rope.apply_rotary_pos_emb(key, freqs, self.config, cp_group=ctx.cp_group)
         out = context_parallel_attention(query[:, 0], key[:, 0], value[:, 0], ctx.plan,
                                          group=ctx.cp_group, softmax_scale=self.softmax_scale,
-                                         backend=get_backend(query.device, query.dtype,
-                                                             prefer=self.kernel))
+                                         backend=self._backend(query))
         return out.reshape(s, 1, -1)
+
+    def _backend(self, query):
+        key = (query.device, query.dtype)
+        if key not in self._backends:
+            self._backends[key] = get_backend(query.device, query.dtype, prefer=self.kernel)
+        return self._backends[key]

@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 from megatron_eod.megatron.batch import LocalBatch, slice_batch_for_cp
 from megatron_eod.megatron.imports import import_megatron
-from megatron_eod.plan.cost import doc_pairs
 
 __all__ = ["EodGPTSteps", "is_dataset_built_on_rank"]
 
@@ -98,7 +97,7 @@ class EodGPTSteps:
             algo=self.algo if cp_size > 1 else "ring",
             ulysses_degree=self.ulysses_degree if self.algo == "hybrid" and cp_size > 1
             else None, loss_mask=data["loss_mask"], **self.flags)
-        self.pairs_seen += int(doc_pairs(torch.diff(batch.plan.cu_seqlens).numpy()).sum())
+        self.pairs_seen += batch.plan.pairs_needed()
         # Middle pipeline stages use only the plan (via attention_mask) and never the labels;
         # they still got everything, so no stage lacks position ids or the plan.
         return batch

@@ -66,6 +66,10 @@ class CPPlan:
                       self.cu_seqlens, self.pieces,
                       tuple(s.to(device) for s in self.schedules))
 
+    def pairs_needed(self) -> int:
+        """Causal query-key pairs a document mask needs over the whole micro-batch."""
+        return int(doc_pairs(np.diff(self.cu_seqlens.numpy())).sum())
+
     def stats(self) -> Dict[str, object]:
         """Yardsticks, per CP rank, for one attention layer's forward:
 
@@ -82,7 +86,7 @@ class CPPlan:
         pairs = [group_pairs[r // u] for r in range(self.cp_size)]
         kv = [self.schedules[r // u].kv_tokens_received for r in range(self.cp_size)]
         per_rank = self.num_tokens // self.cp_size
-        needed = int(doc_pairs(np.diff(self.cu_seqlens.numpy())).sum())
+        needed = self.pairs_needed()
         return {
             "pairs_per_rank": pairs,
             "kv_tokens_received_per_rank": kv,

@@ -60,6 +60,7 @@ def pretrain(argv=None):
 class _Trainer:
     def __init__(self, args):
         self.args = a = args
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         ps = self.ps = import_megatron("megatron.core.parallel_state")
         schedules = import_megatron("megatron.core.pipeline_parallel")
         finalize = import_megatron("megatron.core.distributed").finalize_model_grads
@@ -111,8 +112,7 @@ class _Trainer:
         total = torch.zeros(2, dtype=torch.float64)
         for out in outputs:
             total += out["lm loss"].detach().double().cpu()
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        total = total.to(device)
+        total = total.to(self.device)
         dist.all_reduce(total, group=self.ps.get_data_parallel_group(with_context_parallel=True))
         return (total[0] / total[1].clamp(min=1)).item()
 
@@ -127,7 +127,7 @@ class _Trainer:
         else:
             self.counters["skipped"] += 1
         pairs = torch.tensor([float(self.steps.pairs_seen)], dtype=torch.float64,
-                             device="cuda" if torch.cuda.is_available() else "cpu")
+                             device=self.device)
         dist.all_reduce(pairs, group=self.ps.get_data_parallel_group())
         return loss, grad_norm, lr, pairs.item()
 
@@ -157,7 +157,7 @@ class _Trainer:
         """Decided where data is read (TP rank 0) and shared with the whole TP group, whose
         other ranks hold no iterator: all of them evaluate or none does."""
         has = torch.tensor([0 if iterator is None and is_dataset_built_on_rank() else 1],
-                           device="cuda" if torch.cuda.is_available() else "cpu")
+                           device=self.device)
         if self.ps.get_tensor_model_parallel_world_size() > 1:
             dist.broadcast(has, src=self.ps.get_tensor_model_parallel_src_rank(),
                            group=self.ps.get_tensor_model_parallel_group())
