@@ -21,7 +21,7 @@ setup(
     extras_require={
         # CUDA-only source builds: install on GPU machines with a matching CUDA toolkit.
         "gpu": ["flash-attn>=2.6", "transformer-engine[pytorch]>=2.0"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "tokenizers>=0.20"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "tokenizers>=0.20"],
         "hf": ["tokenizers>=0.20", "transformers>=4.40"],
     },
     license="Apache-2.0",

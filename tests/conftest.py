@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -19,6 +20,15 @@ with warnings.catch_warnings():
     import megatron.core.datasets.gpt_dataset  # noqa: F401
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# Property-based tests (hypothesis): CI runs a fixed, derandomized sample per property (each
+# test asks for `examples(n)`: n under "ci"); `--hypothesis-profile=long` runs ten times as
+# many fresh ones. The plugin loads a profile named on the command line after this file.
+_COMMON = dict(deadline=None, print_blob=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("ci", max_examples=100, derandomize=True, database=None, **_COMMON)
+settings.register_profile("long", max_examples=1000, **_COMMON)
+settings.load_profile("ci")
 
 
 def pytest_configure(config):

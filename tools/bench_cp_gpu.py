@@ -34,7 +34,7 @@ from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
 from megatron_eod.plan.cost import doc_pairs  # noqa: E402
-from megatron_eod.plan.kv_schedule import _call  # noqa: E402
+from megatron_eod.plan.kv_schedule import call_from_rows  # noqa: E402
 
 
 def timed(fn, repeats, device):
@@ -57,7 +57,7 @@ def prefix_calls(cu, owner_rows):
     for segments in owner_rows:
         q_rows = [np.arange(a, b) for a, b, _ in segments]
         k_rows = [np.arange(ds, b) for a, b, ds in segments]
-        calls.append(_call(q_rows, k_rows, causal=True))
+        calls.append(call_from_rows(q_rows, k_rows, causal=True))
     return calls
 
 
@@ -110,7 +110,7 @@ def bench_row(cu, cp, args, device, dtype, backend):
     scale = args.head_dim ** -0.5
     to_dev = lambda c: c.to(device)  # noqa: E731
     times = {}
-    full = to_dev(_call([np.arange(a, b) for a, b in zip(cu[:-1], cu[1:])],
+    full = to_dev(call_from_rows([np.arange(a, b) for a, b in zip(cu[:-1], cu[1:])],
                         [np.arange(a, b) for a, b in zip(cu[:-1], cu[1:])], causal=True))
     times["ideal"] = timed(run_call(backend, full, q, k, v, dout, scale), args.repeats,
                            device) / cp

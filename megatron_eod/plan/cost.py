@@ -1,13 +1,15 @@
-"""Attention work and key/value traffic of a token placement, under a causal document mask.
+"""Attention work and key/value traffic of a placement, and the balance bound: in one place.
 
-One job: measure any placement of the packed stream over CP ranks (ours or the layouts other
-systems use) with the same yardsticks: causal query-key pairs each rank computes, and the
-key/value tokens each rank must receive from its peers. Pure numpy; no communication.
+One job: measure any placement of the packed stream over CP groups (ours, or the layouts
+other systems use, given as a token -> rank map) with the same yardsticks, and state the one
+balance bound the planner promises and the tests and benchmarks assert.
 
-The model: a query at position p of its document attends to the p+1 keys at positions 0..p
-of the same document, wherever they live. So a rank's work is the sum of (p+1) over the
-queries it holds, and it needs from other ranks exactly the tokens of its documents that sit
-before its last query of that document.
+The model: a query at position p of its document attends to the p + 1 keys at positions
+0..p of the same document, wherever they live. So a group's work is the sum of (p + 1) over
+the queries it holds (positions [a, b) of one document: (b(b+1) - a(a+1)) / 2 pairs), and it
+needs from other groups exactly the tokens of its documents that sit before its last query of
+that document. Pure numpy, O(P log P) in the number of pieces; no dense (group x document)
+table.
 
 What it does not do: no placement (partition.py), no schedule (kv_schedule.py).
 """
@@ -16,8 +18,25 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["doc_pairs", "range_pairs", "positions_and_docs", "pairs_per_rank",
+from megatron_eod.plan.pieces import Pieces
+
+__all__ = ["BALANCE_TOLERANCE", "balance_bound", "doc_pairs", "range_pairs", "group_pairs",
+           "group_kv_received", "pieces_from_owner", "pairs_per_rank",
            "kv_tokens_received_per_rank"]
+
+# The planner's promise, asserted by tests/plan and tools/bench_cp.py: the busiest group
+# computes at most (1 + BALANCE_TOLERANCE) times the mean pairs, plus the granularity term
+# of `balance_bound` that only matters for tiny streams.
+BALANCE_TOLERANCE = 0.01
+# Exact token counts make some imbalance unavoidable at small sizes (one 2-token document on
+# 2 ranks: 1 and 2 pairs). The planner's per-group error is at most a couple of tokens of
+# the longest document, each costing at most its length in pairs.
+GRANULARITY_TOKENS = 2
+
+
+def balance_bound(mean_pairs: float, longest_document: int) -> float:
+    """The most pairs the busiest group may compute: see BALANCE_TOLERANCE."""
+    return mean_pairs * (1 + BALANCE_TOLERANCE) + GRANULARITY_TOKENS * longest_document
 
 
 def doc_pairs(lengths: np.ndarray) -> np.ndarray:
@@ -26,38 +45,72 @@ def doc_pairs(lengths: np.ndarray) -> np.ndarray:
     return lengths * (lengths + 1) // 2
 
 
-def range_pairs(start: np.ndarray, end: np.ndarray) -> np.ndarray:
-    """Causal pairs of queries at document positions [start, end): (e(e+1) - s(s+1)) / 2."""
+def range_pairs(start, end):
+    """Causal pairs of queries at document positions [start, end): (e(e+1) - s(s+1)) / 2.
+    Works on numpy arrays and on Python ints (exact, no overflow)."""
+    if isinstance(start, (int, np.integer)) and isinstance(end, (int, np.integer)):
+        start, end = int(start), int(end)
+        return (end * (end + 1) - start * (start + 1)) // 2
     start, end = np.asarray(start, dtype=np.int64), np.asarray(end, dtype=np.int64)
     return (end * (end + 1) - start * (start + 1)) // 2
 
 
-def positions_and_docs(cu_seqlens: np.ndarray):
-    """Per token of the stream: its position in its document and its document index."""
+def group_pairs(pieces: Pieces) -> np.ndarray:
+    """int64 [groups]: causal query-key pairs of every group's queries."""
+    pairs = range_pairs(pieces.start - pieces.doc_start, pieces.end - pieces.doc_start)
+    return _sum_by(pieces.group, pairs, pieces.groups)
+
+
+def group_kv_received(pieces: Pieces) -> np.ndarray:
+    """int64 [groups]: key/value tokens each group needs from other groups (each once)."""
+    order = np.lexsort((pieces.start, pieces.doc))
+    doc, group, length = pieces.doc[order], pieces.group[order], pieces.length[order]
+    # Only documents held by two groups or more move anything.
+    first = np.flatnonzero(np.concatenate([[True], doc[1:] != doc[:-1]]))
+    split = np.logical_or.reduceat(group != np.repeat(group[first], np.diff(
+        np.concatenate([first, [doc.size]]))), first) if doc.size else np.zeros(0, bool)
+    keep = np.repeat(split, np.diff(np.concatenate([first, [doc.size]])))
+    doc, group, length = doc[keep], group[keep], length[keep]
+    if doc.size == 0:
+        return np.zeros(pieces.groups, dtype=np.int64)
+    # Tokens of the document up to and including each piece (pieces of a document are
+    # disjoint, so start order is end order).
+    through = np.cumsum(length)
+    first = np.concatenate([[True], doc[1:] != doc[:-1]])
+    base = np.maximum.accumulate(np.where(first, through - length, 0))
+    through = through - base
+    # Per (document, group): tokens up to its last piece, minus its own tokens.
+    keys, inverse = np.unique(doc * pieces.groups + group, return_inverse=True)
+    last_through = np.zeros(keys.size, dtype=np.int64)
+    np.maximum.at(last_through, inverse, through)
+    own = np.bincount(inverse, weights=length, minlength=keys.size).astype(np.int64)
+    return _sum_by(keys % pieces.groups, last_through - own, pieces.groups)
+
+
+def pieces_from_owner(cu_seqlens, owner, groups: int) -> Pieces:
+    """The pieces of a token -> group map (runs of one group inside one document)."""
     cu = np.asarray(cu_seqlens, dtype=np.int64)
-    lengths = np.diff(cu)
-    doc = np.repeat(np.arange(lengths.size), lengths)
-    pos = np.arange(cu[-1]) - cu[:-1][doc]
-    return pos, doc
-
-
-def pairs_per_rank(cu_seqlens: np.ndarray, owner: np.ndarray, world: int) -> np.ndarray:
-    """Causal pairs computed by each rank when `owner[i]` holds the query of token i."""
-    pos, _ = positions_and_docs(cu_seqlens)
-    return np.bincount(np.asarray(owner), weights=pos + 1, minlength=world).astype(np.int64)
-
-
-def kv_tokens_received_per_rank(cu_seqlens: np.ndarray, owner: np.ndarray,
-                                world: int) -> np.ndarray:
-    """Key/value tokens each rank needs from other ranks (each token counted once per rank)."""
-    pos, doc = positions_and_docs(cu_seqlens)
     owner = np.asarray(owner, dtype=np.int64)
-    n_docs = int(doc.max()) + 1 if doc.size else 0
-    # Last query position of every (rank, document); -1 where the rank holds none of it.
-    last = np.full((world, n_docs), -1, dtype=np.int64)
-    np.maximum.at(last, (owner, doc), pos)
-    received = np.zeros(world, dtype=np.int64)
-    for rank in range(world):
-        needed = (last[rank, doc] > pos) & (owner != rank)
-        received[rank] = int(needed.sum())
-    return received
+    n = int(cu[-1])
+    doc = np.repeat(np.arange(cu.size - 1), np.diff(cu))
+    new = np.ones(n, dtype=bool)
+    new[1:] = (owner[1:] != owner[:-1]) | (doc[1:] != doc[:-1])
+    starts = np.flatnonzero(new)
+    ends = np.concatenate([starts[1:], [n]])
+    return Pieces.build(starts, ends, doc[starts], owner[starts], cu, groups)
+
+
+def pairs_per_rank(cu_seqlens, owner, world: int) -> np.ndarray:
+    """Causal pairs computed by each rank when `owner[i]` holds the query of token i."""
+    return group_pairs(pieces_from_owner(cu_seqlens, owner, world))
+
+
+def kv_tokens_received_per_rank(cu_seqlens, owner, world: int) -> np.ndarray:
+    """Key/value tokens each rank needs from other ranks (each token counted once per rank)."""
+    return group_kv_received(pieces_from_owner(cu_seqlens, owner, world))
+
+
+def _sum_by(index, values, size) -> np.ndarray:
+    out = np.zeros(size, dtype=np.int64)
+    np.add.at(out, index, values)
+    return out

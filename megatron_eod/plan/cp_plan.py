@@ -1,16 +1,17 @@
 """`plan_context_parallel`: the CP plan every rank computes identically from `cu_seqlens`.
 
-One job: validate the arguments, place the stream on groups (partition.py), build each
-group's schedule (kv_schedule.py) and expose what ranks and the attention need:
-`token_index(rank)` and `schedule(rank)`, plus `stats()` for benchmarks and tests.
+One job: validate the arguments, place the stream on groups (partition.py) and expose what
+ranks and the attention need: `token_index(rank)` and `schedule(rank)` (kv_schedule.py,
+built on first use for the asking rank's group only), plus `stats()` for benchmarks and tests.
 
 Ranks and groups: `ulysses_degree` u ranks that are consecutive in the CP group form one
 Ulysses group; the R = cp/u groups form the ring (Ring: u = 1; Ulysses: u = cp, R = 1;
-Hybrid: anything between). Group g holds its pieces' tokens in local order; its u ranks hold
-consecutive equal shards of that list, and the Ulysses all-to-all reassembles it.
+Hybrid: anything between; `ulysses_degree_for` is the one statement of that rule). Group g
+holds its pieces' tokens in local order; its u ranks hold consecutive equal shards of that
+list, and the Ulysses all-to-all reassembles it.
 
 What it does not do: no communication, no device work (tensors are built on the CPU;
-`CPPlan.to(device)` moves them once per micro-batch).
+`CPPlan.to(device)` makes later schedules land on the device, once per micro-batch).
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from megatron_eod.plan.cost import doc_pairs
-from megatron_eod.plan.kv_schedule import GroupSchedule, build_schedules
-from megatron_eod.plan.partition import Pieces, partition_documents
+from megatron_eod.plan.cost import balance_bound, doc_pairs, group_pairs
+from megatron_eod.plan.kv_schedule import (GroupSchedule, SplitDocuments, build_schedule,
+                                           schedule_totals)
+from megatron_eod.plan.partition import partition_documents
+from megatron_eod.plan.pieces import Pieces
 
-__all__ = ["ALGORITHMS", "CPPlan", "plan_context_parallel"]
+__all__ = ["ALGORITHMS", "CPPlan", "plan_context_parallel", "ulysses_degree_for"]
 
 ALGORITHMS = ("ring", "ulysses", "hybrid")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CPPlan:
     algo: str
     cp_size: int
@@ -38,7 +41,12 @@ class CPPlan:
     num_tokens: int
     cu_seqlens: torch.Tensor  # int32, the global document offsets (CPU)
     pieces: Pieces = field(repr=False)
-    schedules: Tuple[GroupSchedule, ...] = field(repr=False)
+    device: Optional[torch.device] = None
+    # Built on first use; shared by the copies `to` makes (same pieces, same answers).
+    _split: Dict[str, SplitDocuments] = field(default_factory=dict, repr=False,
+                                              compare=False)
+    _cache: Dict[Tuple[str, int], object] = field(default_factory=dict, repr=False,
+                                                  compare=False)
 
     @property
     def ring_size(self) -> int:
@@ -50,21 +58,40 @@ class CPPlan:
         return rank // self.ulysses_degree
 
     def token_index(self, rank: int) -> torch.Tensor:
-        """int64 [b*s // cp]: stream positions this rank holds, in its local order."""
-        self._check_rank(rank)
-        group, shard = divmod(rank, self.ulysses_degree)
-        tokens = torch.from_numpy(self.pieces.token_index(group))
+        """int64 [b*s // cp] on the CPU: stream positions this rank holds, in local order."""
+        group, shard = divmod(self._check_rank(rank), self.ulysses_degree)
         per_rank = self.num_tokens // self.cp_size
-        return tokens[shard * per_rank:(shard + 1) * per_rank]
+        return self.group_tokens(group)[shard * per_rank:(shard + 1) * per_rank]
+
+    def group_tokens(self, group: int) -> torch.Tensor:
+        """int64 [b*s // R]: stream positions ring group `group` holds, in local order."""
+        key = ("tokens", group)
+        if key not in self._cache:
+            self._cache[key] = torch.from_numpy(self.pieces.token_index(group))
+        return self._cache[key]
 
     def schedule(self, rank: int) -> GroupSchedule:
-        return self.schedules[self.group_of(rank)]
+        """The rank's group schedule (on `self.device` when set); built once per group."""
+        return self.group_schedule(self.group_of(rank))
+
+    def group_schedule(self, group: int) -> GroupSchedule:
+        key = ("schedule", group)
+        if key not in self._cache:
+            schedule = build_schedule(self._split_documents(), group)
+            if self.device is not None and self.device.type != "cpu":
+                schedule = schedule.to(self.device)
+            self._cache[key] = schedule
+        return self._cache[key]
+
+    @property
+    def schedules(self) -> Tuple[GroupSchedule, ...]:
+        """Every group's schedule (simulations and tests; a rank needs only its own)."""
+        return tuple(self.group_schedule(g) for g in range(self.ring_size))
 
     def to(self, device) -> "CPPlan":
-        """The plan with every schedule tensor on `device` (call once per micro-batch)."""
+        """The plan whose schedules are built on `device` (call once per micro-batch)."""
         return CPPlan(self.algo, self.cp_size, self.ulysses_degree, self.num_tokens,
-                      self.cu_seqlens, self.pieces,
-                      tuple(s.to(device) for s in self.schedules))
+                      self.cu_seqlens, self.pieces, torch.device(device), self._split)
 
     def pairs_needed(self) -> int:
         """Causal query-key pairs a document mask needs over the whole micro-batch."""
@@ -73,77 +100,119 @@ class CPPlan:
     def stats(self) -> Dict[str, object]:
         """Yardsticks, per CP rank, for one attention layer's forward:
 
-        pairs_per_rank: query-key token pairs the rank evaluates per head (a Hybrid/Ulysses
-            rank evaluates its whole group's pairs for its heads);
+        pairs_per_rank: query-key token pairs the rank's kernel calls evaluate per head (a
+            Hybrid/Ulysses rank evaluates its whole group's pairs for its heads);
         kv_tokens_received_per_rank: key/value tokens received from other ranks in the ring
             exchange (for Hybrid, for the rank's heads);
         ulysses_tokens_received_per_rank: tokens received in the input all-to-all;
-        pairs_needed: pairs a document mask needs; wasted_pairs_ratio: evaluated / needed
-            (per head and head group); padding_tokens: always 0.
+        pairs_needed: pairs a document mask needs; wasted_pairs_ratio: evaluated / needed;
+        balance: max / mean pairs over groups; balance_limit: the most the bound allows
+            (cost.balance_bound); padding_tokens: tokens placed beyond the stream's;
+        split_documents: documents held by more than one group.
+        The pairs and traffic come from the schedules' own relation (kv_schedule), so they
+        can be checked against the independent cost model (cost.py).
         """
-        u = self.ulysses_degree
-        group_pairs = [s.pairs for s in self.schedules]
-        pairs = [group_pairs[r // u] for r in range(self.cp_size)]
-        kv = [self.schedules[r // u].kv_tokens_received for r in range(self.cp_size)]
-        per_rank = self.num_tokens // self.cp_size
+        u, groups = self.ulysses_degree, self.ring_size
+        split = self._split_documents()
+        totals = [schedule_totals(split, g) for g in range(groups)]
+        group_evaluated = [p for p, _ in totals]
         needed = self.pairs_needed()
+        lengths = np.diff(self.cu_seqlens.numpy())
+        per_rank = self.num_tokens // self.cp_size
+        mean = needed / groups
         return {
-            "pairs_per_rank": pairs,
-            "kv_tokens_received_per_rank": kv,
+            "pairs_per_rank": [group_evaluated[r // u] for r in range(self.cp_size)],
+            "kv_tokens_received_per_rank": [totals[r // u][1] for r in range(self.cp_size)],
             "ulysses_tokens_received_per_rank": [per_rank * (u - 1)] * self.cp_size,
             "pairs_needed": needed,
-            "wasted_pairs_ratio": sum(group_pairs) / needed if needed else 1.0,
-            "balance": max(group_pairs) / (sum(group_pairs) / len(group_pairs)),
-            "padding_tokens": 0,
+            "wasted_pairs_ratio": sum(group_evaluated) / needed,
+            "balance": max(group_evaluated) / mean,
+            "balance_limit": balance_bound(mean, int(lengths.max())) / mean,
+            "padding_tokens": int(self.pieces.length.sum()) - self.num_tokens,
+            "split_documents": int(np.unique(split.doc).size),
         }
 
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.cp_size:
-            raise ValueError(f"cp_rank must be in [0, {self.cp_size}), got {rank}")
+    def group_pairs(self) -> np.ndarray:
+        """int64 [R]: pairs of every group, from the independent cost model."""
+        return group_pairs(self.pieces)
+
+    def _split_documents(self) -> SplitDocuments:
+        if "split" not in self._split:
+            self._split["split"] = SplitDocuments(self.pieces)
+        return self._split["split"]
+
+    def _check_rank(self, rank) -> int:
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not (
+                0 <= rank < self.cp_size):
+            raise ValueError(f"cp_rank must be an int in [0, {self.cp_size}), got {rank!r}")
+        return int(rank)
 
 
-def _validate(cu_seqlens, cp_size, algo, ulysses_degree) -> Tuple[torch.Tensor, int]:
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size (--context-parallel-size) must be a positive int, got "
-                         f"{cp_size!r}")
+def ulysses_degree_for(algo: str, cp_size: int, ulysses_degree: Optional[int] = None) -> int:
+    """The Ulysses degree an algorithm implies: ring 1, ulysses cp_size, hybrid the given
+    degree, which must divide cp_size. The one place this rule lives."""
     if algo not in ALGORITHMS:
         raise ValueError(f"algo (--context-parallel-algo) must be one of {ALGORITHMS}, got "
                          f"{algo!r}")
     if algo == "ring":
         if ulysses_degree not in (None, 1):
-            raise ValueError(f"ulysses_degree must be None or 1 for algo='ring', got "
-                             f"{ulysses_degree}")
-        u = 1
-    elif algo == "ulysses":
+            raise ValueError(f"ulysses_degree (--ulysses-degree-in-cp) must be None or 1 for "
+                             f"algo='ring', got {ulysses_degree}")
+        return 1
+    if algo == "ulysses":
         if ulysses_degree not in (None, cp_size):
-            raise ValueError(f"ulysses_degree must be None or cp_size ({cp_size}) for "
-                             f"algo='ulysses', got {ulysses_degree}")
-        u = cp_size
+            raise ValueError(f"ulysses_degree (--ulysses-degree-in-cp) must be None or "
+                             f"cp_size ({cp_size}) for algo='ulysses', got {ulysses_degree}")
+        return cp_size
+    if ulysses_degree is None:
+        raise ValueError("algo='hybrid' needs ulysses_degree (--ulysses-degree-in-cp)")
+    u = ulysses_degree
+    if isinstance(u, bool) or not isinstance(u, (int, np.integer)) or u < 1 or cp_size % u:
+        raise ValueError(f"ulysses_degree (--ulysses-degree-in-cp) {u!r} must be a positive "
+                         f"int that divides cp_size (--context-parallel-size {cp_size})")
+    return int(u)
+
+
+def _validate_cu_seqlens(cu_seqlens) -> np.ndarray:
+    """-> int64 numpy offsets, or ValueError naming the rule that is broken."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or \
+                cu_seqlens.dtype == torch.bool:
+            raise ValueError(f"cu_seqlens must hold integers, got dtype {cu_seqlens.dtype}")
+        cu = cu_seqlens.detach().to("cpu", torch.int64).numpy()
     else:
-        if ulysses_degree is None:
-            raise ValueError("algo='hybrid' needs ulysses_degree (--ulysses-degree-in-cp)")
-        u = ulysses_degree
-        if isinstance(u, bool) or not isinstance(u, int) or u < 1 or cp_size % u:
-            raise ValueError(f"ulysses_degree (--ulysses-degree-in-cp) must divide cp_size "
-                             f"(--context-parallel-size {cp_size}), got {u!r}")
-    if not isinstance(cu_seqlens, torch.Tensor):
-        cu_seqlens = torch.as_tensor(cu_seqlens)
-    cu = cu_seqlens.detach().to("cpu", torch.int64).flatten()
-    if cu.numel() < 2 or cu[0] != 0 or bool((cu[1:] <= cu[:-1]).any()):
+        cu = np.asarray(cu_seqlens)
+        if cu.size == 0:
+            cu = cu.astype(np.int64)  # an empty list: the offsets rule below names the error
+        elif cu.dtype == object or not np.issubdtype(cu.dtype, np.integer):
+            raise ValueError(f"cu_seqlens must hold integers, got {cu.dtype} values")
+        else:
+            cu = cu.astype(np.int64)
+    if cu.ndim != 1:
+        raise ValueError(f"cu_seqlens must be 1-D (document offsets into the flattened "
+                         f"b*s stream), got shape {tuple(cu.shape)}")
+    if cu.size < 2 or cu[0] != 0 or bool((cu[1:] <= cu[:-1]).any()):
         raise ValueError("cu_seqlens must start at 0 and strictly increase (one offset per "
                          "document start, then b*s)")
-    n = int(cu[-1])
-    if n % cp_size:
-        raise ValueError(f"b*s ({n} tokens) must be divisible by cp_size (--context-parallel-"
-                         f"size {cp_size})")
-    return cu, u
+    return cu
 
 
 def plan_context_parallel(cu_seqlens, cp_size: int, algo: str = "ring",
                           ulysses_degree: Optional[int] = None) -> CPPlan:
-    """Plan how `cp_size` ranks share the documents of one micro-batch (see the module)."""
-    cu, u = _validate(cu_seqlens, cp_size, algo, ulysses_degree)
-    groups = cp_size // u
-    pieces = partition_documents(cu.numpy(), groups)
-    schedules = build_schedules(pieces, groups)
-    return CPPlan(algo, cp_size, u, int(cu[-1]), cu.to(torch.int32), pieces, tuple(schedules))
+    """Plan how `cp_size` ranks share the documents of one micro-batch (see the module).
+    Never fails on a valid input; a bad one raises ValueError naming the rule."""
+    if isinstance(cp_size, bool) or not isinstance(cp_size, (int, np.integer)) or cp_size < 1:
+        raise ValueError(f"cp_size (--context-parallel-size) must be a positive int, got "
+                         f"{cp_size!r}")
+    cp_size = int(cp_size)
+    u = ulysses_degree_for(algo, cp_size, ulysses_degree)
+    cu = _validate_cu_seqlens(cu_seqlens)
+    n = int(cu[-1])
+    if cp_size > n:
+        raise ValueError(f"cp_size (--context-parallel-size {cp_size}) must not exceed the "
+                         f"tokens of the micro-batch (b*s = {n})")
+    if n % cp_size:
+        raise ValueError(f"b*s ({n} tokens) must be divisible by cp_size (--context-parallel-"
+                         f"size {cp_size})")
+    pieces = partition_documents(cu, cp_size // u)
+    return CPPlan(algo, cp_size, u, n, torch.from_numpy(cu.astype(np.int32)), pieces)

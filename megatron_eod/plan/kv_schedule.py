@@ -1,35 +1,37 @@
-"""Who needs whose keys: the per-group attention calls and ring steps of a placement.
+"""Who needs whose keys: one group's attention calls and ring steps, built on demand.
 
-One job: turn `Pieces` (which token ranges each group holds) into, for every group, the
-varlen kernel calls it makes and the key/value rows it exchanges with each peer. Everything
-is index tensors computed once per micro-batch on the host, so the attention layers do no
-host work and no host syncs.
+One job: turn `Pieces` into the varlen kernel calls a group makes and the key/value rows it
+exchanges with each peer. Only the asking group's schedule is built (a rank needs its own),
+in O(its pieces + the pieces of its split documents + R) host work; everything is index
+tensors made once per micro-batch, so the attention layers do no host work and no host syncs.
 
 For group g with R groups:
-* the local call: one causal sequence per run of g's pieces of one document (they are
-  consecutive in local order), so it runs over the local rows as they are, with no gather;
+* the local call: one causal sequence per document g holds (its pieces of one document are
+  one run of local rows), over the local rows as they are, with no gather;
 * step t = 1..R-1: g receives from group (g - t) mod R exactly the pieces of that group that
-  precede one of g's pieces in the same document (each such piece once), sends to group
-  (g + t) mod R the pieces that group needs from g, and makes one non-causal call in which
-  each of its pieces attends to the received pieces of its document that precede it.
-Only documents cut into several pieces create steps with data; a step without data on both
-sides is skipped by the attention code.
+  precede one of g's pieces in the same document (each once, in the sender's local order),
+  sends to group (g + t) mod R the pieces that group needs from g, and makes one non-causal
+  call in which each of its pieces attends to the received pieces of its document before it.
+Only documents held by two groups or more ("split documents") create steps with data.
+
+`needed_pieces` is the one statement of "who needs what": the schedules, `CPPlan.stats()`
+and the tests all read it.
 
 What it does not do: no placement (partition.py), no communication.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from megatron_eod.plan.partition import Pieces, ranges
+from megatron_eod.plan.pieces import Pieces, ranges
 
-__all__ = ["KernelCall", "RingStep", "GroupSchedule", "build_schedules"]
+__all__ = ["KernelCall", "RingStep", "GroupSchedule", "SplitDocuments", "build_schedule",
+           "call_from_rows", "needed_pieces", "schedule_totals"]
 
 
 @dataclass(frozen=True)
@@ -90,82 +92,122 @@ class GroupSchedule:
         return self.local.pairs + sum(s.call.pairs for s in self.steps if s.call is not None)
 
 
-def _call(q_rows: List[np.ndarray], k_rows: List[np.ndarray], causal: bool) -> KernelCall:
-    lq = np.array([r.size for r in q_rows], dtype=np.int64)
-    lk = np.array([r.size for r in k_rows], dtype=np.int64)
+class SplitDocuments:
+    """The pieces of documents held by two groups or more, sorted by (document, start), and
+    every piece's first local row: what every schedule and `needed_pieces` read."""
+
+    def __init__(self, pieces: Pieces):
+        self.pieces = pieces
+        self.local_start = pieces.local_start()
+        order = np.lexsort((pieces.start, pieces.doc))
+        doc, group = pieces.doc[order], pieces.group[order]
+        first = np.flatnonzero(np.concatenate([[True], doc[1:] != doc[:-1]])) if doc.size \
+            else np.zeros(0, np.int64)
+        counts = np.diff(np.concatenate([first, [doc.size]]))
+        mixed = np.logical_or.reduceat(group != np.repeat(group[first], counts), first) \
+            if doc.size else np.zeros(0, bool)
+        self.index = order[np.repeat(mixed, counts)]  # piece indices, by (doc, start)
+        self.doc = pieces.doc[self.index]
+
+    def of_group(self, group: int) -> np.ndarray:
+        """Indices into `index` of the split pieces `group` holds."""
+        return np.flatnonzero(self.pieces.group[self.index] == group)
+
+
+def needed_pieces(split: SplitDocuments, group: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Every (query piece of `group`, key piece of another group) pair of one split document
+    where the key piece lies before the query piece: two int64 arrays of piece indices."""
+    mine = split.of_group(group)
+    # The pieces of a document are consecutive in `index`, in position order: the key
+    # pieces before piece m are those between its document's first piece and m.
+    first = np.searchsorted(split.doc, split.doc[mine], side="left")
+    q, k = np.repeat(mine, mine - first), ranges(first, mine)
+    other = split.pieces.group[split.index[k]] != group
+    return split.index[q[other]], split.index[k[other]]
+
+
+def given_pieces(split: SplitDocuments, group: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Every (group that needs it, key piece of `group`) pair: the mirror of needed_pieces."""
+    mine = split.of_group(group)
+    end = np.searchsorted(split.doc, split.doc[mine], side="right")
+    k, q = np.repeat(mine, end - mine - 1), ranges(mine + 1, end)
+    needer = split.pieces.group[split.index[q]]
+    other = needer != group
+    return needer[other], split.index[k[other]]
+
+
+def schedule_totals(split: SplitDocuments, group: int) -> Tuple[int, int]:
+    """(query-key pairs the group's calls evaluate, key/value tokens it receives), from the
+    same relation the schedule is built from, without building it."""
+    p = split.pieces
+    q, k = needed_pieces(split, group)
+    local = local_call(p, group, with_rows=False)
+    pairs = local.pairs + int((p.length[q] * p.length[k]).sum())
+    return pairs, int(p.length[np.unique(k)].sum())
+
+
+def _call(q_lengths, k_lengths, q_index, k_index, causal: bool) -> KernelCall:
+    lq, lk = np.asarray(q_lengths, np.int64), np.asarray(k_lengths, np.int64)
     if causal:  # bottom-right aligned: query i of sq sees keys 0 .. i + (sk - sq)
         pairs = int((lq * (lk - lq) + lq * (lq + 1) // 2).sum())
     else:
         pairs = int((lq * lk).sum())
-    cat = lambda rows: torch.from_numpy(np.concatenate(rows) if rows else np.zeros(0, np.int64))  # noqa: E731
     cu = lambda lens: torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))  # noqa: E731
-    return KernelCall(cat(q_rows), cat(k_rows), cu(lq), cu(lk),
+    return KernelCall(torch.from_numpy(q_index), torch.from_numpy(k_index), cu(lq), cu(lk),
                       int(lq.max()) if lq.size else 0, int(lk.max()) if lk.size else 0,
                       causal, pairs)
 
 
-def build_schedules(pieces: Pieces, groups: int) -> List[GroupSchedule]:
-    """Schedules for all groups (every rank computes all of them identically)."""
-    length = pieces.end - pieces.start
-    local_start = np.zeros(length.size, dtype=np.int64)  # first local row of each piece
-    by_group = [np.flatnonzero(pieces.group == g) for g in range(groups)]
-    for idx in by_group:
-        local_start[idx] = np.concatenate([[0], np.cumsum(length[idx])[:-1]]) if idx.size else []
-    rows = lambda i: np.arange(local_start[i], local_start[i] + length[i])  # noqa: E731
-    # Pieces of documents cut into several pieces, by document, in stream order.
-    of_doc = defaultdict(list)
-    counts = np.bincount(pieces.doc)
-    for i in np.flatnonzero(counts[pieces.doc] > 1):
-        of_doc[int(pieces.doc[i])].append(int(i))
-    for doc in of_doc:
-        of_doc[doc].sort(key=lambda i: pieces.start[i])
+def call_from_rows(q_rows: List[np.ndarray], k_rows: List[np.ndarray],
+                   causal: bool) -> KernelCall:
+    """A call whose sequence i has queries q_rows[i] and keys k_rows[i] (benchmarks build
+    other systems' layouts with it)."""
+    cat = lambda rows: np.concatenate(rows) if rows else np.zeros(0, np.int64)  # noqa: E731
+    return _call([r.size for r in q_rows], [r.size for r in k_rows], cat(q_rows).astype(
+        np.int64), cat(k_rows).astype(np.int64), causal)
 
-    def earlier(i, group):  # pieces of `group` in i's document that end before i starts
-        return [j for j in of_doc.get(int(pieces.doc[i]), ())
-                if pieces.group[j] == group and pieces.end[j] <= pieces.start[i]]
 
-    schedules = []
-    for g in range(groups):
-        mine = by_group[g]
-        n_tokens = int(length[mine].sum())
-        # The group's pieces of one document are consecutive in local order (pieces are in
-        # stream order and documents are contiguous): one causal sequence per run, so the
-        # local call covers the local rows in order (q_index = k_index = identity).
-        runs = []
-        for i in mine:
-            if runs and pieces.doc[runs[-1][-1]] == pieces.doc[i]:
-                runs[-1].append(i)
-            else:
-                runs.append([i])
-        run_rows = [np.arange(local_start[r[0]], local_start[r[-1]] + length[r[-1]])
-                    for r in runs]
-        local = _call(run_rows, run_rows, causal=True)
-        steps = []
-        for t in range(1, groups):
-            src, dst = (g - t) % groups, (g + t) % groups
-            # What g receives from src: src's pieces preceding one of g's pieces (once each).
-            needed = {j: None for i in mine for j in earlier(i, src)}
-            recv_pieces = sorted(needed, key=lambda j: local_start[j])
-            buffer_at = {}
-            offset = 0
-            for j in recv_pieces:
-                buffer_at[j] = offset
-                offset += int(length[j])
-            call = None
-            if recv_pieces:
-                qs, ks = [], []
-                for i in mine:
-                    before = earlier(i, src)
-                    if before:
-                        qs.append(rows(i))
-                        ks.append(np.concatenate([np.arange(buffer_at[j], buffer_at[j]
-                                                            + length[j]) for j in before]))
-                call = _call(qs, ks, causal=False)
-            # What g sends to dst: g's pieces preceding one of dst's pieces.
-            sent = {j: None for i in by_group[dst] for j in earlier(i, g)}
-            send_pieces = sorted(sent, key=lambda j: local_start[j])
-            send_index = ranges(local_start[send_pieces], local_start[send_pieces]
-                                + length[send_pieces]) if send_pieces else np.zeros(0, np.int64)
-            steps.append(RingStep(t, dst, src, torch.from_numpy(send_index), offset, call))
-        schedules.append(GroupSchedule(g, n_tokens, local, tuple(steps)))
-    return schedules
+def local_call(pieces: Pieces, group: int, with_rows: bool = True) -> KernelCall:
+    """One causal sequence per run of the group's pieces of one document, over the local
+    rows in order (q_index = k_index = identity)."""
+    lo, hi = pieces.group_offsets[[group, group + 1]]
+    doc, length = pieces.doc[lo:hi], pieces.length[lo:hi]
+    run_length = np.add.reduceat(length, np.flatnonzero(np.concatenate(
+        [[True], doc[1:] != doc[:-1]]))) if doc.size else np.zeros(0, np.int64)
+    rows = np.arange(int(length.sum()) if with_rows else 0, dtype=np.int64)
+    return _call(run_length, run_length, rows, rows, causal=True)
+
+
+def build_schedule(split: SplitDocuments, group: int) -> GroupSchedule:
+    """Group `group`'s local call and its R - 1 ring steps (see the module)."""
+    p, groups = split.pieces, split.pieces.groups
+    start, length, local_start = p.start, p.length, split.local_start
+    rows = lambda i: ranges(local_start[i], local_start[i] + length[i])  # noqa: E731
+    q_piece, k_piece = needed_pieces(split, group)
+    k_group = p.group[k_piece]
+    needer, given_k = given_pieces(split, group)
+    steps: List[RingStep] = []
+    for t in range(1, groups):
+        src, dst = (group - t) % groups, (group + t) % groups
+        # Received: src's needed pieces, once each, in src's local order.
+        mine = k_group == src
+        received = np.unique(k_piece[mine])  # piece index order == src's local order
+        call = None
+        if received.size:
+            at = np.zeros(int(received.max()) + 1, np.int64)
+            at[received] = np.cumsum(length[received]) - length[received]
+            qs, ks = q_piece[mine], k_piece[mine]
+            order = np.lexsort((start[ks], local_start[qs]))  # queries in local order
+            qs, ks = qs[order], ks[order]
+            new_q = np.concatenate([[True], qs[1:] != qs[:-1]])
+            uq = qs[new_q]
+            k_lengths = np.add.reduceat(length[ks], np.flatnonzero(new_q))
+            call = _call(length[uq], k_lengths, rows(uq), ranges(at[ks], at[ks] + length[ks]),
+                         causal=False)
+        # Sent: what dst needs from this group (dst computes the same set as its `received`).
+        sent = np.unique(given_k[needer == dst])
+        send_index = rows(sent) if sent.size else np.zeros(0, np.int64)
+        steps.append(RingStep(t, dst, src, torch.from_numpy(send_index),
+                              int(length[received].sum()), call))
+    n_tokens = int(p.tokens_per_group()[group])
+    return GroupSchedule(group, n_tokens, local_call(p, group), tuple(steps))

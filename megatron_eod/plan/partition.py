@@ -1,127 +1,155 @@
-"""Place the documents of a packed stream on CP groups: equal tokens, equal attention work.
+"""Place the documents of a packed stream on CP groups: exact tokens, equal attention work.
 
-One job: given document lengths and the number of groups R (CP ranks for Ring; Ulysses groups
-for Hybrid), choose which token ranges ("pieces") each group holds so that every group holds
-exactly N/R tokens and (nearly) the same number of causal query-key pairs, while short
-documents stay whole, no document is padded, and few tokens must travel between groups.
-Deterministic, numpy only, O(n_docs * R + N) host work.
+One job: given document lengths and the number of groups R (CP ranks for Ring; Ulysses
+groups for Hybrid), choose the token ranges ("pieces") each group holds so that every group
+holds exactly N/R tokens and the same number of causal query-key pairs within
+`cost.balance_bound`, with short documents whole and no padding. It never fails on a valid
+stream and costs O(n_docs log n_docs + R log N) host work: one sort, then a loop over groups
+with a bisection each.
 
-A query at position p of its document costs p + 1 pairs wherever its keys live, so a group's
-work is a sum over the tokens it holds; the head of a document is cheap, its tail expensive.
+The sweep. A query at position p of its document costs p + 1 pairs. Taking a document's
+tokens in "shells" (a head [u, u+x) and a tail [v-y, v) of what is left, x ~ y) keeps what is
+left a centred middle, so every part of a document has the density (L + 1) / 2 pairs per
+token of the whole: documents sorted by length are sorted by density. Every group takes a
+tokens from the sparse end of the sorted list (short documents, whole while they last) and
+N/R - a tokens from the dense end (long documents, in shells); the larger a, the less work,
+so a bisection on a hits the group's share. Shares are cumulative (group g aims at
+(g + 1) / R of all pairs), so errors do not pile up: each group is off by at most a couple
+of tokens' pairs (`cost.GRANULARITY_TOKENS`). The two ends meet in the middle of the list;
+the last group takes what is left, which has exactly its share of tokens.
 
-1. Long documents (longer than N/R, or more than `LONG_WORK_FRACTION` of a group's pairs) are
-   zigzagged over the fewest groups that can take them (2m equal chunks; group i of m holds
-   chunks i and 2m-1-i, which carry equal work), the least loaded groups first.
-2. Whole documents go greedily, most work first, to the group whose larger of (work, tokens)
-   relative to its share stays smallest.
-3. Whole documents move or swap between groups while that shrinks the worst group's
-   (tokens, work) error (`_refine`).
-4. balance.py makes token counts exact and work equal by cutting a few pieces (`chain`,
-   `repair`), preferring cuts that make few key/value tokens travel.
+Each group boundary cuts at most one document at each end, so at most 2(R - 1) documents
+are cut; a long document is cut over the fewest groups that can take its work.
 
 What it does not do: no key/value schedule (kv_schedule.py), no padding ever.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import List, Tuple
 
 import numpy as np
 
-from megatron_eod.plan.balance import GroupLoads, NoCandidate, chain, kv_per_group, repair
-from megatron_eod.plan.cost import doc_pairs
+from megatron_eod.plan.cost import doc_pairs, range_pairs
+from megatron_eod.plan.pieces import Pieces
 
-__all__ = ["Pieces", "partition_documents", "LONG_WORK_FRACTION"]
+__all__ = ["partition_documents"]
 
-LONG_WORK_FRACTION = 0.8  # a document with more of a group's pairs than this is zigzagged
-M_WORK_FRACTION = 0.9  # ... over m groups, m the fewest that keep its share per group below this
+# (sorted index, first position, end position) of a partial document taken by a group.
+_Part = Tuple[int, int, int]
 
-
-@dataclass(frozen=True)
-class Pieces:
-    """Contiguous token ranges of the stream, each inside one document, in local order.
-
-    start/end: int64 [P], stream offsets [start, end); doc: int64 [P]; group: int64 [P].
-    Pieces are sorted by group; within a group their order is the group's local token order
-    (by stream offset, so a document's earlier pieces come first).
-    """
-
-    start: np.ndarray
-    end: np.ndarray
-    doc: np.ndarray
-    group: np.ndarray
-
-    def token_index(self, group: int) -> np.ndarray:
-        """Stream offsets of the tokens `group` holds, in local order."""
-        mine = self.group == group
-        return ranges(self.start[mine], self.end[mine])
+HEAD_CUT_FRACTION = 8  # documents up to share / 8 tokens are cut head-first at the sparse end
 
 
-def ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(s, e) for every (s, e), vectorised."""
-    starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
-    lengths = ends - starts
-    if lengths.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.repeat(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
-    return np.arange(int(lengths.sum()), dtype=np.int64) + offsets
+def _shell(u: int, v: int, length: int, n: int) -> Tuple[int, int]:
+    """Split n tokens of the middle [u, v) of a document into a head x and a tail n - x that
+    keep what is left centred (so its density stays (length + 1) / 2)."""
+    x = min(max((n + (length - v) - u) // 2, 0), n)
+    return x, n - x
 
 
-def _zigzag_long(doc, cu, m, groups_order, state):
-    start, length = int(cu[doc]), int(cu[doc + 1] - cu[doc])
-    edges = np.linspace(0, length, 2 * m + 1).round().astype(np.int64)
-    for i, g in enumerate(groups_order[:m]):
-        for c in (i, 2 * m - 1 - i):
-            if edges[c + 1] > edges[c]:
-                state.give(g, start + edges[c], start + edges[c + 1], doc, start)
+class _Sweep:
+    """Documents sorted by length; the material left is documents i..j of that order, where
+    i is left as its middle [ui, vi) and j as [uj, vj) (the same document when i == j)."""
 
+    def __init__(self, lengths: np.ndarray, share: int):
+        # A short document cut at the sparse end gives its head (its next holder then needs
+        # few keys) instead of a shell; only "short" ones, because what is left of it is
+        # denser than the document and must not end up denser than the documents after it.
+        self.head_cut_below = max(1, share // HEAD_CUT_FRACTION)
+        # Stable, so equal lengths keep stream order; a radix sort when lengths fit 16 bits.
+        keys = lengths.astype(np.uint16) if lengths.max() < 1 << 16 else lengths
+        self.order = np.argsort(keys, kind="stable")
+        self.length = lengths[self.order]
+        self.cum_len = np.concatenate([[0], np.cumsum(self.length)])
+        self.cum_work = np.concatenate([[0], np.cumsum(doc_pairs(self.length))])
+        last = self.length.size - 1
+        self.state = (0, 0, int(self.length[0]), last, 0, int(self.length[last]))
 
-def _refine(state, lengths, pairs, groups, tokens_share, share, rounds=200):
-    """Move or swap whole documents between groups while that shrinks the worst group's
-    (token, work) error; leaves the chain small token excesses to cut."""
-    tok_scale, work_scale = float(tokens_share), float(share)
+    def _whole(self, lo: int, hi: int) -> int:
+        return int(self.cum_work[hi] - self.cum_work[lo])
 
-    def cost(dt, dw):  # token errors matter less: the chain absorbs them, work it cannot
-        return (dt / tok_scale) ** 2 * 0.05 + (dw / work_scale) ** 2
+    def _partial(self, state, k: int, n: int, parts, shell: bool):
+        """Take n tokens of what is left of document k: a shell (dense end) or its first n
+        tokens (sparse end: a short document's head, so its next holder needs only n keys)."""
+        i, ui, vi, j, uj, vj = state
+        length = int(self.length[k])
+        u, v = (ui, vi) if k == i else (uj, vj) if k == j else (0, length)
+        x, y = (n, 0) if not shell and length <= self.head_cut_below else _shell(u, v, length, n)
+        if parts is not None:
+            if x:
+                parts.append((k, u, u + x))
+            if y:
+                parts.append((k, v - y, v))
+        return range_pairs(u, u + x) + range_pairs(v - y, v), (u + x, v - y)
 
-    for _ in range(rounds):
-        dt = state.tokens - tokens_share
-        dw = state.work - share
-        errors = cost(dt, dw)
-        a = int(np.argmax(errors))
-        base = errors.sum()
-        best = (0.0, None)
-        xs = np.array(state.whole[a], dtype=np.int64)
-        if xs.size == 0:
-            break
-        for b in range(groups):
-            if b == a:
-                continue
-            ys = np.array(state.whole[b] + [-1], dtype=np.int64)  # -1: a move, not a swap
-            lx, px = lengths[xs][:, None], pairs[xs][:, None].astype(float)
-            ly = np.where(ys >= 0, lengths[ys], 0)[None, :]
-            py = np.where(ys >= 0, pairs[ys], 0)[None, :].astype(float)
-            new = (cost(dt[a] - lx + ly, dw[a] - px + py) + cost(dt[b] + lx - ly, dw[b] + px - py)
-                   - errors[a] - errors[b])
-            i, j = np.unravel_index(np.argmin(new), new.shape)
-            if new[i, j] < best[0] - 1e-12 * base:
-                best = (new[i, j], (b, int(xs[i]), int(ys[j])))
-        if best[1] is None:
-            break
-        b, x, y = best[1]
-        _move_whole(state, x, a, b, lengths, pairs)
-        if y >= 0:
-            _move_whole(state, y, b, a, lengths, pairs)
+    def front(self, state, a: int, parts=None, wholes=None):
+        """Take a tokens from the sparse end: -> (pairs, new state)."""
+        i, ui, vi, j, uj, vj = state
+        if a < vi - ui or i == j:
+            work, (u, v) = self._partial(state, i, a, parts, False)
+            return work, ((i, u, v, j, u, v) if i == j else (i, u, v, j, uj, vj))
+        work = range_pairs(ui, vi)
+        if parts is not None and vi > ui:
+            parts.append((i, ui, vi))
+        a -= vi - ui
+        # Whole documents i+1 .. k-1 (k <= j), then the head of document k.
+        k = min(j, int(np.searchsorted(self.cum_len, self.cum_len[i + 1] + a, "right")) - 1)
+        work += self._whole(i + 1, k)
+        if wholes is not None and k > i + 1:
+            wholes.append((i + 1, k))
+        a -= int(self.cum_len[k] - self.cum_len[i + 1])
+        more, (u, v) = self._partial(state, k, a, parts, False)
+        new = (k, u, v, j, u, v) if k == j else (k, u, v, j, uj, vj)
+        return work + more, new
 
+    def back(self, state, b: int, parts=None, wholes=None):
+        """Take b tokens from the dense end: -> (pairs, new state)."""
+        i, ui, vi, j, uj, vj = state
+        if b < vj - uj or i == j:
+            work, (u, v) = self._partial(state, j, b, parts, True)
+            return work, ((j, u, v, j, u, v) if i == j else (i, ui, vi, j, u, v))
+        work = range_pairs(uj, vj)
+        if parts is not None and vj > uj:
+            parts.append((j, uj, vj))
+        b -= vj - uj
+        # Whole documents k .. j-1 (k >= i+1), then a shell of document k - 1.
+        k = max(i + 1, int(np.searchsorted(self.cum_len, self.cum_len[j] - b, "left")))
+        work += self._whole(k, j)
+        if wholes is not None and j > k:
+            wholes.append((k, j))
+        b -= int(self.cum_len[j] - self.cum_len[k])
+        p = k - 1
+        more, (u, v) = self._partial(state, p, b, parts, True)
+        new = (p, u, v, p, u, v) if p == i else (i, ui, vi, p, u, v)
+        return work + more, new
 
-def _move_whole(state, doc, src, dst, lengths, pairs):
-    state.whole[src].remove(doc)
-    state.whole[dst].append(doc)
-    state.tokens[src] -= lengths[doc]
-    state.tokens[dst] += lengths[doc]
-    state.work[src] -= pairs[doc]
-    state.work[dst] += pairs[doc]
-    state.pieces = [(s, e, d, dst if d == doc else g) for s, e, d, g in state.pieces]
+    def take(self, a: int, b: int, parts=None, wholes=None):
+        """a tokens from the sparse end, then b from the dense end: -> (pairs, new state)."""
+        work_front, state = self.front(self.state, a, parts, wholes)
+        work_back, state = self.back(state, b, parts, wholes)
+        return work_front + work_back, state
+
+    def fill(self, tokens: int, target: float, last: bool, parts, wholes) -> int:
+        """Take `tokens` tokens whose pairs come closest to `target`; -> the pairs taken."""
+        a = tokens  # the last group takes what is left: exactly one share of tokens
+        if not last:
+            work = lambda a: self.take(a, tokens - a)[0]  # noqa: E731
+            lo, hi = 0, tokens
+            w_lo, w_hi = work(lo), work(hi)
+            falling = w_lo >= w_hi  # more from the sparse end, less work (the usual case)
+            if (target - w_lo) * (target - w_hi) > 0:  # out of reach: the nearer end
+                a = lo if abs(target - w_lo) <= abs(target - w_hi) else hi
+            else:
+                while hi - lo > 1:  # invariant: the target lies between work(lo), work(hi)
+                    mid = (lo + hi) // 2
+                    if (work(mid) > target) == falling:
+                        lo = mid
+                    else:
+                        hi = mid
+                a = lo if abs(work(lo) - target) <= abs(work(hi) - target) else hi
+        work, self.state = self.take(a, tokens - a, parts, wholes)
+        return work
 
 
 def partition_documents(cu_seqlens, groups: int) -> Pieces:
@@ -130,54 +158,45 @@ def partition_documents(cu_seqlens, groups: int) -> Pieces:
     lengths = np.diff(cu)
     n_docs = lengths.size
     if groups == 1:
-        return Pieces(cu[:-1].copy(), cu[1:].copy(), np.arange(n_docs), np.zeros(n_docs, int))
-    tokens_share = int(cu[-1]) // groups
-    pairs = doc_pairs(lengths)
-    share = pairs.sum() / groups
-    long_docs = (lengths > tokens_share) | (pairs > LONG_WORK_FRACTION * share)
-    extra_long = set()
-    while True:
-        state = GroupLoads(groups)
-        is_long = long_docs.copy()
-        is_long[list(extra_long)] = True
-        for d in sorted(np.flatnonzero(is_long), key=lambda d: -pairs[d]):
-            m = max(2, int(np.ceil(lengths[d] / tokens_share)),
-                    int(np.ceil(pairs[d] / (M_WORK_FRACTION * share))))
-            m = min(m, groups)
-            # The m least-loaded groups; within them, the one receiving least so far takes
-            # the outermost chunks (it will need the most keys: (2m-2) of 2m chunks).
-            chosen = np.lexsort((np.arange(groups), state.work))[:m]
-            received = kv_per_group(state, cu, groups)
-            roles = sorted(chosen, key=lambda g: (received[g], state.work[g], g))
-            _zigzag_long(d, cu, m, roles, state)
-        for d in sorted(np.flatnonzero(~is_long), key=lambda d: (-pairs[d], d)):
-            load = np.maximum((state.work + pairs[d]) / share,
-                              (state.tokens + lengths[d]) / tokens_share)
-            g = int(np.argmin(load))
-            state.give(g, int(cu[d]), int(cu[d + 1]), int(d), int(cu[d]))
-            state.whole[g].append(int(d))
-        _refine(state, lengths, pairs, groups, tokens_share, share)
-        try:
-            chain(cu, state, groups, share)
-            repair(cu, state, groups, share)
-            break
-        except NoCandidate:
-            # No whole document of that group can be cut to move the excess: zigzag its
-            # largest whole document as well and start again (rare; tiny streams).
-            whole = [d for d in np.flatnonzero(~is_long)]
-            if not whole:
-                raise AssertionError("partition: no document left to cut") from None
-            extra_long.add(int(max(whole, key=lambda d: lengths[d])))
-    return _merged(state.pieces)
+        return Pieces.build(cu[:-1], cu[1:], np.arange(n_docs), np.zeros(n_docs, np.int64),
+                            cu, 1)
+    share = int(cu[-1]) // groups
+    total = int(doc_pairs(lengths).sum())
+    sweep = _Sweep(lengths, share)
+    parts: List[List[_Part]] = []
+    wholes: List[List[Tuple[int, int]]] = []
+    done = 0
+    for g in range(groups):
+        parts.append([])
+        wholes.append([])
+        target = total * (g + 1) / groups - done
+        done += sweep.fill(share, target, g == groups - 1, parts[-1], wholes[-1])
+    return _pieces(cu, sweep.order, parts, wholes, groups)
 
 
-def _merged(pieces) -> Pieces:
-    """Sort by (group, start) and join touching pieces of one document in one group."""
-    out = []
-    for s, e, d, g in sorted(pieces, key=lambda p: (p[3], p[0])):
-        if out and out[-1][3] == g and out[-1][2] == d and out[-1][1] == s:
-            out[-1][1] = e
-        else:
-            out.append([s, e, d, g])
-    arr = np.array(out, dtype=np.int64).reshape(-1, 4)
-    return Pieces(start=arr[:, 0], end=arr[:, 1], doc=arr[:, 2], group=arr[:, 3])
+def _pieces(cu, order, parts, wholes, groups) -> Pieces:
+    """Stream pieces, grouped by group, from the sweep's partial (sorted index, u, v) parts
+    and whole ranges of sorted indices. No global sort: a group's few partial parts are
+    sorted by (document, position) and merged where they touch; its whole documents follow."""
+    docs, starts, ends, owners = [], [], [], []
+    for g in range(groups):
+        merged: List[List[int]] = []
+        for doc, u, v in sorted((int(order[k]), u, v) for k, u, v in parts[g]):
+            if merged and merged[-1][0] == doc and merged[-1][2] == u:
+                merged[-1][2] = v
+            else:
+                merged.append([doc, u, v])
+        part_doc = np.array([m[0] for m in merged], np.int64)
+        docs.append(part_doc)
+        starts.append(cu[part_doc] + np.array([m[1] for m in merged], np.int64))
+        ends.append(cu[part_doc] + np.array([m[2] for m in merged], np.int64))
+        owners.append(np.full(part_doc.size, g, np.int64))
+        for lo, hi in wholes[g]:
+            whole_doc = order[lo:hi]
+            docs.append(whole_doc)
+            starts.append(cu[whole_doc])
+            ends.append(cu[whole_doc + 1])
+            owners.append(np.full(hi - lo, g, np.int64))
+    doc = np.concatenate(docs)
+    return Pieces(np.concatenate(starts), np.concatenate(ends), doc, np.concatenate(owners),
+                  cu[doc], groups)

@@ -1,0 +1,78 @@
+"""Schedules against the document mask, pair by pair: every group's local call and ring
+steps, expanded into (query, key) stream positions, cover exactly the causal same-document
+pairs of its queries, each once; what a group sends at step t is what its peer receives."""
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+
+from megatron_eod import plan_context_parallel
+from megatron_eod.plan.kv_schedule import RingStep
+from tests.plan.mixes import examples, plan_inputs
+
+
+def call_pairs(call, q_stream, k_stream):
+    """(query, key) stream positions one kernel call evaluates."""
+    out = []
+    cu_q, cu_k = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
+    for i in range(len(cu_q) - 1):
+        q = q_stream[call.q_index[cu_q[i]:cu_q[i + 1]]]
+        k = k_stream[call.k_index[cu_k[i]:cu_k[i + 1]]]
+        for row, query in enumerate(q.tolist()):
+            # Bottom-right aligned causal mask when causal; all keys otherwise.
+            visible = k[: row + 1 + k.numel() - q.numel()] if call.causal else k
+            out.extend((query, key) for key in visible.tolist())
+    return out
+
+
+def expected_pairs(cu, queries):
+    doc = np.searchsorted(cu, queries, side="right") - 1
+    return {(q, k) for q, d in zip(queries.tolist(), doc.tolist())
+            for k in range(int(cu[d]), q + 1)}
+
+
+@settings(max_examples=examples(120))
+@given(plan_inputs(max_log2_tokens=10))
+def test_schedules_cover_exactly_the_document_mask(case):
+    cu, cp, algo, degree, _ = case
+    plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, degree)
+    groups = plan.ring_size
+    tokens = [plan.group_tokens(g) for g in range(groups)]
+    schedules = plan.schedules
+    for g, schedule in enumerate(schedules):
+        assert schedule.group == g and schedule.num_tokens == tokens[g].numel()
+        assert [s.step for s in schedule.steps] == list(range(1, groups))
+        pairs = call_pairs(schedule.local, tokens[g], tokens[g])
+        for step in schedule.steps:
+            assert isinstance(step, RingStep)
+            sender = schedules[step.recv_from].steps[step.step - 1]
+            assert sender.send_to == g and step.send_to == (g + step.step) % groups
+            assert sender.send_index.numel() == step.recv_count
+            received = tokens[step.recv_from][sender.send_index]
+            if step.call is None:
+                assert step.recv_count == 0
+            else:
+                pairs += call_pairs(step.call, tokens[g], received)
+        assert len(pairs) == len(set(pairs)), f"group {g} evaluates a pair twice"
+        assert set(pairs) == expected_pairs(cu, tokens[g].numpy()), f"group {g}"
+        assert len(pairs) == schedule.pairs
+
+
+def test_a_rank_builds_only_its_own_schedule():
+    """At CP 128 a rank needs one schedule, not 128 (the old planner built all of them)."""
+    n = 1 << 17
+    plan = plan_context_parallel(torch.tensor([0, n]), 128, "ring")
+    schedule = plan.schedule(5)
+    assert plan.schedule(5) is schedule  # built once
+    built = [key for key in plan._cache if key[0] == "schedule"]
+    assert built == [("schedule", 5)]
+    assert len(schedule.steps) == 127 and schedule.kv_tokens_received > 0
+
+
+def test_to_device_keeps_pieces_and_moves_schedules():
+    plan = plan_context_parallel(torch.tensor([0, 5, 40, 64]), 4, "hybrid", 2)
+    moved = plan.to("cpu")
+    assert moved.pieces is plan.pieces and moved.device == torch.device("cpu")
+    a, b = plan.schedule(3), moved.schedule(3)
+    assert torch.equal(a.local.cu_seqlens_q, b.local.cu_seqlens_q)
+    assert [s.recv_count for s in a.steps] == [s.recv_count for s in b.steps]
