@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_eod.data.tokenizers import TOKENIZER_TYPES
+from megatron_eod.plan import ulysses_degree_for
 
 __all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "check_context_parallel", "parse_args",
            "validate_args"]
@@ -125,6 +126,9 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
               "--reset-position-ids", "--eod-mask-loss")
     g.add_argument("--attention-mask-type", choices=("causal", "general"), default=None,
                    help="general = EoD document mask (default with --reset-attention-mask)")
+    g.add_argument("--no-plan-ahead", action="store_false", dest="plan_ahead",
+                   help="plan each micro-batch when the step needs it instead of one "
+                        "micro-batch ahead on a worker thread (for debugging)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -249,16 +253,14 @@ def check_context_parallel(args) -> None:
                      args.ulysses_degree_in_cp)
     _require(args.seq_length % cp == 0, f"--seq-length {args.seq_length} must be divisible by "
                                         f"--context-parallel-size {cp}")
-    if algo == "ring":
-        _require(given in (None, 1), f"--ulysses-degree-in-cp {given} contradicts "
-                                     f"--context-parallel-algo ring (Ulysses degree 1)")
-        degree, source = 1, None
-    elif algo == "ulysses":
-        _require(given in (None, cp), f"--ulysses-degree-in-cp {given} contradicts "
-                                      f"--context-parallel-algo ulysses (degree = "
-                                      f"--context-parallel-size {cp})")
-        degree, source = cp, "--context-parallel-size"
-    else:
+    # Flag-worded checks first; the degree itself comes from the plan's one rule.
+    _require(algo != "ring" or given in (None, 1),
+             f"--ulysses-degree-in-cp {given} contradicts --context-parallel-algo ring "
+             f"(Ulysses degree 1)")
+    _require(algo != "ulysses" or given in (None, cp),
+             f"--ulysses-degree-in-cp {given} contradicts --context-parallel-algo ulysses "
+             f"(degree = --context-parallel-size {cp})")
+    if algo == "hybrid":
         _require(given is not None,
                  "--context-parallel-algo hybrid needs --ulysses-degree-in-cp")
         _require(1 < given < cp, f"--ulysses-degree-in-cp {given} must be > 1 and < "
@@ -266,7 +268,9 @@ def check_context_parallel(args) -> None:
                                  f"hybrid (use ring for 1, ulysses for {cp})")
         _require(cp % given == 0, f"--ulysses-degree-in-cp {given} must divide "
                                   f"--context-parallel-size {cp}")
-        degree, source = given, "--ulysses-degree-in-cp"
+    degree = ulysses_degree_for(algo, cp, given)
+    source = {"ring": None, "ulysses": "--context-parallel-size",
+              "hybrid": "--ulysses-degree-in-cp"}[algo]
     heads_per_rank = args.num_attention_heads // tp
     _require(source is None or heads_per_rank % degree == 0,
              f"--num-attention-heads {args.num_attention_heads} / --tensor-model-parallel-size "

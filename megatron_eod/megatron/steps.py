@@ -23,14 +23,16 @@ What it does not do: no dataset building, no optimizer, no logging (megatron_eod
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_eod.megatron.batch import LocalBatch, slice_batch_for_cp
+from megatron_eod.megatron.batch import LocalBatch, local_batch, plan_batch
 from megatron_eod.megatron.imports import import_megatron
+from megatron_eod.megatron.plan_ahead import PlanAhead
 
 __all__ = ["EodGPTSteps", "is_dataset_built_on_rank"]
 
@@ -39,6 +41,20 @@ _KEYS = ("tokens", "labels", "loss_mask")
 
 def _ps():
     return import_megatron("megatron.core.parallel_state")
+
+
+def _add_host_tokens(batch) -> None:
+    """A CPU copy of the batch's tokens for the planner thread. On a GPU it is started
+    without a host sync; the thread waits on the `tokens_ready` event, not the step."""
+    tokens = batch["tokens"]
+    if tokens.device.type == "cpu":
+        batch["tokens_cpu"] = tokens
+        return
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    batch["tokens_cpu"], batch["tokens_ready"] = host, ready
 
 
 def is_dataset_built_on_rank() -> bool:
@@ -51,7 +67,7 @@ class EodGPTSteps:
                  algo: str = "ring", ulysses_degree: Optional[int] = None,
                  reset_position_ids: bool = True, reset_attention_mask: bool = True,
                  eod_mask_loss: bool = False, pad_token_id: Optional[int] = None,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, plan_ahead: bool = True):
         self.eod, self.registry = eod_token_id, registry
         self.shape = (micro_batch_size, seq_length)
         self.algo, self.ulysses_degree = algo, ulysses_degree
@@ -59,44 +75,94 @@ class EodGPTSteps:
                           reset_attention_mask=reset_attention_mask,
                           eod_mask_loss=eod_mask_loss, pad_token_id=pad_token_id)
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.plan_ahead = plan_ahead
         self.pairs_seen = 0  # causal pairs a document mask needs, summed over micro-batches
+        self._ahead: Optional[PlanAhead] = None
+        self._waited_now = 0.0
 
-    def _broadcast(self, data_iterator):
-        """TP rank 0 reads the next micro-batch; every TP rank gets tokens/labels/loss_mask."""
-        ps = _ps()
-        tensors = {}
-        if ps.get_tensor_model_parallel_rank() == 0:
-            if data_iterator is None:
-                raise ValueError("get_batch: TP rank 0 of every pipeline stage needs a data "
-                                 "iterator (build datasets where is_dataset_built_on_rank())")
+    @property
+    def plan_wait_s(self) -> float:
+        """Seconds get_batch has waited for plans so far (the step's cost of planning)."""
+        return self._waited_now + (self._ahead.waited_s if self._ahead else 0.0)
+
+    def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
+
+    def _read(self, data_iterator):
+        """TP source rank: the next micro-batch (device tensors + CPU tokens) or None."""
+        if data_iterator is None:
+            raise ValueError("get_batch: TP rank 0 of every pipeline stage needs a data "
+                             "iterator (build datasets where is_dataset_built_on_rank())")
+        try:
             sample = next(data_iterator)
+        except StopIteration:
+            return None
+        batch = {}
+        for key in _KEYS:
+            t = sample[key]
+            if tuple(t.shape) != self.shape:
+                raise ValueError(f"get_batch: {key} has shape {tuple(t.shape)}, expected "
+                                 f"[--micro-batch-size, --seq-length] = {list(self.shape)}")
+            batch[key] = t.to(self.device, torch.float32 if key == "loss_mask" else torch.int64)
+        batch["tokens_cpu"] = sample["tokens"].to("cpu", torch.int64)
+        return batch
+
+    def _share(self, header, batches):
+        """The TP source's header and batches on every TP rank (one small header broadcast,
+        then three tensors per batch read)."""
+        ps = _ps()
+        if ps.get_tensor_model_parallel_world_size() == 1:
+            return header, batches
+        group, src = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank()
+        head = torch.zeros(5, dtype=torch.int64, device=self.device)
+        head[:len(header)] = torch.tensor(header, dtype=torch.int64)
+        dist.broadcast(head, src=src, group=group)
+        header = head.tolist()[:3 + head[2].item()]
+        source = ps.get_tensor_model_parallel_rank() == 0
+        shared = []
+        for i, present in enumerate(header[3:]):
+            if not present:
+                shared.append(None)
+                continue
+            batch = batches[i] if source else {key: torch.empty(self.shape, device=self.device, dtype=(
+                torch.float32 if key == "loss_mask" else torch.int64)) for key in _KEYS}
             for key in _KEYS:
-                t = sample[key]
-                if tuple(t.shape) != self.shape:
-                    raise ValueError(f"get_batch: {key} has shape {tuple(t.shape)}, expected "
-                                     f"[--micro-batch-size, --seq-length] = {list(self.shape)}")
-                tensors[key] = t.to(self.device, torch.float32 if key == "loss_mask"
-                                    else torch.int64)
-        if ps.get_tensor_model_parallel_world_size() > 1:
-            group, src = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank()
-            for key in _KEYS:
-                if key not in tensors:
-                    tensors[key] = torch.empty(self.shape, device=self.device, dtype=(
-                        torch.float32 if key == "loss_mask" else torch.int64))
-                dist.broadcast(tensors[key], src=src, group=group)
-        return tensors
+                dist.broadcast(batch[key], src=src, group=group)
+            if not source:
+                _add_host_tokens(batch)
+            shared.append(batch)
+        return header, shared
+
+    def _plan(self, batch):
+        """Host work for one micro-batch (runs on the plan-ahead worker thread)."""
+        ready = batch.get("tokens_ready")
+        if ready is not None:
+            ready.synchronize()
+        return plan_batch(batch["tokens_cpu"], self.eod, self._cp["size"], self._cp["rank"],
+                          self.algo, self.ulysses_degree, **self.flags)
 
     def get_batch(self, data_iterator) -> LocalBatch:
         ps = _ps()
-        data = self._broadcast(data_iterator)
-        cp_size = ps.get_context_parallel_world_size()
-        batch = slice_batch_for_cp(
-            data["tokens"], data["labels"], self.eod, self.registry, cp_size=cp_size,
-            cp_rank=ps.get_context_parallel_rank(),
-            cp_group=ps.get_context_parallel_group() if cp_size > 1 else None,
-            algo=self.algo if cp_size > 1 else "ring",
-            ulysses_degree=self.ulysses_degree if self.algo == "hybrid" and cp_size > 1
-            else None, loss_mask=data["loss_mask"], **self.flags)
+        if not hasattr(self, "_cp"):  # parallel state exists from here on
+            cp_size = ps.get_context_parallel_world_size()
+            self._cp = {"size": cp_size, "rank": ps.get_context_parallel_rank(),
+                        "group": ps.get_context_parallel_group() if cp_size > 1 else None}
+        source = ps.get_tensor_model_parallel_rank() == 0
+        if self.plan_ahead:
+            if self._ahead is None:
+                self._ahead = PlanAhead(self._read, self._share, self._plan, source)
+            data, planned = self._ahead.next(data_iterator)
+        else:
+            read = [self._read(data_iterator)] if source else []
+            _, (data,) = self._share([0, 0, 1] + [int(r is not None) for r in read], read)
+            if data is None:
+                raise StopIteration
+            start = time.perf_counter()
+            planned = self._plan(data)
+            self._waited_now += time.perf_counter() - start
+        batch = local_batch(planned, data["tokens"], data["labels"], self.registry,
+                            self._cp["group"], loss_mask=data["loss_mask"])
         self.pairs_seen += batch.plan.pairs_needed()
         # Middle pipeline stages use only the plan (via attention_mask) and never the labels;
         # they still got everything, so no stage lacks position ids or the plan.

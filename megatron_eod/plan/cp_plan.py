@@ -89,9 +89,13 @@ class CPPlan:
         return tuple(self.group_schedule(g) for g in range(self.ring_size))
 
     def to(self, device) -> "CPPlan":
-        """The plan whose schedules are built on `device` (call once per micro-batch)."""
-        return CPPlan(self.algo, self.cp_size, self.ulysses_degree, self.num_tokens,
-                      self.cu_seqlens, self.pieces, torch.device(device), self._split)
+        """The plan whose schedules live on `device` (call once per micro-batch): schedules
+        built already (e.g. ahead, on a worker thread) are moved, later ones built there."""
+        moved = CPPlan(self.algo, self.cp_size, self.ulysses_degree, self.num_tokens,
+                       self.cu_seqlens, self.pieces, torch.device(device), self._split)
+        for key, value in self._cache.items():
+            moved._cache[key] = value.to(device) if key[0] == "schedule" else value
+        return moved
 
     def pairs_needed(self) -> int:
         """Causal query-key pairs a document mask needs over the whole micro-batch."""

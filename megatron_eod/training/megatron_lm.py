@@ -48,6 +48,8 @@ def add_eod_args(parser):
                    help=f"one of {', '.join(CP_ALGO_ALIASES)}")
     g.add_argument("--ulysses-degree-in-cp", type=int, default=None,
                    help="Ulysses group size for --context-parallel-algo hybrid")
+    g.add_argument("--no-plan-ahead", action="store_false", dest="plan_ahead",
+                   help="plan each micro-batch when the step needs it, not one ahead")
     return parser
 
 
@@ -160,7 +162,8 @@ class EodProviders:
                 reset_position_ids=args.reset_position_ids,
                 reset_attention_mask=args.reset_attention_mask,
                 eod_mask_loss=args.eod_mask_loss,
-                pad_token_id=None)  # GPTDataset already turned pads into loss-masked zeros
+                pad_token_id=None,  # GPTDataset already turned pads into loss-masked zeros
+                plan_ahead=getattr(args, "plan_ahead", True))
         return self._steps
 
 

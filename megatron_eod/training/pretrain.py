@@ -93,7 +93,7 @@ class _Trainer:
             algo=a.context_parallel_algo, ulysses_degree=a.ulysses_degree,
             reset_position_ids=a.reset_position_ids,
             reset_attention_mask=a.reset_attention_mask, eod_mask_loss=a.eod_mask_loss,
-            pad_token_id=getattr(tokenizer, "pad", None))
+            pad_token_id=getattr(tokenizer, "pad", None), plan_ahead=a.plan_ahead)
         self.fwd_bwd = schedules.get_forward_backward_func()
         self.reporter = Reporter(a, dist.get_rank() == dist.get_world_size() - 1)
 
@@ -119,6 +119,7 @@ class _Trainer:
     def _train_step(self):
         self.model.zero_grad_buffer()
         self.steps.pairs_seen = 0
+        waited = self.steps.plan_wait_s
         lr = self.optimizer.param_groups[0]["lr"]
         loss = self._mean_loss(self._schedule(self.train_iter, forward_only=False))
         updated, grad_norm = self.optimizer.step()
@@ -129,7 +130,7 @@ class _Trainer:
         pairs = torch.tensor([float(self.steps.pairs_seen)], dtype=torch.float64,
                              device=self.device)
         dist.all_reduce(pairs, group=self.ps.get_data_parallel_group())
-        return loss, grad_norm, lr, pairs.item()
+        return loss, grad_norm, lr, pairs.item(), self.steps.plan_wait_s - waited
 
     def evaluate(self, label="validation"):
         a = self.args
@@ -169,7 +170,7 @@ class _Trainer:
         losses = []
         while self.iteration < a.train_iters:
             start = time.perf_counter()
-            loss, grad_norm, lr, pairs = self._train_step()
+            loss, grad_norm, lr, pairs, plan_wait = self._train_step()
             self.iteration += 1
             counters["consumed_train_samples"] += a.global_batch_size
             if self.ps.is_pipeline_last_stage() and not math.isfinite(loss):
@@ -177,7 +178,7 @@ class _Trainer:
             losses.append(loss)
             self.reporter.iteration(self.iteration, time.perf_counter() - start, lr, loss,
                                     grad_norm, counters["skipped"], counters["nan"],
-                                    counters["consumed_train_samples"], pairs)
+                                    counters["consumed_train_samples"], pairs, plan_wait)
             if a.eval_interval and self.iteration % a.eval_interval == 0 and \
                     self.iteration < a.train_iters:
                 self.evaluate()
@@ -189,6 +190,7 @@ class _Trainer:
                     save_checkpoint(a, self.iteration, self.model, self.optimizer,
                                     self.scheduler, counters)
                 self.reporter.close()
+                self.steps.close()
                 return losses
         self.evaluate()
         self.evaluate("test")
@@ -196,4 +198,5 @@ class _Trainer:
             save_checkpoint(a, self.iteration, self.model, self.optimizer, self.scheduler,
                             counters)
         self.reporter.close()
+        self.steps.close()
         return losses

@@ -10,7 +10,8 @@ pipeline stage). Iteration lines look like Megatron's:
 
 `--metrics-file PATH` gets one JSON object per iteration (iteration, lm_loss, grad_norm, lr,
 tokens, tokens_per_s, attention_tflops: attention FLOP/s per rank counting only the query-key
-pairs a document mask needs, forward and backward) and one per validation (kind "valid").
+pairs a document mask needs, forward and backward; iteration_ms; plan_wait_ms: how long the
+reporting rank's steps waited for CP plans) and one per validation (kind "valid").
 
 What it does not do: no timers breakdown, no memory report.
 """
@@ -39,7 +40,7 @@ class Reporter:
                 self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
 
     def iteration(self, iteration, seconds, lr, loss, grad_norm, skipped, nan, consumed,
-                  attention_pairs):
+                  attention_pairs, plan_wait_s=0.0):
         if not self.active:
             return
         a = self.args
@@ -49,7 +50,7 @@ class Reporter:
         record = {"iteration": iteration, "lm_loss": loss, "grad_norm": grad_norm, "lr": lr,
                   "tokens": tokens, "tokens_per_s": tokens / seconds,
                   "attention_tflops": flops / seconds / a.world_size / 1e12,
-                  "iteration_ms": seconds * 1e3}
+                  "iteration_ms": seconds * 1e3, "plan_wait_ms": plan_wait_s * 1e3}
         if iteration % a.log_interval == 0 or iteration == a.train_iters:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             print(f" [{stamp}] iteration {iteration:8d}/{a.train_iters:8d} | consumed samples: "

@@ -67,6 +67,15 @@ def test_tp2_cp2_equals_cp1(cp1, tiny_data):
     assert_same(losses, cp1)
 
 
+def test_planning_ahead_changes_nothing(tiny_data):
+    """Plans made one micro-batch ahead on a worker thread (the default) give exactly the
+    losses of plans made in the step, with TP 2 (peers follow the source's streams through
+    the header broadcast) and validation interleaved with training every 5 iterations."""
+    flags = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+             "--make-vocab-size-divisible-by", "64"]
+    assert train(4, tiny_data, *flags) == train(4, tiny_data, *flags, "--no-plan-ahead")
+
+
 def test_tp2_with_empty_validation_and_test_splits_finishes(tiny_data):
     """Only TP rank 0 reads data; every TP rank must agree to skip an empty split's
     evaluation (else the others wait in the TP broadcast for a batch that never comes)."""

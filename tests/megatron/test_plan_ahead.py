@@ -1,0 +1,100 @@
+"""PlanAhead: plans one micro-batch ahead on a worker thread, keeps every stream's order,
+keeps the train and validation streams apart on TP peers (which hold no iterator), and ends
+a stream on every rank at the same call."""
+
+import threading
+
+import pytest
+
+from megatron_eod.megatron.plan_ahead import PlanAhead
+
+
+def counting_iterator(name, n):
+    for i in range(n):
+        yield f"{name}{i}"
+
+
+class Pair:
+    """A TP source and one peer wired in-process: the peer gets the source's header and
+    batches, as the broadcasts would give them."""
+
+    def __init__(self):
+        self.wire = []
+        self.planned_on = set()
+        plan = self.plan
+        self.source = PlanAhead(self.read, self.send, plan, is_source=True)
+        self.peer = PlanAhead(self.read, self.receive, plan, is_source=False)
+
+    @staticmethod
+    def read(iterator):
+        return next(iterator, None)
+
+    def plan(self, batch):
+        self.planned_on.add(threading.current_thread().name)
+        return "plan of " + batch
+
+    def send(self, header, batches):
+        self.wire.append((list(header), list(batches)))
+        return header, batches
+
+    def receive(self, header, batches):
+        assert header == [] and batches == []  # a peer reads nothing itself
+        header, batches = self.wire.pop(0)
+        return header, list(batches)
+
+    def next(self, iterator):
+        """(source result, peer result): the peer passes None, as TP ranks > 0 do."""
+        results = []
+        for side, it in ((self.source, iterator), (self.peer, None)):
+            try:
+                results.append(side.next(it))
+            except StopIteration:
+                results.append(StopIteration)
+        return tuple(results)
+
+
+def test_streams_keep_their_order_and_peers_follow_the_source():
+    pair = Pair()
+    train, valid = counting_iterator("t", 5), counting_iterator("v", 3)
+    order = [train, train, valid, train, valid, valid, valid, train, train, train]
+    want = ["t0", "t1", "v0", "t2", "v1", "v2", StopIteration, "t3", "t4", StopIteration]
+    for iterator, expected in zip(order, want):
+        source, peer = pair.next(iterator)
+        assert source == peer
+        if expected is StopIteration:
+            assert source is StopIteration
+        else:
+            assert source == (expected, "plan of " + expected)
+    assert pair.planned_on and all(name.startswith("eod-plan") for name in pair.planned_on)
+
+
+def test_the_next_batch_is_read_and_planned_before_it_is_asked_for():
+    pair = Pair()
+    train = counting_iterator("t", 10)
+    pair.next(train)
+    batch, future = pair.source._pending[0]
+    assert batch == "t1" and future is not None  # read ahead, its plan submitted
+    assert future.result() == "plan of t1"
+    assert pair.next(train)[0] == ("t1", "plan of t1")
+
+
+def test_an_old_stream_is_forgotten_on_every_rank_alike():
+    pair = Pair()
+    streams = [counting_iterator(f"s{k}_", 4) for k in range(PlanAhead.MAX_STREAMS + 2)]
+    for iterator in streams:
+        assert pair.next(iterator)[0][0].endswith("_0")
+    assert pair.source._pending.keys() == pair.peer._pending.keys()
+    assert len(pair.source._pending) == PlanAhead.MAX_STREAMS
+    # The forgotten first stream lost its read-ahead batch; the others did not.
+    assert pair.next(streams[0])[0][0] == "s0_2"
+    assert pair.next(streams[-1])[0][0] == f"s{PlanAhead.MAX_STREAMS + 1}_1"
+
+
+def test_an_error_while_planning_reaches_the_step():
+    def plan(batch):
+        raise ValueError(f"cannot plan {batch}")
+
+    ahead = PlanAhead(lambda it: next(it, None), lambda h, b: (h, b), plan, is_source=True)
+    with pytest.raises(ValueError, match="cannot plan a0"):
+        ahead.next(counting_iterator("a", 3))
+    ahead.close()
