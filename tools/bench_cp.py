@@ -15,7 +15,8 @@ batches), prints for our plan (ring; hybrid with Ulysses degree 2) and the layou
   doc-zigzag   every document padded to a multiple of 2*cp and zigzagged over all ranks
                (TransformerEngine THD / the Ascend extension)
   dense-ring   zigzag ring computing full blocks under a dense mask
-the balance (max/mean causal pairs per rank, mean and worst over samples), wasted pairs
+the balance (max/mean causal pairs per rank, mean and worst over samples; ours is asserted
+within `cost.balance_bound`, 1% plus a granularity term, and the run stops if not), wasted pairs
 (computed / needed by a document mask), busiest-rank key/value tokens received per layer over
 a plain ring's (cp-1)/cp of the row, and padding tokens.
 
@@ -102,6 +103,9 @@ def layout_rows(cu, cp):
     rows = {}
     for name, algo, u in (("ours ring", "ring", None), ("ours hybrid u=2", "hybrid", 2)):
         stats = plan_context_parallel(torch.from_numpy(cu), cp, algo, u).stats()
+        if stats["balance"] > stats["balance_limit"]:  # the planner's promise (cost.py)
+            raise SystemExit(f"{name}: balance {stats['balance']:.4f} exceeds the bound "
+                             f"{stats['balance_limit']:.4f} ({n} tokens, CP {cp})")
         rows[name] = (np.array(stats["pairs_per_rank"]), np.array(
             stats["kv_tokens_received_per_rank"]), 0, sum(stats["pairs_per_rank"]) / (
             u or 1))
