@@ -25,7 +25,7 @@ import torch
 from megatron_eod.plan.cost import balance_bound, doc_pairs, group_pairs
 from megatron_eod.plan.kv_schedule import (GroupSchedule, SplitDocuments, build_schedule,
                                            schedule_totals)
-from megatron_eod.plan.partition import partition_documents
+from megatron_eod.plan.partition import Placement, partition_documents
 from megatron_eod.plan.pieces import Pieces
 
 __all__ = ["ALGORITHMS", "CPPlan", "plan_context_parallel", "ulysses_degree_for"]
@@ -41,6 +41,7 @@ class CPPlan:
     num_tokens: int
     cu_seqlens: torch.Tensor  # int32, the global document offsets (CPU)
     pieces: Pieces = field(repr=False)
+    placement: Placement = field(repr=False)  # which candidate layout, and what was tried
     device: Optional[torch.device] = None
     # Built on first use; shared by the copies `to` makes (same pieces, same answers).
     _split: Dict[str, SplitDocuments] = field(default_factory=dict, repr=False,
@@ -92,7 +93,8 @@ class CPPlan:
         """The plan whose schedules live on `device` (call once per micro-batch): schedules
         built already (e.g. ahead, on a worker thread) are moved, later ones built there."""
         moved = CPPlan(self.algo, self.cp_size, self.ulysses_degree, self.num_tokens,
-                       self.cu_seqlens, self.pieces, torch.device(device), self._split)
+                       self.cu_seqlens, self.pieces, self.placement, torch.device(device),
+                       self._split)
         for key, value in self._cache.items():
             moved._cache[key] = value.to(device) if key[0] == "schedule" else value
         return moved
@@ -112,7 +114,9 @@ class CPPlan:
         pairs_needed: pairs a document mask needs; wasted_pairs_ratio: evaluated / needed;
         balance: max / mean pairs over groups; balance_limit: the most the bound allows
             (cost.balance_bound); padding_tokens: tokens placed beyond the stream's;
-        split_documents: documents held by more than one group.
+        split_documents: documents held by more than one group;
+        planner: the layout chosen (partition.py); planners: every candidate tried and how
+            it did ("sweep" alone where the others would cost too much).
         The pairs and traffic come from the schedules' own relation (kv_schedule), so they
         can be checked against the independent cost model (cost.py).
         """
@@ -134,6 +138,8 @@ class CPPlan:
             "balance_limit": balance_bound(mean, int(lengths.max())) / mean,
             "padding_tokens": int(self.pieces.length.sum()) - self.num_tokens,
             "split_documents": int(np.unique(split.doc).size),
+            "planner": self.placement.planner,
+            "planners": dict(self.placement.tried),
         }
 
     def group_pairs(self) -> np.ndarray:
@@ -218,5 +224,6 @@ def plan_context_parallel(cu_seqlens, cp_size: int, algo: str = "ring",
     if n % cp_size:
         raise ValueError(f"b*s ({n} tokens) must be divisible by cp_size (--context-parallel-"
                          f"size {cp_size})")
-    pieces = partition_documents(cu, cp_size // u)
-    return CPPlan(algo, cp_size, u, n, torch.from_numpy(cu.astype(np.int32)), pieces)
+    placement = partition_documents(cu, cp_size // u)
+    return CPPlan(algo, cp_size, u, n, torch.from_numpy(cu.astype(np.int32)), placement.pieces,
+                  placement)

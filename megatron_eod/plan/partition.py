@@ -1,202 +1,96 @@
-"""Place the documents of a packed stream on CP groups: exact tokens, equal attention work.
+"""Place the documents of a packed stream on CP groups: the planner's choice among layouts.
 
-One job: given document lengths and the number of groups R (CP ranks for Ring; Ulysses
-groups for Hybrid), choose the token ranges ("pieces") each group holds so that every group
-holds exactly N/R tokens and the same number of causal query-key pairs within
-`cost.balance_bound`, with short documents whole and no padding. It never fails on a valid
-stream and costs O(n_docs log n_docs + R log N) host work: one sort, then a loop over groups
-with a bisection each.
+One job: try a few layouts, keep those that are exact and balanced, and return the one that
+makes the busiest group receive the fewest key/value tokens. Every group gets exactly N/R
+tokens; balance is always within `cost.balance_bound` because the sweep (sweep.py), which
+never fails and is balanced by construction, is always among the candidates.
 
-The sweep. A query at position p of its document costs p + 1 pairs. Taking a document's
-tokens in "shells" (a head [u, u+x) and a tail [v-y, v) of what is left, x ~ y) keeps what is
-left a centred middle, so every part of a document has the density (L + 1) / 2 pairs per
-token of the whole: documents sorted by length are sorted by density. Every group takes a
-tokens from the sparse end of the sorted list (short documents, whole while they last) and
-N/R - a tokens from the dense end (long documents, in shells); the larger a, the less work,
-so a bisection on a hits the group's share. Shares are cumulative (group g aims at
-(g + 1) / R of all pairs), so errors do not pile up: each group is off by at most a couple
-of tokens' pairs (`cost.GRANULARITY_TOKENS`). The two ends meet in the middle of the list;
-the last group takes what is left, which has exactly its share of tokens.
-
-Each group boundary cuts at most one document at each end, so at most 2(R - 1) documents
-are cut; a long document is cut over the fewest groups that can take its work.
+Candidates, in this order (ties go to the earlier one):
+  sweep                the reference layout; always tried, always valid
+  sweep, head cuts     the sweep cutting documents of any length head-first at its sparse end
+                       (fewer keys on rows of a few long documents; may land off balance)
+  pack(spread, filler) whole-document packing (pack.py) with three settings
+The others are tried only where their host work stays small (`_OPTIMIZE_LIMITS`: at most
+32 groups and 2,048 documents, the packer placing documents one by one) and where the sweep
+leaves something to gain (its busiest group receives more than 1% of a share of tokens), so
+planning cost never grows with documents x CP. They are kept only within ACCEPT_BALANCE
+(stricter than the bound: balance comes first). Every rank makes the same choice.
 
 What it does not do: no key/value schedule (kv_schedule.py), no padding ever.
 """
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from megatron_eod.plan.cost import doc_pairs, range_pairs
+from megatron_eod.plan.cost import balance_bound, doc_pairs, group_kv_received, group_pairs
+from megatron_eod.plan.pack import pack_documents
 from megatron_eod.plan.pieces import Pieces
+from megatron_eod.plan.sweep import sweep_documents
 
-__all__ = ["partition_documents"]
+__all__ = ["Placement", "partition_documents", "ACCEPT_BALANCE"]
 
-# (sorted index, first position, end position) of a partial document taken by a group.
-_Part = Tuple[int, int, int]
-
-HEAD_CUT_FRACTION = 8  # documents up to share / 8 tokens are cut head-first at the sparse end
-
-
-def _shell(u: int, v: int, length: int, n: int) -> Tuple[int, int]:
-    """Split n tokens of the middle [u, v) of a document into a head x and a tail n - x that
-    keep what is left centred (so its density stays (length + 1) / 2)."""
-    x = min(max((n + (length - v) - u) // 2, 0), n)
-    return x, n - x
+ACCEPT_BALANCE = 1.005  # a candidate other than the sweep must keep max/mean pairs this low
+_OPTIMIZE_LIMITS = dict(max_groups=32, max_documents=2048, min_gain=0.01)
+_PACK_SETTINGS = ((0.9, 0.05), (0.9, 0.2), (0.6, 0.2))  # (spread, filler_fraction)
 
 
-class _Sweep:
-    """Documents sorted by length; the material left is documents i..j of that order, where
-    i is left as its middle [ui, vi) and j as [uj, vj) (the same document when i == j)."""
-
-    def __init__(self, lengths: np.ndarray, share: int):
-        # A short document cut at the sparse end gives its head (its next holder then needs
-        # few keys) instead of a shell; only "short" ones, because what is left of it is
-        # denser than the document and must not end up denser than the documents after it.
-        self.head_cut_below = max(1, share // HEAD_CUT_FRACTION)
-        # Stable, so equal lengths keep stream order; a radix sort when lengths fit 16 bits.
-        keys = lengths.astype(np.uint16) if lengths.max() < 1 << 16 else lengths
-        self.order = np.argsort(keys, kind="stable")
-        self.length = lengths[self.order]
-        self.cum_len = np.concatenate([[0], np.cumsum(self.length)])
-        self.cum_work = np.concatenate([[0], np.cumsum(doc_pairs(self.length))])
-        last = self.length.size - 1
-        self.state = (0, 0, int(self.length[0]), last, 0, int(self.length[last]))
-
-    def _whole(self, lo: int, hi: int) -> int:
-        return int(self.cum_work[hi] - self.cum_work[lo])
-
-    def _partial(self, state, k: int, n: int, parts, shell: bool):
-        """Take n tokens of what is left of document k: a shell (dense end) or its first n
-        tokens (sparse end: a short document's head, so its next holder needs only n keys)."""
-        i, ui, vi, j, uj, vj = state
-        length = int(self.length[k])
-        u, v = (ui, vi) if k == i else (uj, vj) if k == j else (0, length)
-        x, y = (n, 0) if not shell and length <= self.head_cut_below else _shell(u, v, length, n)
-        if parts is not None:
-            if x:
-                parts.append((k, u, u + x))
-            if y:
-                parts.append((k, v - y, v))
-        return range_pairs(u, u + x) + range_pairs(v - y, v), (u + x, v - y)
-
-    def front(self, state, a: int, parts=None, wholes=None):
-        """Take a tokens from the sparse end: -> (pairs, new state)."""
-        i, ui, vi, j, uj, vj = state
-        if a < vi - ui or i == j:
-            work, (u, v) = self._partial(state, i, a, parts, False)
-            return work, ((i, u, v, j, u, v) if i == j else (i, u, v, j, uj, vj))
-        work = range_pairs(ui, vi)
-        if parts is not None and vi > ui:
-            parts.append((i, ui, vi))
-        a -= vi - ui
-        # Whole documents i+1 .. k-1 (k <= j), then the head of document k.
-        k = min(j, int(np.searchsorted(self.cum_len, self.cum_len[i + 1] + a, "right")) - 1)
-        work += self._whole(i + 1, k)
-        if wholes is not None and k > i + 1:
-            wholes.append((i + 1, k))
-        a -= int(self.cum_len[k] - self.cum_len[i + 1])
-        more, (u, v) = self._partial(state, k, a, parts, False)
-        new = (k, u, v, j, u, v) if k == j else (k, u, v, j, uj, vj)
-        return work + more, new
-
-    def back(self, state, b: int, parts=None, wholes=None):
-        """Take b tokens from the dense end: -> (pairs, new state)."""
-        i, ui, vi, j, uj, vj = state
-        if b < vj - uj or i == j:
-            work, (u, v) = self._partial(state, j, b, parts, True)
-            return work, ((j, u, v, j, u, v) if i == j else (i, ui, vi, j, u, v))
-        work = range_pairs(uj, vj)
-        if parts is not None and vj > uj:
-            parts.append((j, uj, vj))
-        b -= vj - uj
-        # Whole documents k .. j-1 (k >= i+1), then a shell of document k - 1.
-        k = max(i + 1, int(np.searchsorted(self.cum_len, self.cum_len[j] - b, "left")))
-        work += self._whole(k, j)
-        if wholes is not None and j > k:
-            wholes.append((k, j))
-        b -= int(self.cum_len[j] - self.cum_len[k])
-        p = k - 1
-        more, (u, v) = self._partial(state, p, b, parts, True)
-        new = (p, u, v, p, u, v) if p == i else (i, ui, vi, p, u, v)
-        return work + more, new
-
-    def take(self, a: int, b: int, parts=None, wholes=None):
-        """a tokens from the sparse end, then b from the dense end: -> (pairs, new state)."""
-        work_front, state = self.front(self.state, a, parts, wholes)
-        work_back, state = self.back(state, b, parts, wholes)
-        return work_front + work_back, state
-
-    def fill(self, tokens: int, target: float, last: bool, parts, wholes) -> int:
-        """Take `tokens` tokens whose pairs come closest to `target`; -> the pairs taken."""
-        a = tokens  # the last group takes what is left: exactly one share of tokens
-        if not last:
-            work = lambda a: self.take(a, tokens - a)[0]  # noqa: E731
-            lo, hi = 0, tokens
-            w_lo, w_hi = work(lo), work(hi)
-            falling = w_lo >= w_hi  # more from the sparse end, less work (the usual case)
-            if (target - w_lo) * (target - w_hi) > 0:  # out of reach: the nearer end
-                a = lo if abs(target - w_lo) <= abs(target - w_hi) else hi
-            else:
-                while hi - lo > 1:  # invariant: the target lies between work(lo), work(hi)
-                    mid = (lo + hi) // 2
-                    if (work(mid) > target) == falling:
-                        lo = mid
-                    else:
-                        hi = mid
-                a = lo if abs(work(lo) - target) <= abs(work(hi) - target) else hi
-        work, self.state = self.take(a, tokens - a, parts, wholes)
-        return work
+@dataclass(frozen=True)
+class Placement:
+    pieces: Pieces
+    planner: str  # the candidate that was chosen
+    tried: Tuple[Tuple[str, str], ...]  # (candidate, its outcome) in the order tried
 
 
-def partition_documents(cu_seqlens, groups: int) -> Pieces:
-    """Pieces for `groups` groups over the stream described by `cu_seqlens` (see module)."""
+def _optimizers(cu: np.ndarray, groups: int) -> List[Tuple[str, Callable[[], Optional[Pieces]]]]:
+    """The candidates besides the sweep, where they are cheap enough to try."""
+    if not 1 < groups <= _OPTIMIZE_LIMITS["max_groups"] or \
+            cu.size - 1 > _OPTIMIZE_LIMITS["max_documents"]:
+        return []
+    out = [("sweep, head cuts", lambda: sweep_documents(cu, groups, float("inf")))]
+    for spread, filler in _PACK_SETTINGS:
+        out.append((f"pack(spread={spread}, filler={filler})",
+                    lambda s=spread, f=filler: pack_documents(cu, groups, s, f)))
+    return out
+
+
+def partition_documents(cu_seqlens, groups: int) -> Placement:
+    """The placement of the stream described by `cu_seqlens` on `groups` groups."""
     cu = np.asarray(cu_seqlens, dtype=np.int64)
+    sweep = sweep_documents(cu, groups)
+    optimizers = _optimizers(cu, groups)
+    if not optimizers:
+        return Placement(sweep, "sweep", (("sweep", "chosen"),))
+    share_tokens = int(cu[-1]) // groups
     lengths = np.diff(cu)
-    n_docs = lengths.size
-    if groups == 1:
-        return Pieces.build(cu[:-1], cu[1:], np.arange(n_docs), np.zeros(n_docs, np.int64),
-                            cu, 1)
-    share = int(cu[-1]) // groups
-    total = int(doc_pairs(lengths).sum())
-    sweep = _Sweep(lengths, share)
-    parts: List[List[_Part]] = []
-    wholes: List[List[Tuple[int, int]]] = []
-    done = 0
-    for g in range(groups):
-        parts.append([])
-        wholes.append([])
-        target = total * (g + 1) / groups - done
-        done += sweep.fill(share, target, g == groups - 1, parts[-1], wholes[-1])
-    return _pieces(cu, sweep.order, parts, wholes, groups)
-
-
-def _pieces(cu, order, parts, wholes, groups) -> Pieces:
-    """Stream pieces, grouped by group, from the sweep's partial (sorted index, u, v) parts
-    and whole ranges of sorted indices. No global sort: a group's few partial parts are
-    sorted by (document, position) and merged where they touch; its whole documents follow."""
-    docs, starts, ends, owners = [], [], [], []
-    for g in range(groups):
-        merged: List[List[int]] = []
-        for doc, u, v in sorted((int(order[k]), u, v) for k, u, v in parts[g]):
-            if merged and merged[-1][0] == doc and merged[-1][2] == u:
-                merged[-1][2] = v
-            else:
-                merged.append([doc, u, v])
-        part_doc = np.array([m[0] for m in merged], np.int64)
-        docs.append(part_doc)
-        starts.append(cu[part_doc] + np.array([m[1] for m in merged], np.int64))
-        ends.append(cu[part_doc] + np.array([m[2] for m in merged], np.int64))
-        owners.append(np.full(part_doc.size, g, np.int64))
-        for lo, hi in wholes[g]:
-            whole_doc = order[lo:hi]
-            docs.append(whole_doc)
-            starts.append(cu[whole_doc])
-            ends.append(cu[whole_doc + 1])
-            owners.append(np.full(hi - lo, g, np.int64))
-    doc = np.concatenate(docs)
-    return Pieces(np.concatenate(starts), np.concatenate(ends), doc, np.concatenate(owners),
-                  cu[doc], groups)
+    mean = int(doc_pairs(lengths).sum()) / groups
+    received = int(group_kv_received(sweep).max())
+    best = ((received, int(group_pairs(sweep).max())), "sweep", sweep)
+    tried = [("sweep", f"busiest group receives {received} tokens")]
+    if received <= _OPTIMIZE_LIMITS["min_gain"] * share_tokens:
+        return Placement(sweep, "sweep", tuple(tried))
+    limit = min(balance_bound(mean, int(lengths.max())), ACCEPT_BALANCE * mean)
+    for name, make in optimizers:
+        try:
+            pieces = make()
+        except Exception as error:  # a bug in an optimizer must not stop training: report it
+            tried.append((name, f"failed: {type(error).__name__}: {error}"))
+            continue
+        if pieces is None:
+            tried.append((name, "not applicable"))
+            continue
+        if not (pieces.tokens_per_group() == share_tokens).all():
+            tried.append((name, "failed: token counts are not exact"))
+            continue
+        pairs = group_pairs(pieces)
+        if pairs.max() > limit:
+            tried.append((name, f"off balance ({pairs.max() / mean:.4f})"))
+            continue
+        key = (int(group_kv_received(pieces).max()), int(pairs.max()))
+        tried.append((name, f"busiest group receives {key[0]} tokens"))
+        if key < best[0]:
+            best = (key, name, pieces)
+    return Placement(best[2], best[1], tuple(tried))
