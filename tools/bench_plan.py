@@ -93,6 +93,8 @@ def _dataset(work: str) -> str:
 
 def _train(work: str, data: str, seq: int, iters: int, *extra: str):
     metrics = os.path.join(work, f"metrics{'_'.join(extra)}.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)  # --metrics-file appends
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
            "--nproc-per-node", "4", os.path.join(ROOT, "pretrain_gpt.py"),
            "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

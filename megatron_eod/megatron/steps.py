@@ -37,6 +37,7 @@ from megatron_eod.megatron.plan_ahead import PlanAhead
 __all__ = ["EodGPTSteps", "is_dataset_built_on_rank"]
 
 _KEYS = ("tokens", "labels", "loss_mask")
+_DTYPES = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32}
 
 
 def _ps():
@@ -104,7 +105,7 @@ class EodGPTSteps:
             if tuple(t.shape) != self.shape:
                 raise ValueError(f"get_batch: {key} has shape {tuple(t.shape)}, expected "
                                  f"[--micro-batch-size, --seq-length] = {list(self.shape)}")
-            batch[key] = t.to(self.device, torch.float32 if key == "loss_mask" else torch.int64)
+            batch[key] = t.to(self.device, _DTYPES[key])
         batch["tokens_cpu"] = sample["tokens"].to("cpu", torch.int64)
         return batch
 
@@ -115,18 +116,20 @@ class EodGPTSteps:
         if ps.get_tensor_model_parallel_world_size() == 1:
             return header, batches
         group, src = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank()
-        head = torch.zeros(5, dtype=torch.int64, device=self.device)
+        head = torch.zeros(5, dtype=torch.int64)
         head[:len(header)] = torch.tensor(header, dtype=torch.int64)
+        head = head.to(self.device)
         dist.broadcast(head, src=src, group=group)
-        header = head.tolist()[:3 + head[2].item()]
+        values = head.tolist()  # the host needs it to know what follows (as Megatron's own
+        header = values[:3 + values[2]]  # get_batch, which broadcasts sizes first)
         source = ps.get_tensor_model_parallel_rank() == 0
         shared = []
         for i, present in enumerate(header[3:]):
             if not present:
                 shared.append(None)
                 continue
-            batch = batches[i] if source else {key: torch.empty(self.shape, device=self.device, dtype=(
-                torch.float32 if key == "loss_mask" else torch.int64)) for key in _KEYS}
+            batch = batches[i] if source else {key: torch.empty(
+                self.shape, device=self.device, dtype=_DTYPES[key]) for key in _KEYS}
             for key in _KEYS:
                 dist.broadcast(batch[key], src=src, group=group)
             if not source:

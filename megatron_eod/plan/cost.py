@@ -63,22 +63,15 @@ def group_pairs(pieces: Pieces) -> np.ndarray:
 
 def group_kv_received(pieces: Pieces) -> np.ndarray:
     """int64 [groups]: key/value tokens each group needs from other groups (each once)."""
-    order = np.lexsort((pieces.start, pieces.doc))
-    doc, group, length = pieces.doc[order], pieces.group[order], pieces.length[order]
-    # Only documents held by two groups or more move anything.
-    first = np.flatnonzero(np.concatenate([[True], doc[1:] != doc[:-1]]))
-    split = np.logical_or.reduceat(group != np.repeat(group[first], np.diff(
-        np.concatenate([first, [doc.size]]))), first) if doc.size else np.zeros(0, bool)
-    keep = np.repeat(split, np.diff(np.concatenate([first, [doc.size]])))
-    doc, group, length = doc[keep], group[keep], length[keep]
+    split = pieces.split_order()  # pieces of documents held by several groups, in order
+    doc, group, length = pieces.doc[split], pieces.group[split], pieces.length[split]
     if doc.size == 0:
         return np.zeros(pieces.groups, dtype=np.int64)
     # Tokens of the document up to and including each piece (pieces of a document are
     # disjoint, so start order is end order).
     through = np.cumsum(length)
     first = np.concatenate([[True], doc[1:] != doc[:-1]])
-    base = np.maximum.accumulate(np.where(first, through - length, 0))
-    through = through - base
+    through -= np.maximum.accumulate(np.where(first, through - length, 0))
     # Per (document, group): tokens up to its last piece, minus its own tokens.
     keys, inverse = np.unique(doc * pieces.groups + group, return_inverse=True)
     last_through = np.zeros(keys.size, dtype=np.int64)

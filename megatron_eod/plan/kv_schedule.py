@@ -99,14 +99,7 @@ class SplitDocuments:
     def __init__(self, pieces: Pieces):
         self.pieces = pieces
         self.local_start = pieces.local_start()
-        order = np.lexsort((pieces.start, pieces.doc))
-        doc, group = pieces.doc[order], pieces.group[order]
-        first = np.flatnonzero(np.concatenate([[True], doc[1:] != doc[:-1]])) if doc.size \
-            else np.zeros(0, np.int64)
-        counts = np.diff(np.concatenate([first, [doc.size]]))
-        mixed = np.logical_or.reduceat(group != np.repeat(group[first], counts), first) \
-            if doc.size else np.zeros(0, bool)
-        self.index = order[np.repeat(mixed, counts)]  # piece indices, by (doc, start)
+        self.index = pieces.split_order()  # piece indices, by (doc, start)
         self.doc = pieces.doc[self.index]
 
     def of_group(self, group: int) -> np.ndarray:
@@ -146,16 +139,20 @@ def schedule_totals(split: SplitDocuments, group: int) -> Tuple[int, int]:
     return pairs, int(p.length[np.unique(k)].sum())
 
 
+def _offsets(lengths: np.ndarray) -> torch.Tensor:
+    """int32 cu_seqlens of sequence lengths."""
+    return torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+
+
 def _call(q_lengths, k_lengths, q_index, k_index, causal: bool) -> KernelCall:
     lq, lk = np.asarray(q_lengths, np.int64), np.asarray(k_lengths, np.int64)
     if causal:  # bottom-right aligned: query i of sq sees keys 0 .. i + (sk - sq)
         pairs = int((lq * (lk - lq) + lq * (lq + 1) // 2).sum())
     else:
         pairs = int((lq * lk).sum())
-    cu = lambda lens: torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))  # noqa: E731
-    return KernelCall(torch.from_numpy(q_index), torch.from_numpy(k_index), cu(lq), cu(lk),
-                      int(lq.max()) if lq.size else 0, int(lk.max()) if lk.size else 0,
-                      causal, pairs)
+    return KernelCall(torch.from_numpy(q_index), torch.from_numpy(k_index), _offsets(lq),
+                      _offsets(lk), int(lq.max()) if lq.size else 0,
+                      int(lk.max()) if lk.size else 0, causal, pairs)
 
 
 def call_from_rows(q_rows: List[np.ndarray], k_rows: List[np.ndarray],

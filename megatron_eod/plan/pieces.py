@@ -81,6 +81,18 @@ class Pieces:
         lo, hi = self.group_offsets[[group, group + 1]]
         return ranges(self.start[lo:hi], self.end[lo:hi])
 
+    def split_order(self) -> np.ndarray:
+        """Indices of the pieces of documents held by two groups or more ("split documents",
+        the only ones whose keys travel), sorted by (document, start)."""
+        order = np.lexsort((self.start, self.doc))
+        doc, group = self.doc[order], self.group[order]
+        if doc.size == 0:
+            return order
+        first = np.flatnonzero(np.concatenate([[True], doc[1:] != doc[:-1]]))
+        counts = np.diff(np.append(first, doc.size))
+        mixed = np.logical_or.reduceat(group != np.repeat(group[first], counts), first)
+        return order[np.repeat(mixed, counts)]
+
     def tokens_per_group(self) -> np.ndarray:
         return np.bincount(self.group, weights=self.length,
                            minlength=self.groups).astype(np.int64)
