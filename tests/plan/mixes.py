@@ -77,3 +77,13 @@ def plan_inputs(draw, max_log2_tokens=20):
     mix = draw(st.sampled_from(MIXES))
     seed = draw(st.integers(0, 2**32 - 1))
     return make_cu_seqlens(mix, b, cp * m, cp, seed), cp, algo, degree, mix
+
+
+@st.composite
+def packing_inputs(draw):
+    """Streams where the packer runs: up to 32 groups and 2,048 documents."""
+    groups = draw(st.integers(2, 32))
+    b = draw(st.integers(1, 4))
+    s = groups * draw(st.integers(64, 32768 // groups))
+    mix = draw(st.sampled_from(["web", "heavy", "mixed", "long", "uniform"]))
+    return make_cu_seqlens(mix, b, s, groups, draw(st.integers(0, 2**32 - 1))), groups

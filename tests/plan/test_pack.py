@@ -3,10 +3,12 @@ never cut, and None where its long-document placement cannot fit."""
 
 import numpy as np
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from megatron_eod.plan.cost import doc_pairs
 from megatron_eod.plan.pack import LONG_WORK, pack_documents
-from tests.plan.mixes import make_cu_seqlens
+from tests.plan.mixes import examples, make_cu_seqlens, packing_inputs
 
 
 @pytest.mark.parametrize("mix", ["web", "heavy", "mixed"])
@@ -40,3 +42,19 @@ def test_no_filler_or_a_long_document_too_big_for_its_groups_gives_none():
     assert pack_documents(np.array([0, 4096]), 4) is None  # one document: nothing to fill
     # Two long documents needing more groups than there are (their chunks exceed a share).
     assert pack_documents(np.array([0, 5, 10, 20000, 32768]), 4, spread=0.5) is None
+
+
+@settings(max_examples=examples(150))
+@given(packing_inputs(), st.sampled_from([(0.9, 0.05), (0.9, 0.2), (0.6, 0.2), (0.5, 0.5)]))
+def test_every_answer_is_an_exact_partition(case, setting):
+    cu, groups = case
+    pieces = pack_documents(cu, groups, *setting)
+    event("answered" if pieces is not None else "None")
+    if pieces is None:
+        return
+    n = int(cu[-1])
+    assert (pieces.tokens_per_group() == n // groups).all()
+    index = np.concatenate([pieces.token_index(g) for g in range(groups)])
+    assert np.array_equal(np.sort(index), np.arange(n))
+    doc_end = cu[pieces.doc + 1]
+    assert ((pieces.start >= pieces.doc_start) & (pieces.end <= doc_end)).all()

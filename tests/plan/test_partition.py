@@ -11,14 +11,14 @@ one balance bound (`cost.balance_bound`). CI runs a derandomized few hundred cas
 
 import numpy as np
 import torch
-from hypothesis import event, given, settings, target
+from hypothesis import assume, event, given, settings, target
 from hypothesis import strategies as st
 
 from megatron_eod import plan_context_parallel
 from megatron_eod.plan.cost import balance_bound, doc_pairs, group_kv_received, group_pairs
 from megatron_eod.plan.partition import partition_documents
 from megatron_eod.plan.sweep import sweep_documents
-from tests.plan.mixes import examples, make_cu_seqlens, plan_inputs
+from tests.plan.mixes import examples, make_cu_seqlens, packing_inputs, plan_inputs
 
 def check_plan(plan, cu):
     n, cp, groups = int(cu[-1]), plan.cp_size, plan.ring_size
@@ -62,6 +62,18 @@ def test_every_valid_input_is_planned_exactly_and_balanced(case):
     stats = check_plan(plan, cu)
     # Steer the search towards the bound: hypothesis reports the highest score it found.
     target((stats["balance"] - 1) / (stats["balance_limit"] - 1), label="share of the slack used")
+    event(f"planner {stats['planner'].split('(')[0]}")
+
+
+@settings(max_examples=examples(100))
+@given(packing_inputs(), st.sampled_from(["ring", "hybrid"]))
+def test_where_the_packing_candidates_run_the_contract_holds(case, algo):
+    """The inputs where partition.py also tries its optimizers (R <= 32, <= 2,048
+    documents): the general property test rarely lands there."""
+    cu, groups = case
+    degree = 2 if algo == "hybrid" else None
+    assume(int(cu[-1]) % (groups * (degree or 1)) == 0)
+    stats = check_plan(plan_context_parallel(cu, groups * (degree or 1), algo, degree), cu)
     event(f"planner {stats['planner'].split('(')[0]}")
 
 
