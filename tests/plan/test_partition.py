@@ -89,14 +89,16 @@ def test_plans_are_deterministic_and_independent_of_the_input_type(case, kind):
 
 
 def test_long_and_one_document_rows_at_the_largest_sizes():
-    """The issue's largest inputs, checked in CI every time (hypothesis samples them rarely):
-    1M tokens at CP 128 as one document, as 1-7-token documents and as one-token documents,
-    and hybrid u=8 at CP 64."""
+    """The largest inputs, checked in CI every time (hypothesis samples them rarely): 1M tokens
+    at CP 128 as one document, as 1-7-token documents (also at CP 2, where the previous
+    planner asked numpy for a 128 GiB array) and as one-token documents, and hybrid u=8 at
+    CP 64."""
     n = 1 << 20
     rng = np.random.default_rng(0)
     tiny = np.concatenate([[0], np.cumsum(rng.integers(1, 8, n))])
     cases = [(np.array([0, n]), 128, "ring", None),
              (np.concatenate([tiny[tiny < n], [n]]), 128, "ring", None),
+             (np.concatenate([tiny[tiny < n], [n]]), 2, "ring", None),  # was 128 GiB
              (np.arange(0, n + 1, 8), 64, "hybrid", 8),
              (np.arange(n // 8 + 1), 128, "ring", None)]
     for cu, cp, algo, degree in cases:
