@@ -90,6 +90,23 @@ def check_megatron_lm_args(args) -> None:
                         "and --per-split-data-args-path are not supported")
 
 
+def plans_ahead(args) -> bool:
+    """Whether the steps read and plan one micro-batch ahead. Not under Megatron-LM's rerun
+    state machine (`--rerun-mode validate_results`, its default, or `report_stats`): it saves
+    every micro-batch an iteration reads to replay the iteration, and a batch read ahead
+    belongs to the next iteration. Said once, since the flag default makes it silent."""
+    if not getattr(args, "plan_ahead", True):
+        return False
+    mode = getattr(args, "rerun_mode", "disabled")
+    if mode != "disabled":
+        if getattr(args, "rank", 0) == 0:
+            print(f" megatron-eod: CP plans are made in each step, not one micro-batch ahead, "
+                  f"because --rerun-mode {mode} replays an iteration's micro-batches; pass "
+                  f"--rerun-mode disabled to plan ahead", flush=True)
+        return False
+    return True
+
+
 class EodProviders:
     """The three callables `megatron.training.pretrain` takes; one instance per process (the
     model and the step functions share its context registry)."""
@@ -163,7 +180,7 @@ class EodProviders:
                 reset_attention_mask=args.reset_attention_mask,
                 eod_mask_loss=args.eod_mask_loss,
                 pad_token_id=None,  # GPTDataset already turned pads into loss-masked zeros
-                plan_ahead=getattr(args, "plan_ahead", True))
+                plan_ahead=plans_ahead(args))
         return self._steps
 
 

@@ -122,3 +122,21 @@ def test_extra_args_and_distributed_marker():
     args = parser.parse_args(["--context-parallel-algo", "ulysses", "--ulysses-degree-in-cp", "4"])
     assert (args.context_parallel_algo, args.ulysses_degree_in_cp) == ("ulysses", 4)
     assert EodProviders().datasets_provider.is_distributed
+
+
+def test_plans_ahead_only_where_megatron_lm_replays_nothing(capsys):
+    """Megatron-LM's rerun state machine (--rerun-mode validate_results, its default) saves
+    each iteration's micro-batches to replay them; a batch read ahead belongs to the next
+    iteration, so the providers plan in the step there, and say so."""
+    from megatron_eod.training.megatron_lm import plans_ahead
+
+    args = add_eod_args(argparse.ArgumentParser()).parse_args([])
+    assert args.plan_ahead  # our flag's default
+    args.rank = 0
+    for mode, ahead in (("disabled", True), ("validate_results", False),
+                        ("report_stats", False)):
+        args.rerun_mode = mode
+        assert plans_ahead(args) is ahead
+    assert "--rerun-mode disabled to plan ahead" in capsys.readouterr().out
+    args.rerun_mode, args.plan_ahead = "disabled", False  # --no-plan-ahead
+    assert plans_ahead(args) is False
