@@ -58,6 +58,15 @@ def _add_host_tokens(batch) -> None:
     batch["tokens_cpu"], batch["tokens_ready"] = host, ready
 
 
+def _worker_init(device: torch.device):
+    """The plan-ahead thread's start: on a GPU, this rank's device (a CUDA call from a thread
+    that never selected one would create a context on GPU 0)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return lambda: torch.cuda.set_device(index)
+
+
 def is_dataset_built_on_rank() -> bool:
     """Datasets (and data iterators) live on TP rank 0 of every pipeline stage."""
     return _ps().get_tensor_model_parallel_rank() == 0
@@ -116,15 +125,13 @@ class EodGPTSteps:
         if ps.get_tensor_model_parallel_world_size() == 1:
             return header, batches
         group, src = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank()
-        head = torch.zeros(5, dtype=torch.int64)
-        head[:len(header)] = torch.tensor(header, dtype=torch.int64)
-        head = head.to(self.device)
+        head = torch.tensor(header if header else [0] * PlanAhead.HEADER_SIZE,
+                            dtype=torch.int64).to(self.device)
         dist.broadcast(head, src=src, group=group)
-        values = head.tolist()  # the host needs it to know what follows (as Megatron's own
-        header = values[:3 + values[2]]  # get_batch, which broadcasts sizes first)
-        source = ps.get_tensor_model_parallel_rank() == 0
+        header = head.tolist()  # the host needs it to know what follows (as Megatron's own
+        source = ps.get_tensor_model_parallel_rank() == 0  # get_batch, which sends sizes)
         shared = []
-        for i, present in enumerate(header[3:]):
+        for i, present in enumerate(PlanAhead.batches_in(header)):
             if not present:
                 shared.append(None)
                 continue
@@ -142,8 +149,11 @@ class EodGPTSteps:
         ready = batch.get("tokens_ready")
         if ready is not None:
             ready.synchronize()
+        # Without context parallelism every algorithm is the plain local call.
+        algo, degree = (self.algo, self.ulysses_degree) if self._cp["size"] > 1 else ("ring",
+                                                                                     None)
         return plan_batch(batch["tokens_cpu"], self.eod, self._cp["size"], self._cp["rank"],
-                          self.algo, self.ulysses_degree, **self.flags)
+                          algo, degree, **self.flags)
 
     def get_batch(self, data_iterator) -> LocalBatch:
         ps = _ps()
@@ -154,11 +164,13 @@ class EodGPTSteps:
         source = ps.get_tensor_model_parallel_rank() == 0
         if self.plan_ahead:
             if self._ahead is None:
-                self._ahead = PlanAhead(self._read, self._share, self._plan, source)
+                self._ahead = PlanAhead(self._read, self._share, self._plan, source,
+                                        _worker_init(self.device))
             data, planned = self._ahead.next(data_iterator)
         else:
             read = [self._read(data_iterator)] if source else []
-            _, (data,) = self._share([0, 0, 1] + [int(r is not None) for r in read], read)
+            flags = [int(r is not None) for r in read] or [0]
+            _, (data,) = self._share([0, 0, -1, 1] + flags + [0], read)
             if data is None:
                 raise StopIteration
             start = time.perf_counter()

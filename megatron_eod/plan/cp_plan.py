@@ -224,6 +224,9 @@ def plan_context_parallel(cu_seqlens, cp_size: int, algo: str = "ring",
     if n % cp_size:
         raise ValueError(f"b*s ({n} tokens) must be divisible by cp_size (--context-parallel-"
                          f"size {cp_size})")
+    if n >= 1 << 31:
+        raise ValueError(f"b*s ({n} tokens) must be below 2**31: the varlen kernels take "
+                         f"int32 cu_seqlens")
     placement = partition_documents(cu, cp_size // u)
     return CPPlan(algo, cp_size, u, n, torch.from_numpy(cu.astype(np.int32)), placement.pieces,
                   placement)

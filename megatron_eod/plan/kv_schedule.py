@@ -175,36 +175,44 @@ def local_call(pieces: Pieces, group: int, with_rows: bool = True) -> KernelCall
     return _call(run_length, run_length, rows, rows, causal=True)
 
 
+def _by_group(group_of: np.ndarray, groups: int):
+    """(order, bounds): entries of group g are order[bounds[g]:bounds[g+1]], stable."""
+    order = np.argsort(group_of, kind="stable")
+    return order, np.searchsorted(group_of[order], np.arange(groups + 1))
+
+
 def build_schedule(split: SplitDocuments, group: int) -> GroupSchedule:
     """Group `group`'s local call and its R - 1 ring steps (see the module)."""
     p, groups = split.pieces, split.pieces.groups
     start, length, local_start = p.start, p.length, split.local_start
     rows = lambda i: ranges(local_start[i], local_start[i] + length[i])  # noqa: E731
     q_piece, k_piece = needed_pieces(split, group)
-    k_group = p.group[k_piece]
+    from_order, from_bounds = _by_group(p.group[k_piece], groups)
     needer, given_k = given_pieces(split, group)
+    to_order, to_bounds = _by_group(needer, groups)
+    nothing = torch.zeros(0, dtype=torch.int64)
     steps: List[RingStep] = []
     for t in range(1, groups):
         src, dst = (group - t) % groups, (group + t) % groups
         # Received: src's needed pieces, once each, in src's local order.
-        mine = k_group == src
+        mine = from_order[from_bounds[src]:from_bounds[src + 1]]
         received = np.unique(k_piece[mine])  # piece index order == src's local order
         call = None
         if received.size:
-            at = np.zeros(int(received.max()) + 1, np.int64)
-            at[received] = np.cumsum(length[received]) - length[received]
+            # Buffer offset of each received piece: they arrive in `received` order.
+            offset = np.cumsum(length[received]) - length[received]
             qs, ks = q_piece[mine], k_piece[mine]
             order = np.lexsort((start[ks], local_start[qs]))  # queries in local order
             qs, ks = qs[order], ks[order]
+            at = offset[np.searchsorted(received, ks)]
             new_q = np.concatenate([[True], qs[1:] != qs[:-1]])
             uq = qs[new_q]
             k_lengths = np.add.reduceat(length[ks], np.flatnonzero(new_q))
-            call = _call(length[uq], k_lengths, rows(uq), ranges(at[ks], at[ks] + length[ks]),
+            call = _call(length[uq], k_lengths, rows(uq), ranges(at, at + length[ks]),
                          causal=False)
         # Sent: what dst needs from this group (dst computes the same set as its `received`).
-        sent = np.unique(given_k[needer == dst])
-        send_index = rows(sent) if sent.size else np.zeros(0, np.int64)
-        steps.append(RingStep(t, dst, src, torch.from_numpy(send_index),
-                              int(length[received].sum()), call))
-    n_tokens = int(p.tokens_per_group()[group])
-    return GroupSchedule(group, n_tokens, local_call(p, group), tuple(steps))
+        sent = np.unique(given_k[to_order[to_bounds[dst]:to_bounds[dst + 1]]])
+        send_index = torch.from_numpy(rows(sent)) if sent.size else nothing
+        steps.append(RingStep(t, dst, src, send_index, int(length[received].sum()), call))
+    lo, hi = p.group_offsets[[group, group + 1]]
+    return GroupSchedule(group, int(length[lo:hi].sum()), local_call(p, group), tuple(steps))

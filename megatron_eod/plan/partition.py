@@ -57,6 +57,21 @@ def _optimizers(cu: np.ndarray, groups: int) -> List[Tuple[str, Callable[[], Opt
     return out
 
 
+def _not_a_partition(pieces: Pieces, cu: np.ndarray, share_tokens: int) -> str:
+    """What is wrong with a candidate's pieces ("" if nothing): every group exactly a share
+    of tokens, every piece inside its document, no token held twice."""
+    if pieces.group.size and (pieces.group.min() < 0 or pieces.group.max() >= pieces.groups):
+        return "group index out of range"
+    if not (pieces.tokens_per_group() == share_tokens).all():
+        return "token counts are not exact"
+    if not ((pieces.start >= cu[pieces.doc]) & (pieces.end <= cu[pieces.doc + 1])).all():
+        return "a piece crosses a document boundary"
+    order = np.argsort(pieces.start, kind="stable")
+    if (pieces.start[order][1:] < pieces.end[order][:-1]).any():
+        return "a token is held twice"
+    return ""
+
+
 def partition_documents(cu_seqlens, groups: int) -> Placement:
     """The placement of the stream described by `cu_seqlens` on `groups` groups."""
     cu = np.asarray(cu_seqlens, dtype=np.int64)
@@ -74,22 +89,23 @@ def partition_documents(cu_seqlens, groups: int) -> Placement:
         return Placement(sweep, "sweep", tuple(tried))
     limit = min(balance_bound(mean, int(lengths.max())), ACCEPT_BALANCE * mean)
     for name, make in optimizers:
-        try:
+        try:  # a bug in an optimizer must not stop training: it is reported, the sweep stays
             pieces = make()
-        except Exception as error:  # a bug in an optimizer must not stop training: report it
+            if pieces is None:
+                tried.append((name, "not applicable"))
+                continue
+            problem = _not_a_partition(pieces, cu, share_tokens)
+            if problem:
+                tried.append((name, f"failed: {problem}"))
+                continue
+            pairs = group_pairs(pieces)
+            if pairs.max() > limit:
+                tried.append((name, f"off balance ({pairs.max() / mean:.4f})"))
+                continue
+            key = (int(group_kv_received(pieces).max()), int(pairs.max()))
+        except Exception as error:
             tried.append((name, f"failed: {type(error).__name__}: {error}"))
             continue
-        if pieces is None:
-            tried.append((name, "not applicable"))
-            continue
-        if not (pieces.tokens_per_group() == share_tokens).all():
-            tried.append((name, "failed: token counts are not exact"))
-            continue
-        pairs = group_pairs(pieces)
-        if pairs.max() > limit:
-            tried.append((name, f"off balance ({pairs.max() / mean:.4f})"))
-            continue
-        key = (int(group_kv_received(pieces).max()), int(pairs.max()))
         tried.append((name, f"busiest group receives {key[0]} tokens"))
         if key < best[0]:
             best = (key, name, pieces)

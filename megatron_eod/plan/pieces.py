@@ -13,6 +13,7 @@ What it does not do: no placement (partition.py), no pair or traffic counts (cos
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -61,11 +62,11 @@ class Pieces:
         cu = np.asarray(cu_seqlens, np.int64)
         return cls(start, end, doc, group, cu[doc], int(groups))
 
-    @property
+    @cached_property
     def length(self) -> np.ndarray:
         return self.end - self.start
 
-    @property
+    @cached_property
     def group_offsets(self) -> np.ndarray:
         """int64 [groups + 1]: the pieces of group g are [offsets[g], offsets[g+1])."""
         return np.searchsorted(self.group, np.arange(self.groups + 1))
@@ -83,8 +84,10 @@ class Pieces:
 
     def split_order(self) -> np.ndarray:
         """Indices of the pieces of documents held by two groups or more ("split documents",
-        the only ones whose keys travel), sorted by (document, start)."""
-        order = np.lexsort((self.start, self.doc))
+        the only ones whose keys travel), sorted by (document, start). Only documents with
+        several pieces can be split, and there are few: they alone are sorted."""
+        several = np.flatnonzero(np.bincount(self.doc)[self.doc] > 1)
+        order = several[np.lexsort((self.start[several], self.doc[several]))]
         doc, group = self.doc[order], self.group[order]
         if doc.size == 0:
             return order

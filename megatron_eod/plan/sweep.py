@@ -177,10 +177,10 @@ def sweep_documents(cu_seqlens, groups: int, head_cut_below: Optional[float] = N
         return Pieces.build(cu[:-1], cu[1:], np.arange(n_docs), np.zeros(n_docs, np.int64),
                             cu, 1)
     share = int(cu[-1]) // groups
-    total = int(doc_pairs(lengths).sum())
     if head_cut_below is None:
         head_cut_below = max(1, share // HEAD_CUT_FRACTION)
     sweep = DocumentSweep(lengths, head_cut_below)
+    total = int(sweep.cum_work[-1])
     parts: List[List[_Part]] = []
     wholes: List[List[Tuple[int, int]]] = []
     done = 0
@@ -196,8 +196,12 @@ def swept_pieces(cu, order, parts, wholes, groups) -> Pieces:
     """Stream pieces, grouped by group, from a sweep's partial (sorted index, u, v) parts and
     whole ranges of sorted indices; `order[k]` is the document of sorted index k. No global
     sort: a group's few partial parts are sorted by (document, position) and merged where
-    they touch; its whole documents follow."""
-    docs, starts, ends, owners = [], [], [], []
+    they touch; its whole documents follow. A handful of passes over the pieces (a stream of
+    one-token documents has a piece per token)."""
+    docs: List[np.ndarray] = []
+    counts = np.zeros(groups, dtype=np.int64)
+    partial = []  # (piece index, u, v) of the partial pieces
+    at = 0
     for g in range(groups):
         merged: List[List[int]] = []
         for doc, u, v in sorted((int(order[k]), u, v) for k, u, v in parts[g]):
@@ -205,17 +209,19 @@ def swept_pieces(cu, order, parts, wholes, groups) -> Pieces:
                 merged[-1][2] = v
             else:
                 merged.append([doc, u, v])
-        part_doc = np.array([m[0] for m in merged], np.int64)
-        docs.append(part_doc)
-        starts.append(cu[part_doc] + np.array([m[1] for m in merged], np.int64))
-        ends.append(cu[part_doc] + np.array([m[2] for m in merged], np.int64))
-        owners.append(np.full(part_doc.size, g, np.int64))
+        docs.append(np.array([m[0] for m in merged], np.int64))
+        partial.extend((at + i, u, v) for i, (_, u, v) in enumerate(merged))
+        at += len(merged)
         for lo, hi in wholes[g]:
-            whole_doc = order[lo:hi]
-            docs.append(whole_doc)
-            starts.append(cu[whole_doc])
-            ends.append(cu[whole_doc + 1])
-            owners.append(np.full(hi - lo, g, np.int64))
+            docs.append(order[lo:hi])
+            at += hi - lo
+        counts[g] = at - counts.sum()
     doc = np.concatenate(docs)
-    return Pieces(np.concatenate(starts), np.concatenate(ends), doc, np.concatenate(owners),
-                  cu[doc], groups)
+    doc_start = cu[doc]
+    start, end = doc_start.copy(), cu[doc + 1]
+    if partial:
+        index, u, v = (np.array(c, np.int64) for c in zip(*partial))
+        start[index] = doc_start[index] + u
+        end[index] = doc_start[index] + v
+    group = np.repeat(np.arange(groups, dtype=np.int64), counts)
+    return Pieces(start, end, doc, group, doc_start, groups)

@@ -78,16 +78,35 @@ def test_the_next_batch_is_read_and_planned_before_it_is_asked_for():
     assert pair.next(train)[0] == ("t1", "plan of t1")
 
 
-def test_an_old_stream_is_forgotten_on_every_rank_alike():
+class Stream:
+    """A finite iterator that can be weakly referenced (like a DataLoader iterator)."""
+
+    def __init__(self, name, n):
+        self.items = iter([f"{name}{i}" for i in range(n)])
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.items)
+
+
+def test_a_stream_is_forgotten_only_once_its_iterator_is_gone():
     pair = Pair()
-    streams = [counting_iterator(f"s{k}_", 4) for k in range(PlanAhead.MAX_STREAMS + 2)]
-    for iterator in streams:
+    live = [Stream(f"s{k}_", 4) for k in range(12)]
+    for iterator in live:  # many live streams: none loses its read-ahead batch
         assert pair.next(iterator)[0][0].endswith("_0")
+    for iterator in live:
+        assert pair.next(iterator)[0][0].endswith("_1")
+    assert len(pair.source._pending) == len(pair.peer._pending) == 12
+    gone = Stream("gone", 3)
+    pair.next(gone)
+    del gone  # its iterator no longer exists: the next call forgets it on every rank
+    assert pair.next(live[0])[0][0] == "s0_2"
     assert pair.source._pending.keys() == pair.peer._pending.keys()
-    assert len(pair.source._pending) == PlanAhead.MAX_STREAMS
-    # The forgotten first stream lost its read-ahead batch; the others did not.
-    assert pair.next(streams[0])[0][0] == "s0_2"
-    assert pair.next(streams[-1])[0][0] == f"s{PlanAhead.MAX_STREAMS + 1}_1"
+    assert len(pair.source._pending) == 12
+    kept = counting_iterator("g", 3)  # generators can be weakly referenced too
+    assert pair.next(kept)[0][0] == "g0"
 
 
 def test_an_error_while_planning_reaches_the_step():

@@ -60,6 +60,8 @@ def test_ulysses_degree_rule(algo, cp, given, degree):
     (dict(cu_seqlens=np.array([0, 4, 8], dtype=np.float16), cp_size=2), "must hold integers"),
     (dict(cu_seqlens=["0", "8"], cp_size=2), "must hold integers"),
     (dict(cu_seqlens=[[0, 4], [4, 8]], cp_size=2), "must be 1-D"),
+    (dict(cu_seqlens=[0, 2**31 + 2], cp_size=2), r"must be below 2\*\*31: the varlen kernels "
+                                                 r"take int32 cu_seqlens"),
 ])
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):

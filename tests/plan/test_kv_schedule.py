@@ -70,9 +70,15 @@ def test_a_rank_builds_only_its_own_schedule():
 
 
 def test_to_device_keeps_pieces_and_moves_schedules():
+    """`to` moves schedules built already (plan-ahead builds them on a worker thread before
+    the step moves the plan) and builds later ones on the device."""
     plan = plan_context_parallel(torch.tensor([0, 5, 40, 64]), 4, "hybrid", 2)
+    built = plan.schedule(3)  # before `to`
     moved = plan.to("cpu")
     assert moved.pieces is plan.pieces and moved.device == torch.device("cpu")
-    a, b = plan.schedule(3), moved.schedule(3)
-    assert torch.equal(a.local.cu_seqlens_q, b.local.cu_seqlens_q)
-    assert [s.recv_count for s in a.steps] == [s.recv_count for s in b.steps]
+    assert moved._cache[("schedule", plan.group_of(3))] is not built  # moved, not rebuilt
+    for rank in (3, 0):  # one moved, one built after `to`
+        a, b = plan.schedule(rank), moved.schedule(rank)
+        assert torch.equal(a.local.cu_seqlens_q, b.local.cu_seqlens_q)
+        assert [s.recv_count for s in a.steps] == [s.recv_count for s in b.steps]
+        assert all(torch.equal(x.send_index, y.send_index) for x, y in zip(a.steps, b.steps))

@@ -10,6 +10,7 @@ one balance bound (`cost.balance_bound`). CI runs a derandomized few hundred cas
 """
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import assume, event, given, settings, target
 from hypothesis import strategies as st
@@ -152,3 +153,40 @@ def test_on_a_web_batch_without_long_documents_whole_document_packing_wins():
     chosen = int(group_kv_received(placement.pieces).max())
     assert placement.planner.startswith("pack") and chosen < sweep / 2, (placement.tried,
                                                                          chosen, sweep)
+
+
+BROKEN = {  # pieces (start, end, doc, group) of cu = [0, 3, 8] on 2 groups, each wrong
+    "overlap": [(0, 3, 0, 0), (3, 4, 1, 0), (3, 7, 1, 1)],  # token 3 twice, token 7 never
+    "outside": [(0, 4, 0, 0), (4, 8, 1, 1)],  # piece 0 crosses into document 1
+    "bad group": [(0, 3, 0, 0), (3, 4, 1, 0), (4, 8, 1, 2)],
+    "tokens": [(0, 3, 0, 0), (3, 8, 1, 1)],  # 3 and 5 tokens
+}
+
+
+@pytest.mark.parametrize("broken", ["raises"] + sorted(BROKEN))
+def test_a_broken_optimizer_is_reported_and_never_used(monkeypatch, broken):
+    """A bug in an optimizer must not stop a run: its candidate is rejected with the reason,
+    and the plan is still the exact, balanced sweep."""
+    from megatron_eod.plan import partition
+    from megatron_eod.plan.pieces import Pieces
+
+    cu = np.array([0, 3, 8])
+
+    def bad(cu_seqlens, groups, *setting):
+        if broken == "raises":
+            raise IndexError("boom")
+        start, end, doc, group = (np.array(c, np.int64) for c in zip(*BROKEN[broken]))
+        return Pieces(start, end, doc, group, cu[doc], groups)
+
+    monkeypatch.setattr(partition, "pack_documents", bad)
+    placement = partition.partition_documents(cu, 2)
+    outcomes = dict(placement.tried)
+    packs = [v for k, v in outcomes.items() if k.startswith("pack")]
+    assert len(packs) == 3 and all(v.startswith("failed") for v in packs), outcomes
+    assert not placement.planner.startswith("pack")
+    assert partition._not_a_partition(placement.pieces, cu, 4) == ""
+    if broken != "raises":  # and the check names what is wrong
+        assert partition._not_a_partition(bad(cu, 2), cu, 4) == {
+            "overlap": "a token is held twice", "outside": "a piece crosses a document "
+            "boundary", "bad group": "group index out of range",
+            "tokens": "token counts are not exact"}[broken]

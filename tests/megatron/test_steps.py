@@ -1,0 +1,78 @@
+"""`EodGPTSteps.get_batch` on real ranks: TP 2 x CP 2 over gloo, a train and a validation
+stream read alternately until both run out, with and without planning ahead.
+
+What this shows: TP peers (which hold no iterator) get the source's batches of the right
+stream in the right order, every rank ends a stream at the same call (nobody hangs in a
+broadcast), CP ranks compute identical plans (compared by a digest of the pieces), and
+planning ahead changes nothing.
+"""
+
+import hashlib
+
+import pytest
+import torch
+
+from megatron_eod.megatron import cpu_compat
+from megatron_eod.megatron.batch_context import EodContextRegistry
+from megatron_eod.megatron.steps import EodGPTSteps
+from tests.harness import run_ranks
+
+EOD, SEQ, MBS = 9, 32, 2
+ORDER = "ttvtvvvtttt"  # t: train (5 micro-batches), v: validation (3)
+
+
+def stream(seed, n):
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(n):
+        tokens = torch.randint(0, 10, (MBS, SEQ), generator=gen)
+        tokens[0, 0] = 100 * seed + i  # names the sample
+        yield {"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_mask": torch.ones(MBS, SEQ)}
+
+
+def _rank(rank, world, plan_ahead):
+    from megatron.core import parallel_state as ps
+
+    cpu_compat.apply()
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
+    try:
+        steps = EodGPTSteps(EOD, EodContextRegistry(), SEQ, MBS, algo="ring",
+                            ulysses_degree=1, plan_ahead=plan_ahead)
+        source = ps.get_tensor_model_parallel_rank() == 0
+        train, valid = (stream(1, 5), stream(2, 3)) if source else (None, None)
+        seen = []
+        for which in ORDER:
+            try:
+                batch = steps.get_batch(train if which == "t" else valid)
+            except StopIteration:
+                seen.append((which, "end", None))
+                continue
+            p = batch.plan.pieces
+            digest = hashlib.sha1(b"".join(a.tobytes() for a in (p.start, p.end, p.group)))
+            name = int(batch.tokens.flatten()[(batch.tokens.flatten() >= 100)].max()) \
+                if (batch.tokens >= 100).any() else None
+            seen.append((which, digest.hexdigest(), name))
+        steps.close()
+        return ps.get_context_parallel_rank(), seen
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("plan_ahead", [True, False])
+def test_tp_peers_follow_each_stream_and_stop_together(plan_ahead):
+    results = run_ranks(_rank, 4, plan_ahead, timeout=120)
+    by_rank = [seen for _, seen in results]
+    # Each stream's samples in order, then its end (and again when asked again).
+    assert [s[0] for s in by_rank[0]] == list(ORDER)
+    names = [s[2] if s[1] != "end" else "end" for s in by_rank[0]]
+    assert names == [100, 101, 200, 102, 201, 202, "end", 103, 104, "end", "end"]
+    # Every rank saw the same plans (identical on every CP rank, and on TP peers).
+    digests = [[s[1] for s in seen] for seen in by_rank]
+    assert all(d == digests[0] for d in digests)
+    # Each TP pair holds the same rows: ranks 0/1 are one TP group, 2/3 the other.
+    assert by_rank[0] == by_rank[1] and by_rank[2] == by_rank[3]
+
+
+def test_planning_ahead_gives_the_same_batches():
+    ahead = run_ranks(_rank, 4, True, timeout=120)
+    now = run_ranks(_rank, 4, False, timeout=120)
+    assert ahead == now
