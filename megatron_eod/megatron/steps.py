@@ -1,7 +1,8 @@
 """Megatron's GPT step functions with EoD reset under context parallelism.
 
 One job: the functions a Megatron pretraining loop calls per micro-batch, with Megatron's
-signatures and semantics, built on `slice_batch_for_cp`:
+signatures and semantics, built on batch.py (`plan_batch`, `local_batch`) and, by default,
+plan_ahead.py (each stream read and planned one micro-batch early on a worker thread):
 
     steps = EodGPTSteps(eod_token_id, registry, seq_length, micro_batch_size, ...)
     steps.get_batch(data_iterator)        # TP broadcast -> EoD layout + CP plan -> LocalBatch

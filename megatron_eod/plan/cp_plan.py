@@ -22,7 +22,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from megatron_eod.plan.cost import balance_bound, doc_pairs, group_pairs
+from megatron_eod.plan.cost import balance_bound, doc_pairs
 from megatron_eod.plan.kv_schedule import (GroupSchedule, SplitDocuments, build_schedule,
                                            schedule_totals)
 from megatron_eod.plan.partition import Placement, partition_documents
@@ -141,10 +141,6 @@ class CPPlan:
             "planner": self.placement.planner,
             "planners": dict(self.placement.tried),
         }
-
-    def group_pairs(self) -> np.ndarray:
-        """int64 [R]: pairs of every group, from the independent cost model."""
-        return group_pairs(self.pieces)
 
     def _split_documents(self) -> SplitDocuments:
         if "split" not in self._split:
