@@ -31,14 +31,22 @@ class EodBatchContext:
     cp_group: Optional[object]  # torch.distributed group (None when cp_size == 1)
     _rope: Dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
-    def rotary_freqs(self, dim: int, base: float, dtype, device) -> torch.Tensor:
-        """[n_local, 1, 1, dim] rotary angles from the local position ids (cached)."""
-        key = (dim, base, dtype, str(device))
+    def rotary_freqs(self, inv_freq: torch.Tensor, interleaved: bool = False,
+                     interpolation_factor: Optional[float] = None) -> torch.Tensor:
+        """[n_local, 1, 1, dim] rotary angles of the local RESET position ids, laid out as
+        megatron-core's RotaryEmbedding lays out angles for positions 0..s-1 (halves, or
+        interleaved pairs), positions divided by `interpolation_factor` when given (cached)."""
+        key = (inv_freq.data_ptr(), str(inv_freq.device), interleaved, interpolation_factor)
         if key not in self._rope:
-            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32,
-                                                    device=device) / dim))
-            angles = self.position_ids.to(device, torch.float32)[:, None] * inv_freq[None, :]
-            self._rope[key] = torch.cat([angles, angles], dim=-1)[:, None, None, :].to(dtype)
+            positions = self.position_ids.to(inv_freq.device, torch.float32)
+            if interpolation_factor is not None:
+                positions = positions * (1.0 / interpolation_factor)
+            angles = torch.outer(positions, inv_freq)
+            if interleaved:
+                angles = angles.repeat_interleave(2, dim=-1)
+            else:
+                angles = torch.cat([angles, angles], dim=-1)
+            self._rope[key] = angles[:, None, None, :]
         return self._rope[key]
 
 

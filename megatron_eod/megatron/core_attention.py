@@ -7,6 +7,11 @@ position_embedding_type="none"), apply RoPE at the micro-batch's RESET position 
 b = 1 row of the rank's b*s/cp tokens in plan order (see batch_context.py for how the plan
 gets here). Returns [s, b, heads*dim] as megatron-core expects.
 
+RoPE follows the TransformerConfig and the GPTModel rotary arguments as megatron-core's own
+RotaryEmbedding does (base, percent, interleaved layout, Llama-3 scaling, position
+interpolation): its inverse frequencies, at the reset positions. Settings this module cannot
+honour (attention dropout, sliding windows, non-vanilla softmax, MLA) raise, naming them.
+
 What it does not do: no dropout on attention probabilities (varlen kernels here have none;
 --attention-dropout must be 0), no padding masks (pads are documents of their own).
 """
@@ -14,6 +19,7 @@ What it does not do: no dropout on attention probabilities (varlen kernels here 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -25,30 +31,57 @@ __all__ = ["EodCoreAttention"]
 
 _module = import_megatron("megatron.core.transformer.module")
 _rope = import_megatron("megatron.core.models.common.embeddings.rope_utils")
+_rotary = import_megatron("megatron.core.models.common.embeddings.rotary_pos_embedding")
+
+
+def _refuse_unsupported(config, dropout) -> None:
+    """The TransformerConfig settings megatron-core's own core attention honours and this
+    one cannot: ValueError naming the setting (and its Megatron-LM flag)."""
+    if dropout:
+        raise ValueError(f"--attention-dropout must be 0 with EoD attention (got {dropout}): "
+                         f"the varlen kernels apply no dropout")
+    if getattr(config, "window_size", None) is not None:
+        raise ValueError(f"TransformerConfig.window_size={config.window_size} "
+                         f"(--window-size): EoD attention is full causal within documents")
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        raise ValueError(f"TransformerConfig.softmax_type={config.softmax_type!r} "
+                         f"(--softmax-type): EoD attention's kernels compute the vanilla softmax")
+    if getattr(config, "multi_latent_attention", False):
+        raise ValueError("TransformerConfig.multi_latent_attention (--multi-latent-attention): "
+                         "MLA applies its own RoPE to split heads; not supported with EoD "
+                         "attention")
 
 
 class EodCoreAttention(_module.MegatronModule):
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None,
                  pg_collection=None, registry=None, rotary_base: float = 10000.0,
-                 rotary_percent: float = 1.0, kernel: str = "auto"):
+                 rotary_percent: float = 1.0, rope_scaling: bool = False,
+                 rope_scaling_factor: float = 8.0,
+                 seq_len_interpolation_factor: Optional[float] = None, kernel: str = "auto"):
         super().__init__(config=config)
         if kernel not in ("auto", "flash_attn", "torch"):
             raise ValueError(f"kernel must be 'auto', 'flash_attn' or 'torch', got {kernel!r}")
         if registry is None:
             raise ValueError("EodCoreAttention needs the model's EodContextRegistry "
                              "(build the spec with get_gpt_layer_eod_spec(registry))")
-        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        if dropout:
-            raise ValueError(f"--attention-dropout must be 0 with EoD attention (got {dropout}): "
-                             f"the varlen kernels apply no dropout")
+        _refuse_unsupported(config, config.attention_dropout if attention_dropout is None
+                            else attention_dropout)
         self.registry = registry
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.head_dim)
-        self.rotary_dim = int(self.head_dim * rotary_percent)
-        self.rotary_base = rotary_base
+        self.rotary = None  # rotary_percent = 0: no RoPE (--position-embedding-type none)
+        if rotary_percent:
+            # megatron-core's own frequencies (base, percent, Llama-3 scaling); the angles
+            # are taken at the reset position ids instead of 0..s-1.
+            self.rotary = _rotary.RotaryEmbedding(
+                self.head_dim, rotary_percent, rotary_interleaved=config.rotary_interleaved,
+                seq_len_interpolation_factor=seq_len_interpolation_factor,
+                rotary_base=rotary_base, rope_scaling=rope_scaling,
+                rope_scaling_factor=rope_scaling_factor, use_cpu_initialization=True)
         self.kernel = kernel  # GPU kernel choice (--use-flash-attn: "flash_attn"); CPU: exact
         self._backends = {}  # (device, dtype) -> backend: chosen once, not per forward
+        self._inv_freq = {}  # device -> the rotary inverse frequencies there
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -60,15 +93,21 @@ class EodCoreAttention(_module.MegatronModule):
         if b != 1:
             raise ValueError(f"EodCoreAttention expects the micro-batch packed as one row "
                              f"([s, 1, ...]), got b={b}")
-        if self.rotary_dim:  # rotary_percent = 0: no RoPE (--position-embedding-type none)
-            freqs = ctx.rotary_freqs(self.rotary_dim, self.rotary_base, torch.float32,
-                                     query.device)
+        if self.rotary is not None:
+            freqs = ctx.rotary_freqs(self._inverse_frequencies(query.device),
+                                     self.config.rotary_interleaved,
+                                     self.rotary.seq_len_interpolation_factor)
             query = _rope.apply_rotary_pos_emb(query, freqs, self.config, cp_group=ctx.cp_group)
             key = _rope.apply_rotary_pos_emb(key, freqs, self.config, cp_group=ctx.cp_group)
         out = context_parallel_attention(query[:, 0], key[:, 0], value[:, 0], ctx.plan,
                                          group=ctx.cp_group, softmax_scale=self.softmax_scale,
                                          backend=self._backend(query))
         return out.reshape(s, 1, -1)
+
+    def _inverse_frequencies(self, device):
+        if device not in self._inv_freq:
+            self._inv_freq[device] = self.rotary.inv_freq.to(device)
+        return self._inv_freq[device]
 
     def _backend(self, query):
         key = (query.device, query.dtype)

@@ -1,55 +1,65 @@
-"""Run megatron-core 0.16 on CPUs with gloo: the whole list of patches, applied by one `apply()`.
+"""Run megatron-core 0.16 (and Megatron-LM's own trainer) on CPUs with gloo: one table of
+patches, applied by `apply()` only on a machine without CUDA.
 
 One job: let the unmodified megatron-core GPT stack (parallel_state, tensor-parallel layers,
-RNG tracker, GPTModel, RoPE) run on a machine without a GPU, for tests and the CPU quickstart.
-`apply()` does nothing when CUDA is available: on GPUs megatron-core runs as shipped.
+RNG tracker, GPTModel, RoPE, DDP, optimizers, dist_checkpointing) and, with
+`apply(megatron_lm=True)`, Megatron-LM's `pretrain()` run without a GPU, for tests and the
+CPU quickstart. On GPUs both run as shipped. The stand-ins live in cpu_stand_ins.py.
 
-| target (megatron-core 0.16.1)                           | why it breaks on CPU                     |
-|---------------------------------------------------------|------------------------------------------|
-| `torch.cuda.current_device`                             | ~40 call sites pass it as `device=`;     |
-|                                                         | returns "cpu" instead of raising         |
-| `tensor_parallel.random.CudaRNGStatesTracker`           | seeds/forks CUDA generators; ours forks  |
-|                                                         | the CPU generator (dropout, init on CPU) |
-| `tensor_parallel.random._get/_set_cuda_rng_state`       | recompute saves/restores the "device"    |
-|                                                         | RNG; on CPU that is the CPU generator    |
-| `transformer.utils.get_default_causal_mask` (and its    | hard-codes device="cuda"                 |
-| by-name import in `fusions.fused_softmax`)              |                                          |
-| `rope_utils.get_pos_emb_on_this_cp_rank` (and its       | pin_memory() + .cuda() on the CP index   |
-| by-name import in `rotary_pos_embedding`)               |                                          |
-| `pipeline_parallel.schedules.torch` (the module's own   | each schedule counts tokens in           |
-| reference to torch)                                     | `torch.zeros(..., device="cuda")`; the   |
-|                                                         | proxy maps that one literal to the CPU   |
-| `LanguageModule.setup_embeddings_and_output_layer`      | with PP > 1 it moves the tied embedding  |
-|                                                         | with `.cuda()` before an all-reduce; the |
-|                                                         | wrapper makes `.cuda()` a no-op inside   |
+Scope "core" (every CPU run):
+
+| target                                           | why it breaks on CPU                      |
+|--------------------------------------------------|-------------------------------------------|
+| `torch.cuda.current_device`                      | ~40 call sites pass it as `device=`       |
+| `torch.Tensor.cuda`, `torch.nn.Module.cuda`      | "move to the GPU" (GPTModel's tied        |
+|                                                  | embedding, Megatron-LM's get_model): the  |
+|                                                  | CPU is the device, so they return self    |
+| `tensor_parallel.random.CudaRNGStatesTracker`,   | seed/fork/save CUDA generators; on CPU    |
+| `_get_cuda_rng_state`, `_set_cuda_rng_state`     | the device generator is the CPU one       |
+| `transformer.utils.get_default_causal_mask` (and | hard-codes device="cuda"                  |
+| its by-name import in `fusions.fused_softmax`)   |                                           |
+| `rope_utils.get_pos_emb_on_this_cp_rank` (and    | pin_memory() + .cuda() on the CP index    |
+| its by-name import in `rotary_pos_embedding`)    |                                           |
+| module `torch` of `pipeline_parallel.schedules`  | `torch.zeros(..., device="cuda")`         |
+
+Scope "megatron-lm" (`apply(megatron_lm=True)`: Megatron-LM's trainer on CPU):
+
+| target                                           | why it breaks on CPU                      |
+|--------------------------------------------------|-------------------------------------------|
+| `sys.modules[...batch_invariant_kernels]`        | imports Triton (absent from CPU torch)    |
+| module `torch` of Megatron-LM's initialize,      | `device="cuda"` tensors, synchronize,     |
+| training, utils, checkpointing and of core's     | streams, memory reports, CUDA RNG state,  |
+| timers, optimizer, clip_grads, DDP, rerun state  | device properties; initialize also asserts|
+| machine, dist_checkpointing strategies           | CUDA and seeds only if device_count() > 0 |
+| `megatron.legacy.fused_kernels.load`             | probes nvcc (no fused kernels are used)   |
+| `torch.nn.Parameter.type`                        | optimizers group params by CUDA type name |
+| `clip_grad_by_total_norm_fp32` (clip_grads and   | asserts torch.cuda.FloatTensor gradients  |
+| its by-name import in optimizer.optimizer)       |                                           |
+| `DistributedOptimizer.sharded_state_dict`        | with torch's AdamW (no TE/Apex) and fp32  |
+| `..._set_main_param_and_optimizer_states`        | params, i.e. every CPU run, loading a     |
+| `DistributedOptimizer.load_state_dict`           | torch_dist checkpoint fails on empty state|
+|                                                  | and on in-place copies into leaf views,   |
+|                                                  | and all params end up sharing ONE "step"  |
+|                                                  | tensor (AdamW then counts it N times)     |
 
 What it does not do: nothing at import time, no walking of loaded modules, no patches for
-features the CPU path does not use (TransformerEngine, fused kernels, CUDA graphs, the
-distributed optimizer). Keep the fusion flags (bias_activation_fusion, masked_softmax_fusion,
-...) off on CPU. `remove()` restores every original (used by tests).
+features the CPU path does not use (TransformerEngine, fused kernels, CUDA graphs, fp16/bf16).
+Keep the fusion flags off on CPU. `remove()` restores every original (used by tests).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
+import importlib.util
 from typing import Callable, Dict, List, Tuple
 
 import torch
 
+from megatron_eod.megatron import cpu_stand_ins as stand_ins
+
 __all__ = ["apply", "remove", "is_applied", "PATCHES"]
 
-
-def _current_device() -> str:
-    return "cpu"
-
-
-def _get_rng_state(device="cuda", clone=False, graph_safe=False) -> torch.Tensor:
-    return torch.get_rng_state()
-
-
-def _set_rng_state(new_state, device=-1, graph_safe=False) -> None:
-    torch.set_rng_state(new_state)
+_MISSING = object()
 
 
 def _default_causal_mask(sq: int) -> torch.Tensor:
@@ -65,115 +75,158 @@ def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
     return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=seq_dim)
 
 
-class _TorchWithoutCudaZeros:
-    """torch, except that `zeros(..., device="cuda")` allocates on the CPU."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def zeros(*args, device=None, **kwargs):
-        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+def _stays(tensor_or_module, *args, **kwargs):
+    return tensor_or_module
 
 
-def _embeddings_setup_on_cpu():
-    original = _originals[(_LANGUAGE_MODULE, "setup_embeddings_and_output_layer")]
-
-    def setup_embeddings_and_output_layer(self):
-        cuda = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
-        try:
-            return original(self)
-        finally:
-            torch.Tensor.cuda = cuda
-
-    return setup_embeddings_and_output_layer
+def _batch_invariant_kernels():
+    if importlib.util.find_spec("triton") is not None:
+        return importlib.import_module(_BATCH_INVARIANT)
+    return stand_ins.batch_invariant_kernels_module()
 
 
-_LANGUAGE_MODULE = "megatron.core.models.common.language_module.language_module:LanguageModule"
+_DIST_OPT = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"
 
 
-def _target(name: str):
-    """A module, or a class inside one ("package.module:Class")."""
-    module_name, _, class_name = name.partition(":")
-    module = importlib.import_module(module_name)
-    return getattr(module, class_name) if class_name else module
+def _sharded_state_dict_with_state():
+    original = _originals[(_DIST_OPT, "sharded_state_dict")]
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, **kwargs):
+        if is_loading and not self.optimizer.state:  # states to load into (TE/Apex make them)
+            self._init_optimizer_states_with_dummy_values()
+        return original(self, model_sharded_state_dict, is_loading, **kwargs)
+
+    return sharded_state_dict
 
 
-def _cpu_rng_tracker_class():
-    from megatron.core.tensor_parallel import random as mc_random
+def _load_state_dict_with_own_steps():
+    original = _originals[(_DIST_OPT, "load_state_dict")]
 
-    class CPURNGStatesTracker(mc_random.CudaRNGStatesTracker):
-        """Megatron's tracker with named CPU generator states instead of CUDA ones."""
+    def load_state_dict(self, state_dict):
+        original(self, state_dict)
+        steps = {group["step"] for group in state_dict["optimizer"]["param_groups"]}
+        if len(steps) != 1:
+            raise ValueError(f"optimizer checkpoint has several steps {sorted(steps)}")
+        step = float(steps.pop())
+        for state in self.optimizer.state.values():
+            state["step"] = torch.tensor(step)  # one tensor per parameter, as torch keeps it
 
-        def add(self, name, seed):
-            if seed in self.seeds_:
-                raise Exception(f"seed {seed} already exists")
-            if name in self.states_:
-                raise Exception(f"rng state {name} already exists")
-            self.seeds_.add(seed)
-            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
-
-        @contextlib.contextmanager
-        def fork(self, name=mc_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
-            if name not in self.states_:
-                raise Exception(f"rng state {name} is not added")
-            outer_state, outer_name = torch.get_rng_state(), self._current_state_name
-            if outer_name != "default-rng":
-                self.states_[outer_name] = outer_state
-            torch.set_rng_state(self.states_[name])
-            self._current_state_name = name
-            try:
-                yield
-            finally:
-                self.states_[name] = torch.get_rng_state()
-                if outer_name != "default-rng":
-                    outer_state = self.states_[outer_name]
-                torch.set_rng_state(outer_state)
-                self._current_state_name = outer_name
-
-    return CPURNGStatesTracker
+    return load_state_dict
 
 
-# (module, attribute, replacement factory). Factories run at apply() time, so importing this
-# file imports nothing from megatron-core.
-PATCHES: List[Tuple[str, str, Callable[[], object]]] = [
-    ("torch.cuda", "current_device", lambda: _current_device),
-    ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker", _cpu_rng_tracker_class),
-    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", lambda: _get_rng_state),
-    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", lambda: _set_rng_state),
-    ("megatron.core.transformer.utils", "get_default_causal_mask", lambda: _default_causal_mask),
+def _no_grad_copy():
+    return torch.no_grad()(_originals[(_DIST_OPT, "_set_main_param_and_optimizer_states")])
+
+
+_BATCH_INVARIANT = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+_TORCH_ON_CPU = lambda: stand_ins.TorchOnCpu()  # noqa: E731
+_MEGATRON_LM_TORCH = [  # modules whose global `torch` becomes TorchOnCpu
+    "megatron.training.training", "megatron.training.utils", "megatron.training.checkpointing",
+    "megatron.core.timers", "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads", "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel", "megatron.core.rerun_state_machine",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+]
+
+# (target, attribute, replacement factory, scope). A target is a module, a class inside one
+# ("package.module:Class") or a dict ("sys:modules", the attribute is then a key). Factories
+# run at apply() time, after every original of the scope is saved.
+PATCHES: List[Tuple[str, str, Callable[[], object], str]] = [
+    ("torch.cuda", "current_device", lambda: (lambda: "cpu"), "core"),
+    ("torch:Tensor", "cuda", lambda: _stays, "core"),
+    ("torch.nn:Module", "cuda", lambda: _stays, "core"),
+    ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker",
+     stand_ins.cpu_rng_tracker_class, "core"),
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state",
+     lambda: (lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()),
+     "core"),
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state",
+     lambda: (lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)),
+     "core"),
+    ("megatron.core.transformer.utils", "get_default_causal_mask",
+     lambda: _default_causal_mask, "core"),
     ("megatron.core.fusions.fused_softmax", "get_default_causal_mask",
-     lambda: _default_causal_mask),
+     lambda: _default_causal_mask, "core"),
     ("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank",
-     lambda: _pos_emb_on_this_cp_rank),
+     lambda: _pos_emb_on_this_cp_rank, "core"),
     ("megatron.core.models.common.embeddings.rotary_pos_embedding",
-     "get_pos_emb_on_this_cp_rank", lambda: _pos_emb_on_this_cp_rank),
-    ("megatron.core.pipeline_parallel.schedules", "torch", _TorchWithoutCudaZeros),
-    (_LANGUAGE_MODULE, "setup_embeddings_and_output_layer", _embeddings_setup_on_cpu),
+     "get_pos_emb_on_this_cp_rank", lambda: _pos_emb_on_this_cp_rank, "core"),
+    ("megatron.core.pipeline_parallel.schedules", "torch", _TORCH_ON_CPU, "core"),
+    ("sys:modules", _BATCH_INVARIANT, _batch_invariant_kernels, "megatron-lm"),
+    ("megatron.training.initialize", "torch",
+     lambda: stand_ins.TorchOnCpu(claims_device=True), "megatron-lm"),
+    *[(module, "torch", _TORCH_ON_CPU, "megatron-lm") for module in _MEGATRON_LM_TORCH],
+    ("megatron.legacy.fused_kernels", "load", lambda: (lambda args: None), "megatron-lm"),
+    ("torch.nn:Parameter", "type", lambda: stand_ins.parameter_type, "megatron-lm"),
+    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
+     lambda: stand_ins.clip_grad_by_total_norm_fp32, "megatron-lm"),
+    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32",
+     lambda: stand_ins.clip_grad_by_total_norm_fp32, "megatron-lm"),
+    (_DIST_OPT, "sharded_state_dict", _sharded_state_dict_with_state, "megatron-lm"),
+    (_DIST_OPT, "_set_main_param_and_optimizer_states", _no_grad_copy, "megatron-lm"),
+    (_DIST_OPT, "load_state_dict", _load_state_dict_with_own_steps, "megatron-lm"),
 ]
 
 _originals: Dict[Tuple[str, str], object] = {}
+_scopes: List[str] = []
+
+
+def _target(name: str):
+    """A module, a class inside one ("package.module:Class") or a dict ("sys:modules")."""
+    module_name, _, inner = name.partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, inner) if inner else module
+
+
+def _get(name: str, attr: str):
+    target = _target(name)
+    if isinstance(target, dict):
+        return target.get(attr, _MISSING)
+    # The class's own attribute (not an inherited one), so remove() restores exactly it.
+    return vars(target).get(attr, _MISSING) if isinstance(target, type) else getattr(target, attr)
+
+
+def _set(name: str, attr: str, value) -> None:
+    target = _target(name)
+    if isinstance(target, dict):
+        if value is _MISSING:
+            target.pop(attr, None)
+        else:
+            target[attr] = value
+    elif value is _MISSING:
+        delattr(target, attr)
+    else:
+        setattr(target, attr, value)
 
 
 def is_applied() -> bool:
-    return bool(_originals)
+    return bool(_scopes)
 
 
-def apply(force: bool = False) -> bool:
-    """Apply every patch once (idempotent). Returns True when the patches are in effect.
-
-    Without `force`, does nothing on a machine where CUDA is available.
-    """
-    if _originals:
-        return True
+def apply(force: bool = False, megatron_lm: bool = False) -> bool:
+    """Apply the "core" patches once (idempotent), and the "megatron-lm" ones too when asked
+    (they import Megatron-LM's `megatron.training`). Returns True when the patches are in
+    effect. Without `force`, does nothing on a machine where CUDA is available."""
     if torch.cuda.is_available() and not force:
         return False
-    for module_name, attr, make in PATCHES:
-        _originals[(module_name, attr)] = getattr(_target(module_name), attr)
-    # Build replacements only after every original is saved (the tracker subclasses one).
-    for module_name, attr, make in PATCHES:
-        setattr(_target(module_name), attr, make())
+    wanted = ["core"] + (["megatron-lm"] if megatron_lm else [])
+    for scope in wanted:
+        if scope in _scopes:
+            continue
+        rows = [row for row in PATCHES if row[3] == scope]
+        # The Triton stand-in must be in place before Megatron-LM's modules are imported.
+        for name, attr, make, _ in sorted(rows, key=lambda row: row[0] != "sys:modules"):
+            _originals[(name, attr)] = _get(name, attr)
+            if name == "sys:modules":
+                _set(name, attr, make())
+        for name, attr, make, _ in rows:
+            if name != "sys:modules":
+                _set(name, attr, make())
+        _scopes.append(scope)
     from megatron.core.tensor_parallel import random as mc_random
 
     # A tracker built before apply() is a CUDA one; the next seeding must build ours.
@@ -183,11 +236,12 @@ def apply(force: bool = False) -> bool:
 
 def remove() -> None:
     """Restore every original (for tests); a no-op when nothing is applied."""
-    if not _originals:
+    if not _scopes:
         return
-    for (module_name, attr), original in _originals.items():
-        setattr(_target(module_name), attr, original)
+    for (name, attr), original in reversed(list(_originals.items())):
+        _set(name, attr, original)
     _originals.clear()
+    _scopes.clear()
     from megatron.core.tensor_parallel import random as mc_random
 
     mc_random.initialize_rng_tracker(force_reset=True)

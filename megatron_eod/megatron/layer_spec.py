@@ -6,6 +6,9 @@ to the model's context registry. Build the GPTModel with position_embedding_type
 RoPE is applied inside the attention at the reset position ids. Without TransformerEngine the
 norms are `norm.TorchNorm` (megatron-core's torch wrapper refuses sequence parallelism);
 `get_gpt_eod_block_spec` also sets the block's final norm, for this pipeline stage's layers.
+The rotary arguments are GPTModel's (`rotary_base`, `rotary_percent`, `rope_scaling`, ...):
+give them here, since the GPTModel itself is built without position embeddings or with
+learned absolute ones. `qk_layernorm` is megatron-core's (norms on q and k per head).
 `kernel` picks the GPU attention kernel: "auto" (flash-attn when installed, else PyTorch's
 varlen kernel), "flash_attn" (required; what --use-flash-attn asks for) or "torch".
 """
@@ -22,7 +25,9 @@ __all__ = ["get_gpt_layer_eod_spec", "get_gpt_eod_block_spec"]
 def get_gpt_layer_eod_spec(registry, use_transformer_engine: bool = False,
                            rotary_base: float = 10000.0, rotary_percent: float = 1.0,
                            normalization: str = "LayerNorm", qk_layernorm: bool = False,
-                           kernel: str = "auto"):
+                           kernel: str = "auto", rope_scaling: bool = False,
+                           rope_scaling_factor: float = 8.0,
+                           seq_len_interpolation_factor=None):
     specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs")
     spec_module = import_megatron("megatron.core.transformer.spec_utils")
     if use_transformer_engine:
@@ -35,7 +40,10 @@ def get_gpt_layer_eod_spec(registry, use_transformer_engine: bool = False,
     spec.submodules.self_attention.submodules.core_attention = spec_module.ModuleSpec(
         module=EodCoreAttention,
         params={"registry": registry, "rotary_base": rotary_base,
-                "rotary_percent": rotary_percent, "kernel": kernel})
+                "rotary_percent": rotary_percent, "rope_scaling": rope_scaling,
+                "rope_scaling_factor": rope_scaling_factor,
+                "seq_len_interpolation_factor": seq_len_interpolation_factor,
+                "kernel": kernel})
     return spec
 
 
