@@ -7,15 +7,55 @@
         --reset-attention-mask --reset-position-ids --eod-mask-loss \
         --context-parallel-size 4 --context-parallel-algo ring
 
-Megatron-LM's flag spellings (see megatron_eod/megatron/args.py); NCCL on GPUs, gloo on CPUs.
+Two trainers, one EoD wiring. `--trainer auto` (the default) runs Megatron-LM's own
+`pretrain()` with our providers whenever `megatron.training` is importable (a Megatron-LM
+checkout on PYTHONPATH, or megatron-core >= 0.17): Megatron-LM's flags plus
+`--context-parallel-algo`, `--ulysses-degree-in-cp`, `--metrics-file`, so a Megatron-LM
+launch script keeps working. Elsewhere it runs our lean trainer (megatron_eod/megatron/args.py
+lists its flags). `--trainer megatron-lm|lean` chooses explicitly.
 """
 
+import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_eod.training.pretrain import pretrain  # noqa: E402
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chooser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    chooser.add_argument("--trainer", choices=("auto", "megatron-lm", "lean"), default="auto")
+    chosen, _ = chooser.parse_known_args(argv)
+    from megatron_eod.training.megatron_lm_run import megatron_lm_available, run
+
+    trainer = chosen.trainer
+    if trainer == "auto":
+        trainer = "megatron-lm" if megatron_lm_available() else "lean"
+    if trainer == "megatron-lm":
+        if not megatron_lm_available():
+            print("pretrain_gpt.py: error: --trainer megatron-lm needs Megatron-LM's "
+                  "megatron.training: put a Megatron-LM checkout on PYTHONPATH (e.g. "
+                  "../shared/megatron-lm) or install megatron-core >= 0.17 (Python >= 3.12)",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(2)
+        return run(argv)
+    from megatron_eod.training.pretrain import pretrain
+
+    return pretrain(_without_trainer_flag(argv))
+
+
+def _without_trainer_flag(argv):
+    out, skip = [], False
+    for i, item in enumerate(argv):
+        if skip:
+            skip = False
+        elif item == "--trainer":
+            skip = True
+        elif not item.startswith("--trainer="):
+            out.append(item)
+    return out
+
 
 if __name__ == "__main__":
-    pretrain()
+    main()

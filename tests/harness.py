@@ -49,8 +49,11 @@ def _rank_main(fn, rank, world_size, store_path, conn, args, kwargs):
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 120.0,
-              **kwargs) -> List[Any]:
+              daemon: bool = True, **kwargs) -> List[Any]:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks; return results.
+
+    `daemon=False` lets ranks start processes of their own (Megatron-LM's data loader workers
+    and checkpoint writer); a hung rank is still killed at `timeout`.
 
     `fn` must be importable or defined before the fork (it is inherited, not pickled); its
     return value must be picklable. Raises AssertionError naming every failed or hung rank.
@@ -61,7 +64,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
         pipes, procs = [], []
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_rank_main, daemon=True,
+            proc = ctx.Process(target=_rank_main, daemon=daemon,
                                args=(fn, rank, world_size, store_path, child_end, args, kwargs))
             proc.start()
             child_end.close()

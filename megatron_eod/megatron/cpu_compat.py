@@ -29,8 +29,8 @@ Scope "megatron-lm" (`apply(megatron_lm=True)`: Megatron-LM's trainer on CPU):
 | `sys.modules[...batch_invariant_kernels]`        | imports Triton (absent from CPU torch)    |
 | module `torch` of Megatron-LM's initialize,      | `device="cuda"` tensors, synchronize,     |
 | training, utils, checkpointing and of core's     | streams, memory reports, CUDA RNG state,  |
-| timers, optimizer, clip_grads, DDP, rerun state  | device properties; initialize also asserts|
-| machine, dist_checkpointing strategies           | CUDA and seeds only if device_count() > 0 |
+| timers, utils, optimizer, clip_grads, DDP, rerun| device properties; initialize also asserts|
+| state machine, dist_checkpointing strategies     | CUDA and seeds only if device_count() > 0 |
 | `megatron.legacy.fused_kernels.load`             | probes nvcc (no fused kernels are used)   |
 | `torch.nn.Parameter.type`                        | optimizers group params by CUDA type name |
 | `clip_grad_by_total_norm_fp32` (clip_grads and   | asserts torch.cuda.FloatTensor gradients  |
@@ -122,7 +122,7 @@ _BATCH_INVARIANT = "megatron.core.transformer.custom_layers.batch_invariant_kern
 _TORCH_ON_CPU = lambda: stand_ins.TorchOnCpu()  # noqa: E731
 _MEGATRON_LM_TORCH = [  # modules whose global `torch` becomes TorchOnCpu
     "megatron.training.training", "megatron.training.utils", "megatron.training.checkpointing",
-    "megatron.core.timers", "megatron.core.optimizer.optimizer",
+    "megatron.core.timers", "megatron.core.utils", "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads", "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.distributed.distributed_data_parallel", "megatron.core.rerun_state_machine",
     "megatron.core.dist_checkpointing.exchange_utils",

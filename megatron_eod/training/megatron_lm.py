@@ -1,93 +1,36 @@
-"""Providers for Megatron-LM's own trainer (`megatron.training.pretrain`), for users who keep
-Megatron-LM's loop and only want EoD-reset context parallelism from us.
+"""Providers for Megatron-LM's own trainer (`megatron.training.pretrain`): the model, the
+datasets and the forward step that make its loop train with EoD reset under CP.
 
-    from megatron.core.enums import ModelType
-    from megatron.training import pretrain
-    from megatron_eod.training.megatron_lm import EodProviders, add_eod_args
+`pretrain_gpt.py` calls `pretrain()` with them (training/megatron_lm_run.py, both the <= 0.17
+and the >= 0.18 signatures); a user with their own script passes them the same way:
 
     providers = EodProviders()
     pretrain(providers.datasets_provider, providers.model_provider,
              ModelType.encoder_or_decoder, providers.forward_step,
              extra_args_provider=add_eod_args)
 
-Launch with Megatron-LM's flags plus `--context-parallel-algo {ring,ulysses,hybrid}`,
-`--ulysses-degree-in-cp U` and, for hybrid, `--hierarchical-context-parallel-sizes U CP/U`
-(Megatron-LM builds the hierarchical CP groups from it). `--calculate-per-token-loss` makes
-Megatron divide by the tokens of the whole global batch, as our own trainer does.
+One job: adapt Megatron-LM's provider signatures to the pieces our lean trainer uses (the
+EoD layer spec, our GPTDataset builder, `EodGPTSteps`); flags are read and checked by
+megatron_lm_args.py. `megatron.training` is imported only when a provider is called.
 
-One job: adapt Megatron-LM's provider signatures to the pieces our trainer uses (the EoD
-layer spec, our GPTDataset builder, `EodGPTSteps`). `megatron.training` is imported only
-when a provider is called: it does not exist in megatron-core 0.16.1, so these providers are
-tested against a stand-in that supplies `get_args`, `get_tokenizer` and the config helper.
-
-What it does not do: no virtual pipeline stages, no multi-token prediction, no dense masks.
+What it does not do: no virtual pipeline stages, no multi-token prediction, no MoE, no dense
+masks (see megatron_lm_args.REFUSED).
 """
 
 from __future__ import annotations
 
 import importlib
 
-import torch
-
 from megatron_eod.attention.backends import has_transformer_engine
 from megatron_eod.attention.groups import register_hybrid_groups
-from megatron_eod.megatron.args import CP_ALGO_ALIASES, FlagError, check_context_parallel
 from megatron_eod.megatron.batch_context import EodContextRegistry
 from megatron_eod.megatron.dataset import build_gpt_datasets
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.megatron.layer_spec import get_gpt_eod_block_spec
 from megatron_eod.megatron.steps import EodGPTSteps, is_dataset_built_on_rank
+from megatron_eod.training.megatron_lm_args import add_eod_args, eod_args_from_megatron
 
-__all__ = ["EodProviders", "add_eod_args", "check_megatron_lm_args"]
-
-
-def add_eod_args(parser):
-    """Megatron-LM `extra_args_provider`: the flags Megatron-LM does not have."""
-    g = parser.add_argument_group("megatron-eod")
-    g.add_argument("--context-parallel-algo", default="ring",
-                   help=f"one of {', '.join(CP_ALGO_ALIASES)}")
-    g.add_argument("--ulysses-degree-in-cp", type=int, default=None,
-                   help="Ulysses group size for --context-parallel-algo hybrid")
-    g.add_argument("--no-plan-ahead", action="store_false", dest="plan_ahead",
-                   help="plan each micro-batch when the step needs it, not one ahead")
-    return parser
-
-
-def check_megatron_lm_args(args) -> None:
-    """Our rules on Megatron-LM's parsed args; FlagError names the flags."""
-    if getattr(args, "ulysses_degree", None) is not None:
-        return  # already checked (the providers call this more than once)
-    check_context_parallel(args)
-    cp, u = args.context_parallel_size, args.ulysses_degree
-    if args.context_parallel_algo == "hybrid":
-        sizes = list(getattr(args, "hierarchical_context_parallel_sizes", None) or [])
-        if sizes != [u, cp // u]:
-            raise FlagError(f"--context-parallel-algo hybrid with --ulysses-degree-in-cp {u} "
-                            f"needs --hierarchical-context-parallel-sizes {u} {cp // u} (got "
-                            f"{' '.join(map(str, sizes)) or 'none'})")
-    if args.attention_dropout:
-        raise FlagError(f"--attention-dropout {args.attention_dropout}: our varlen attention "
-                        f"kernels apply no dropout; pass --attention-dropout 0")
-    if args.position_embedding_type not in ("rope", "none"):
-        raise FlagError(f"--position-embedding-type {args.position_embedding_type}: EoD "
-                        f"attention applies RoPE at reset positions (rope) or nothing (none)")
-    if getattr(args, "virtual_pipeline_model_parallel_size", None):
-        raise FlagError("--num-layers-per-virtual-pipeline-stage is not supported with "
-                        "EoD attention")
-    if getattr(args, "rotary_interleaved", False):
-        raise FlagError("--rotary-interleaved is not supported: EoD attention applies RoPE "
-                        "in the non-interleaved layout")
-    if (args.pipeline_model_parallel_size > 1 and args.micro_batch_size > 1
-            and not getattr(args, "variable_seq_lengths", False)):
-        raise FlagError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} "
-                        f"with --micro-batch-size {args.micro_batch_size}: Megatron-LM's "
-                        f"schedule shapes stage-to-stage buffers [s/cp, mbs, h] but EoD "
-                        f"micro-batches travel packed as [mbs*s/cp, 1, h]; use "
-                        f"--micro-batch-size 1 or --variable-seq-lengths")
-    if not getattr(args, "mock_data", False) and not getattr(args, "data_path", None):
-        raise FlagError("EoD providers read --data-path (blended prefixes allowed) or "
-                        "--mock-data; --train-data-path/--valid-data-path/--test-data-path "
-                        "and --per-split-data-args-path are not supported")
+__all__ = ["EodProviders", "add_eod_args", "plans_ahead"]
 
 
 def plans_ahead(args) -> bool:
@@ -122,7 +65,7 @@ class EodProviders:
 
     def _args(self):
         args = self._training().get_args()
-        check_megatron_lm_args(args)
+        eod_args_from_megatron(args)
         if (args.context_parallel_algo == "hybrid" and args.context_parallel_size > 1
                 and not self._groups_registered):
             ps = import_megatron("megatron.core.parallel_state")
@@ -139,21 +82,28 @@ class EodProviders:
             config = importlib.import_module(
                 "megatron.training.arguments").core_transformer_config_from_args(args)
         rope = args.position_embedding_type == "rope"
-        te = (getattr(args, "transformer_impl", "local") == "transformer_engine"
-              and torch.cuda.is_available() and has_transformer_engine())
+        te = getattr(args, "transformer_impl", "local") == "transformer_engine"
         spec = get_gpt_eod_block_spec(
-            self.registry, config, use_transformer_engine=te, rotary_base=args.rotary_base,
-            rotary_percent=args.rotary_percent if rope else 0.0,
-            normalization=args.normalization,
+            self.registry, config, use_transformer_engine=te and has_transformer_engine(),
+            rotary_base=args.rotary_base, rotary_percent=args.rotary_percent if rope else 0.0,
+            rope_scaling=getattr(args, "use_rope_scaling", False),
+            rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
+            seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor",
+                                                 None),
+            normalization=args.normalization, qk_layernorm=getattr(args, "qk_layernorm", False),
             kernel="flash_attn" if getattr(args, "use_flash_attn", False) else "auto")
         gpt = import_megatron("megatron.core.models.gpt")
+        # RoPE is applied inside the attention; learned positions by the embedding, both at
+        # the reset position ids get_batch hands the model.
         return gpt.GPTModel(
             config, spec, vocab_size=args.padded_vocab_size,
             max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
             post_process=post_process,
             fp16_lm_cross_entropy=getattr(args, "fp16_lm_cross_entropy", False),
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type="none", pg_collection=pg_collection)
+            position_embedding_type="learned_absolute"
+            if args.position_embedding_type == "learned_absolute" else "none",
+            pg_collection=pg_collection)
 
     def datasets_provider(self, train_val_test_num_samples):
         args = self._args()

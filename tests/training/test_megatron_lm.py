@@ -21,7 +21,8 @@ from megatron_eod.data.tokenizers import ByteTokenizer, padded_vocab_size
 from megatron_eod.megatron import cpu_compat
 from megatron_eod.megatron.args import FlagError, parse_args
 from megatron_eod.training.data import MicroBatches
-from megatron_eod.training.megatron_lm import EodProviders, add_eod_args, check_megatron_lm_args
+from megatron_eod.training.megatron_lm import EodProviders
+from megatron_eod.training.megatron_lm_args import add_eod_args, eod_args_from_megatron
 from megatron_eod.training.model import transformer_config
 from tests.functional.tiny_gpt import tiny_flags
 from tests.harness import run_ranks
@@ -34,8 +35,10 @@ def megatron_lm_args(data, world, *extra):
     del args.ulysses_degree  # set by our checks; the providers must derive it themselves
     args.padded_vocab_size = padded_vocab_size(ByteTokenizer().vocab_size, 128, 1)
     args.transformer_impl = "local"
+    args.calculate_per_token_loss = True
     u = args.ulysses_degree_in_cp
     args.hierarchical_context_parallel_sizes = [u, world // u] if u else None
+    args.cp_comm_type = ["a2a+p2p"] if u else None
     return args
 
 
@@ -90,31 +93,21 @@ def test_providers_give_the_cp1_loss(tiny_data, world, extra):
         assert algo == extra[1].replace("_cp_algo", "")
 
 
-def test_hybrid_needs_megatron_hierarchical_sizes(tiny_data):
+def test_hybrid_from_ulysses_degree_alone_fills_megatron_hierarchical_sizes(tiny_data):
+    """One fact asked once: --ulysses-degree-in-cp alone gives Megatron-LM the sizes."""
     args = megatron_lm_args(tiny_data, 4, "--context-parallel-algo", "hybrid",
                             "--ulysses-degree-in-cp", "2")
-    args.hierarchical_context_parallel_sizes = None
-    with pytest.raises(FlagError, match="--hierarchical-context-parallel-sizes 2 2"):
-        check_megatron_lm_args(args)
+    args.hierarchical_context_parallel_sizes, args.cp_comm_type = None, None
+    eod_args_from_megatron(args)
+    assert args.hierarchical_context_parallel_sizes == [2, 2]
+    assert args.cp_comm_type == ["a2a+p2p"] and args.ulysses_degree == 2
 
 
 def test_cp_rules_apply_to_megatron_lm_args(tiny_data):
     args = megatron_lm_args(tiny_data, 4, "--context-parallel-algo", "ring")
     args.context_parallel_algo = "zigzag"
     with pytest.raises(FlagError, match="--context-parallel-algo 'zigzag'"):
-        check_megatron_lm_args(args)
-
-
-@pytest.mark.parametrize("change,message", [
-    (dict(pipeline_model_parallel_size=2), "--micro-batch-size 1 or --variable-seq-lengths"),
-    (dict(data_path=None), "--train-data-path/--valid-data-path/--test-data-path"),
-    (dict(rotary_interleaved=True), "--rotary-interleaved is not supported"),
-], ids=["pp-with-mbs2", "per-split-data", "rotary-interleaved"])
-def test_unsupported_megatron_lm_settings_are_named(tiny_data, change, message):
-    args = megatron_lm_args(tiny_data, 2, "--context-parallel-algo", "ring")
-    vars(args).update(change)
-    with pytest.raises(FlagError, match=message):
-        check_megatron_lm_args(args)
+        eod_args_from_megatron(args)
 
 
 def test_extra_args_and_distributed_marker():

@@ -1,0 +1,166 @@
+"""Megatron-LM's flags, read the EoD way: our extra flags, its CP spellings, our refusals.
+
+One job: turn Megatron-LM's parsed and validated args into args our providers can run, or a
+FlagError naming the flag and what to pass instead. `add_eod_args` is the
+`extra_args_provider`; `eod_args_from_megatron(args)` runs right after Megatron-LM's own
+`validate_args` (training/megatron_lm_run.py hooks it in) and again, as a no-op, from the
+providers.
+
+Context parallelism, one fact asked once. Megatron-LM's `--cp-comm-type` maps onto ours:
+p2p = ring, a2a = ulysses, a2a+p2p with `--hierarchical-context-parallel-sizes U CP/U` =
+hybrid with Ulysses degree U. `--context-parallel-algo` / `--ulysses-degree-in-cp` may say
+the same instead (then the hierarchical sizes are filled in for Megatron-LM to build the
+groups); saying both and differently is an error.
+
+Honoured: RoPE (base, percent, interleaved, Llama-3 scaling, interpolation) at reset
+positions, learned absolute positions at reset positions, `--position-embedding-type none`,
+`--qk-layernorm`, GQA, `--transformer-impl local|transformer_engine`, TP/PP/CP/DP, the
+distributed optimizer, torch_dist checkpoints. Per-token loss is the default here
+(`--calculate-per-token-loss` on): otherwise each CP rank divides by its own token count.
+Everything else EoD attention cannot run is in REFUSED, with the reason.
+"""
+
+from __future__ import annotations
+
+from megatron_eod.megatron.args import CP_ALGO_ALIASES, FlagError, check_context_parallel
+
+__all__ = ["REFUSED", "add_eod_args", "eod_args_from_megatron"]
+
+
+class _NotGiven(list):
+    """The default of --cp-comm-type (["p2p"]), told apart from an explicit --cp-comm-type."""
+
+
+_COMM_TO_ALGO = {"p2p": "ring", "a2a": "ulysses", "a2a+p2p": "hybrid"}
+_ALGO_TO_COMM = {algo: comm for comm, algo in _COMM_TO_ALGO.items()}
+
+# dest -> (is it set?, why it is refused). Checked in order; the first hit raises.
+REFUSED = {
+    "num_experts": (bool, "MoE layers are not wired with EoD attention"),
+    "multi_latent_attention": (bool, "MLA applies its own RoPE to split heads"),
+    "mtp_num_layers": (bool, "multi-token prediction is not wired with EoD batches"),
+    "spec": (bool, "a custom layer spec replaces the one EoD attention is slotted into"),
+    "heterogeneous_layers_config_path": (bool, "heterogeneous layers use their own specs"),
+    "use_legacy_models": (bool, "the legacy model has no pluggable core attention"),
+    "window_size": (lambda v: v is not None, "EoD attention is full causal per document"),
+    "softmax_type": (lambda v: v not in (None, "vanilla"), "the kernels compute vanilla softmax"),
+    "hybrid_context_parallel": (bool, "Megatron-LM's dynamic hybrid CP re-packs sequences; "
+                                      "use --cp-comm-type a2a+p2p (our hybrid)"),
+    "sft": (bool, "the EoD providers build pretraining GPTDatasets"),
+    "fim_data": (bool, "the EoD providers build pretraining GPTDatasets"),
+    "num_layers_per_virtual_pipeline_stage": (bool, "virtual pipeline stages are not "
+                                                    "supported with EoD attention"),
+    "num_virtual_stages_per_pipeline_rank": (lambda v: v is not None and v > 1,
+                                             "virtual pipeline stages are not supported with "
+                                             "EoD attention"),
+}
+
+
+def add_eod_args(parser):
+    """Megatron-LM `extra_args_provider`: our flags, and per-token loss by default."""
+    g = parser.add_argument_group("megatron-eod")
+    g.add_argument("--context-parallel-algo", default=None,
+                   help=f"one of {', '.join(CP_ALGO_ALIASES)} (default: from --cp-comm-type, "
+                        f"p2p = ring, a2a = ulysses, a2a+p2p = hybrid)")
+    g.add_argument("--ulysses-degree-in-cp", type=int, default=None,
+                   help="Ulysses group size for hybrid (default: the first of "
+                        "--hierarchical-context-parallel-sizes)")
+    g.add_argument("--metrics-file", default=None,
+                   help="append one JSON line per iteration and per evaluation")
+    g.add_argument("--no-plan-ahead", action="store_false", dest="plan_ahead",
+                   help="plan each micro-batch when the step needs it, not one ahead")
+    g.add_argument("--trainer", choices=("auto", "megatron-lm", "lean"), default="auto",
+                   help="read by pretrain_gpt.py before Megatron-LM parses")
+    parser.set_defaults(calculate_per_token_loss=True, cp_comm_type=_NotGiven(["p2p"]))
+    return parser
+
+
+def eod_args_from_megatron(args) -> None:
+    """Normalise and check Megatron-LM's args in place; FlagError names the flags."""
+    if getattr(args, "ulysses_degree", None) is not None:
+        return  # already done (the hook and the providers both call this)
+    _resolve_context_parallel(args)
+    check_context_parallel(args)
+    _refuse(args)
+
+
+def _resolve_context_parallel(args) -> None:
+    cp = args.context_parallel_size
+    comm = getattr(args, "cp_comm_type", None)
+    comm_given = comm is not None and not isinstance(comm, _NotGiven)
+    comm = list(comm or ["p2p"])
+    if len(comm) != 1:
+        raise FlagError(f"--cp-comm-type {' '.join(comm)}: one type per layer is not "
+                        f"supported; EoD attention uses one algorithm for every layer")
+    if comm[0] not in _COMM_TO_ALGO:
+        raise FlagError(f"--cp-comm-type {comm[0]}: EoD attention implements p2p (ring), a2a "
+                        f"(ulysses) and a2a+p2p (hybrid)")
+    sizes = list(getattr(args, "hierarchical_context_parallel_sizes", None) or [])
+    given = args.context_parallel_algo
+    if given is not None and given not in CP_ALGO_ALIASES:
+        raise FlagError(f"--context-parallel-algo {given!r} is not supported; choose one of "
+                        f"{', '.join(CP_ALGO_ALIASES)}")
+    algo = CP_ALGO_ALIASES.get(given, given) if given is not None else _COMM_TO_ALGO[comm[0]]
+    if given is not None and comm_given and _COMM_TO_ALGO[comm[0]] != algo:
+        raise FlagError(f"--context-parallel-algo {given} contradicts --cp-comm-type {comm[0]} "
+                        f"({_COMM_TO_ALGO[comm[0]]}); pass one of them")
+    args.context_parallel_algo = algo
+    if algo != "hybrid":
+        if sizes:
+            raise FlagError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))} "
+                            f"is only used by --cp-comm-type a2a+p2p (hybrid), not by {algo}")
+    elif cp > 1:
+        u = args.ulysses_degree_in_cp
+        if sizes:
+            if len(sizes) != 2:
+                raise FlagError(f"--hierarchical-context-parallel-sizes "
+                                f"{' '.join(map(str, sizes))}: hybrid takes two sizes, "
+                                f"Ulysses (inner) then Ring (outer)")
+            if u is not None and u != sizes[0]:
+                raise FlagError(f"--ulysses-degree-in-cp {u} contradicts "
+                                f"--hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]}")
+            args.ulysses_degree_in_cp = u = sizes[0]
+        if u is not None and cp % u == 0:
+            args.hierarchical_context_parallel_sizes = [u, cp // u]  # Megatron-LM builds them
+    if algo != "hybrid" or cp > 1:
+        args.cp_comm_type = [_ALGO_TO_COMM[algo]]
+
+
+def _refuse(args) -> None:
+    for dest, (is_set, why) in REFUSED.items():
+        value = getattr(args, dest, None)
+        if value is not None and is_set(value):
+            shown = "" if value is True else f" {value}"
+            raise FlagError(f"--{dest.replace('_', '-')}{shown}: {why}")
+    if args.attention_dropout:
+        raise FlagError(f"--attention-dropout {args.attention_dropout} (Megatron-LM's default "
+                        f"is 0.1): the varlen attention kernels apply no dropout; pass "
+                        f"--attention-dropout 0")
+    if args.position_embedding_type not in ("rope", "learned_absolute", "none"):
+        raise FlagError(f"--position-embedding-type {args.position_embedding_type}: EoD reset "
+                        f"supports rope, learned_absolute and none (at reset positions)")
+    impl = getattr(args, "transformer_impl", "local")
+    if impl not in ("local", "transformer_engine"):
+        raise FlagError(f"--transformer-impl {impl}: EoD attention slots into the local or the "
+                        f"transformer_engine GPT layer spec")
+    if impl == "transformer_engine":
+        from megatron_eod.attention.backends import has_transformer_engine
+
+        if not has_transformer_engine():
+            raise FlagError("--transformer-impl transformer_engine (Megatron-LM's default) "
+                            "needs TransformerEngine, which is not installed; pass "
+                            "--transformer-impl local")
+    if not args.calculate_per_token_loss:
+        raise FlagError("--calculate-per-token-loss is off: each CP rank would divide its loss "
+                        "by its own token count; EoD providers need per-token loss")
+    if (args.pipeline_model_parallel_size > 1 and args.micro_batch_size > 1
+            and not getattr(args, "variable_seq_lengths", False)):
+        raise FlagError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} "
+                        f"with --micro-batch-size {args.micro_batch_size}: Megatron-LM's "
+                        f"schedule shapes stage-to-stage buffers [s/cp, mbs, h] but EoD "
+                        f"micro-batches travel packed as [mbs*s/cp, 1, h]; use "
+                        f"--micro-batch-size 1 or --variable-seq-lengths")
+    if not getattr(args, "mock_data", False) and not getattr(args, "data_path", None):
+        raise FlagError("EoD providers read --data-path (blended prefixes allowed) or "
+                        "--mock-data; --train-data-path/--valid-data-path/--test-data-path "
+                        "and --per-split-data-args-path are not supported")

@@ -1,0 +1,189 @@
+"""Run Megatron-LM's own `pretrain()` with the EoD providers: the production trainer.
+
+    run(argv)   # Megatron-LM's flags plus ours; what pretrain_gpt.py does when
+                # megatron.training is importable (or --trainer megatron-lm)
+
+One job: call Megatron-LM's `pretrain()` the way its own pretrain_gpt.py does, with our
+providers, on any Megatron-LM from core_v0.16 to 0.19:
+* <= 0.17: `pretrain(datasets, model_provider, model_type, forward_step,
+  extra_args_provider=add_eod_args, ...)`; >= 0.18: `parse_and_validate_args` first, then
+  `pretrain(cfg_container, datasets, ..., model_provider=...)` (always by keyword);
+* our flag rules run right after Megatron-LM's `validate_args` (before it builds the
+  process groups, so hybrid's hierarchical CP groups come from --ulysses-degree-in-cp too);
+* `--metrics-file` gets one JSON line per iteration (from Megatron-LM's `training_log`, so
+  the loss is the iteration's own, not its log-interval average) and per evaluation;
+* megatron-core wheels ship the dataset helpers prebuilt and no Makefile: Megatron-LM's
+  start-up `make` is skipped when the built module imports;
+* without CUDA: `cpu_compat.apply(megatron_lm=True)` and CUDA_DEVICE_MAX_CONNECTIONS=1
+  (Megatron-LM asserts it for TP/CP; meaningless on a CPU).
+
+What it does not do: no flag parsing of its own (Megatron-LM's parser with add_eod_args).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_eod.megatron import cpu_compat
+from megatron_eod.megatron.args import FlagError
+from megatron_eod.training.megatron_lm import EodProviders
+from megatron_eod.training.megatron_lm_args import add_eod_args, eod_args_from_megatron
+
+__all__ = ["megatron_lm_available", "run"]
+
+# Megatron-LM's pretrain_gpt.py default, kept so a user's launch script means the same.
+ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
+
+
+def megatron_lm_available() -> bool:
+    """Whether `megatron.training` (Megatron-LM's trainer) can be imported."""
+    try:
+        return importlib.util.find_spec("megatron.training") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def run(argv=None):
+    """Train with Megatron-LM's `pretrain()`; raises SystemExit(2) on a flag error."""
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]  # Megatron-LM parses sys.argv itself
+    if not torch.cuda.is_available():
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        cpu_compat.apply(megatron_lm=True)
+    training = importlib.import_module("megatron.training.training")
+    _use_prebuilt_dataset_helpers()
+    _check_after_validate()
+    providers = EodProviders()
+    _Metrics(providers).install(training)
+    model_type = importlib.import_module("megatron.core.enums").ModelType.encoder_or_decoder
+    restart = importlib.import_module("megatron.training.inprocess_restart")
+    pretrain, store = restart.maybe_wrap_for_inprocess_restart(training.pretrain)
+    kwargs = dict(train_valid_test_dataset_provider=providers.datasets_provider,
+                  model_provider=providers.model_provider, model_type=model_type,
+                  forward_step_func=providers.forward_step, store=store,
+                  get_embedding_ranks=_embedding_ranks)
+    try:
+        if "cfg_container" in inspect.signature(training.pretrain).parameters:  # >= 0.18
+            arguments = importlib.import_module("megatron.training.arguments")
+            args = arguments.parse_and_validate_args(extra_args_provider=add_eod_args,
+                                                     args_defaults=ARGS_DEFAULTS)
+            config = importlib.import_module("megatron.training.argument_utils")
+            pretrain(config.pretrain_cfg_container_from_args(args), **kwargs)
+        else:
+            pretrain(extra_args_provider=add_eod_args, args_defaults=ARGS_DEFAULTS, **kwargs)
+    except FlagError as error:
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+        if rank == 0:
+            print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    finally:
+        if providers._steps is not None:
+            providers._steps.close()
+
+
+def _use_prebuilt_dataset_helpers() -> None:
+    utils = importlib.import_module("megatron.core.datasets.utils")
+    if os.path.exists(os.path.join(os.path.dirname(utils.__file__), "Makefile")):
+        return  # a source checkout: Megatron-LM builds them as usual
+    importlib.import_module("megatron.core.datasets.helpers_cpp")  # the wheel's build
+    utils.compile_helpers = lambda: None
+
+
+def _check_after_validate() -> None:
+    """Run our rules right after Megatron-LM's validate_args, wherever it is called from."""
+    for name in ("megatron.training.arguments", "megatron.training.initialize"):
+        module = importlib.import_module(name)
+        original = getattr(module, "validate_args", None)
+        if original is None or getattr(original, "_eod", False):
+            continue
+
+        def validate_args(args, *rest, _original=original, **kwargs):
+            result = _original(args, *rest, **kwargs)
+            eod_args_from_megatron(args)
+            return result
+
+        validate_args._eod = True
+        module.validate_args = validate_args
+
+
+def _embedding_ranks(pp_ranks):
+    """As Megatron-LM's pretrain_gpt.py (no MTP): the first stage, and the last one when it
+    holds the tied output embedding."""
+    args = importlib.import_module("megatron.training").get_args()
+    ranks = [pp_ranks[0]]
+    if len(pp_ranks) > 1 and not args.untie_embeddings_and_output_weights:
+        ranks.append(pp_ranks[-1])
+    return ranks
+
+
+class _Metrics:
+    """--metrics-file under Megatron-LM's loop: the same JSON lines as the lean trainer's
+    (iteration, lm_loss, grad_norm, lr, tokens, tokens_per_s, iteration_ms, plan_wait_ms;
+    kind "valid"/"test" for evaluations), written by the last rank."""
+
+    def __init__(self, providers):
+        self.providers, self.file, self.iteration = providers, None, 0
+        self.last, self.waited, self.eval_loss = time.perf_counter(), 0.0, None
+
+    def install(self, training):
+        log, evaluate, report = (training.training_log, training.evaluate,
+                                 training.evaluate_and_print_results)
+
+        def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                         report_memory_flag, skipped_iter, grad_norm, *rest, **kwargs):
+            result = log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                         report_memory_flag, skipped_iter, grad_norm, *rest, **kwargs)
+            self._iteration(loss_dict, learning_rate, iteration, skipped_iter, grad_norm)
+            return result
+
+        def evaluate_(*args, **kwargs):
+            result = evaluate(*args, **kwargs)
+            self.eval_loss = result[0].get("lm loss") if result and result[0] else None
+            return result
+
+        def evaluate_and_print_results(prefix, *args, **kwargs):
+            self.eval_loss = None
+            result = report(prefix, *args, **kwargs)
+            if self.eval_loss is not None:
+                self._write({"kind": "test" if "test" in str(prefix) else "valid",
+                             "iteration": self.iteration,
+                             "lm_loss": float(self.eval_loss)})
+            return result
+
+        training.training_log, training.evaluate = training_log, evaluate_
+        training.evaluate_and_print_results = evaluate_and_print_results
+
+    def _iteration(self, loss_dict, lr, iteration, skipped, grad_norm):
+        now, self.iteration = time.perf_counter(), iteration
+        seconds, self.last = now - self.last, now
+        steps = self.providers._steps
+        waited = steps.plan_wait_s if steps is not None else 0.0
+        wait, self.waited = waited - self.waited, waited
+        loss = loss_dict.get("lm loss") if loss_dict else None
+        if loss is None:
+            return  # not the last pipeline stage, or a skipped iteration
+        args = importlib.import_module("megatron.training").get_args()
+        tokens = args.global_batch_size * args.seq_length
+        self._write({"iteration": iteration, "lm_loss": float(loss),
+                     "grad_norm": None if grad_norm is None else float(grad_norm),
+                     "lr": None if lr is None else float(lr), "skipped": int(skipped),
+                     "tokens": tokens, "tokens_per_s": tokens / seconds,
+                     "iteration_ms": seconds * 1e3, "plan_wait_ms": wait * 1e3})
+
+    def _write(self, record):
+        args = importlib.import_module("megatron.training").get_args()
+        if not args.metrics_file or dist.get_rank() != dist.get_world_size() - 1:
+            return
+        if self.file is None:
+            self.file = open(args.metrics_file, "a")
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()

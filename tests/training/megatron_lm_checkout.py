@@ -1,0 +1,35 @@
+"""Where the tests find Megatron-LM's own trainer: $MEGATRON_LM_PATH, else
+../shared/megatron-lm (core_v0.16.1's megatron/training and pretrain_gpt.py). Tests that need
+it carry `needs_megatron_lm` and skip, saying where they looked, when it is absent."""
+
+import contextlib
+import io
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH") or os.path.join(REPO, "..", "shared",
+                                                                 "megatron-lm")
+HAVE_MEGATRON_LM = os.path.isdir(os.path.join(MEGATRON_LM, "megatron", "training"))
+needs_megatron_lm = pytest.mark.skipif(not HAVE_MEGATRON_LM, reason=(
+    f"Megatron-LM's trainer not found at {MEGATRON_LM} (set MEGATRON_LM_PATH to a checkout "
+    f"with megatron/training)"))
+
+_IMPORTED = False
+
+
+def import_megatron_lm():
+    """Put the checkout on sys.path and import Megatron-LM once, in the test process, so that
+    forked ranks inherit it (the CPU patches it needs at import are applied and removed)."""
+    global _IMPORTED
+    if not _IMPORTED:
+        if MEGATRON_LM not in sys.path:
+            sys.path.append(MEGATRON_LM)
+        from megatron_eod.megatron import cpu_compat
+
+        with contextlib.redirect_stderr(io.StringIO()):
+            cpu_compat.apply(force=True, megatron_lm=True)
+            cpu_compat.remove()
+        _IMPORTED = True

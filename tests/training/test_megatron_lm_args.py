@@ -1,0 +1,133 @@
+"""Megatron-LM's flags through its REAL parser (core_v0.16.1) and our `add_eod_args`, then
+`eod_args_from_megatron`: every flag we refuse raises a FlagError naming it (and, for
+Megatron-LM defaults we cannot run, the flag to add); the CP spellings map onto ours with
+no fact asked twice; per-token loss is on by default."""
+
+import sys
+
+import pytest
+
+from megatron_eod.megatron.args import FlagError
+from tests.training.megatron_lm_checkout import import_megatron_lm, needs_megatron_lm
+
+pytestmark = needs_megatron_lm
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "128", "--micro-batch-size", "2", "--data-path", "corpus",
+        "--transformer-impl", "local", "--attention-dropout", "0"]
+
+
+def megatron_lm_args(*flags, base=BASE, world=4):
+    import_megatron_lm()
+    from megatron.training.arguments import parse_args
+
+    from megatron_eod.training.megatron_lm_args import add_eod_args
+
+    saved = sys.argv
+    sys.argv = ["pretrain_gpt.py", *base, *flags]
+    try:
+        args = parse_args(add_eod_args)
+    finally:
+        sys.argv = saved
+    args.world_size = world
+    return args
+
+
+def checked(*flags, **kwargs):
+    from megatron_eod.training.megatron_lm_args import eod_args_from_megatron
+
+    args = megatron_lm_args(*flags, **kwargs)
+    eod_args_from_megatron(args)
+    return args
+
+
+REFUSALS = {
+    "moe": (["--num-experts", "4"], "--num-experts 4: MoE"),
+    "mla": (["--multi-latent-attention"], "--multi-latent-attention: MLA"),
+    "mtp": (["--mtp-num-layers", "1"], "--mtp-num-layers 1: multi-token prediction"),
+    "spec": (["--spec", "my.module", "my_spec"], "--spec"),
+    "heterogeneous": (["--heterogeneous-layers-config-path", "layers.json"],
+                      "--heterogeneous-layers-config-path"),
+    "legacy-models": (["--use-legacy-models"], "--use-legacy-models"),
+    "window": (["--window-size", "8,0"], "--window-size"),
+    "softmax": (["--softmax-type", "off-by-one"], "--softmax-type off-by-one"),
+    "dynamic-hybrid-cp": (["--hybrid-context-parallel"], "--hybrid-context-parallel"),
+    "sft": (["--sft"], "--sft"),
+    "fim": (["--fim-data"], "--fim-data"),
+    "vpp": (["--num-layers-per-virtual-pipeline-stage", "1"],
+            "--num-layers-per-virtual-pipeline-stage 1"),
+    "vpp-ranks": (["--num-virtual-stages-per-pipeline-rank", "2"],
+                  "--num-virtual-stages-per-pipeline-rank 2"),
+    "position": (["--position-embedding-type", "mrope"], "--position-embedding-type mrope"),
+    "impl": (["--transformer-impl", "inference_optimized"],
+             "--transformer-impl inference_optimized"),
+    "all-gather": (["--context-parallel-size", "4", "--cp-comm-type", "all_gather"],
+                   "--cp-comm-type all_gather"),
+    "per-layer-comm": (["--context-parallel-size", "4", "--cp-comm-type", "p2p", "a2a"],
+                       "one type per layer"),
+    "algo-vs-comm": (["--context-parallel-size", "4", "--context-parallel-algo", "ulysses",
+                      "--cp-comm-type", "p2p"], "--context-parallel-algo ulysses contradicts"),
+    "sizes-without-hybrid": (["--context-parallel-size", "4", "--cp-comm-type", "p2p",
+                              "--hierarchical-context-parallel-sizes", "2", "2"],
+                             "only used by --cp-comm-type a2a\\+p2p"),
+    "degree-vs-sizes": (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                         "--hierarchical-context-parallel-sizes", "2", "2",
+                         "--ulysses-degree-in-cp", "4"], "--ulysses-degree-in-cp 4 contradicts"),
+    "pp-packed": (["--pipeline-model-parallel-size", "2"], "--micro-batch-size 1 or"),
+    "per-split-data": (["--train-data-path", "a"], "--train-data-path"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_refused_flags_are_named(name):
+    flags, message = REFUSALS[name]
+    base = [f for f in BASE if name != "per-split-data" or f not in ("--data-path", "corpus")]
+    with pytest.raises(FlagError, match=message):
+        checked(*flags, base=base)
+
+
+@pytest.mark.parametrize("drop,message", [
+    (["--attention-dropout", "0"], "is 0.1\\).*pass --attention-dropout 0"),
+    (["--transformer-impl", "local"], "pass --transformer-impl local"),
+], ids=["attention-dropout", "transformer-engine"])
+def test_megatron_lm_defaults_we_cannot_run_say_what_to_add(drop, message):
+    base = [f for f in BASE if f not in drop]
+    with pytest.raises(FlagError, match=message):
+        checked(base=base)
+
+
+def test_per_token_loss_is_the_default_and_cannot_be_lost():
+    from megatron_eod.training.megatron_lm_args import eod_args_from_megatron
+
+    assert checked().calculate_per_token_loss
+    args = megatron_lm_args()
+    args.calculate_per_token_loss = False
+    with pytest.raises(FlagError, match="--calculate-per-token-loss"):
+        eod_args_from_megatron(args)
+
+
+@pytest.mark.parametrize("flags,algo,degree,sizes", [
+    ([], "ring", 1, None),
+    (["--cp-comm-type", "p2p"], "ring", 1, None),
+    (["--cp-comm-type", "a2a"], "ulysses", 4, None),
+    (["--context-parallel-algo", "ulysses"], "ulysses", 4, None),
+    (["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"],
+     "hybrid", 2, [2, 2]),
+    (["--context-parallel-algo", "hybrid", "--ulysses-degree-in-cp", "2"], "hybrid", 2, [2, 2]),
+    (["--context-parallel-algo", "hybrid_cp_algo", "--cp-comm-type", "a2a+p2p",
+      "--hierarchical-context-parallel-sizes", "2", "2", "--ulysses-degree-in-cp", "2"],
+     "hybrid", 2, [2, 2]),
+], ids=["default", "p2p", "a2a", "algo-ulysses", "a2a+p2p", "algo-hybrid", "both-agree"])
+def test_megatron_cp_spellings_map_onto_ours(flags, algo, degree, sizes):
+    args = checked("--context-parallel-size", "4", *flags)
+    assert (args.context_parallel_algo, args.ulysses_degree) == (algo, degree)
+    assert args.hierarchical_context_parallel_sizes == sizes
+    assert args.cp_comm_type == [{"ring": "p2p", "ulysses": "a2a", "hybrid": "a2a+p2p"}[algo]]
+
+
+def test_honoured_model_flags_pass():
+    args = checked("--qk-layernorm", "--rotary-interleaved", "--use-rope-scaling",
+                   "--position-embedding-type", "rope", "--rotary-percent", "0.5",
+                   "--group-query-attention", "--num-query-groups", "2")
+    assert args.qk_layernorm and args.rotary_interleaved and args.use_rope_scaling
+    assert checked().position_embedding_type == "learned_absolute"  # Megatron-LM's default

@@ -1,0 +1,114 @@
+"""Megatron-LM's REAL `pretrain()` (core_v0.16.1, from ../shared/megatron-lm or
+$MEGATRON_LM_PATH) with our providers, on 4 gloo CPU ranks, through pretrain_gpt.py's
+`--trainer megatron-lm` path (training/megatron_lm_run.py).
+
+What this shows: per-iteration lm loss (from --metrics-file, Megatron-LM's own loss of each
+iteration) is the CP=1 x DP=4 loss at CP=4 ring, ulysses and hybrid 2x2 (spelled the
+Megatron-LM way, --cp-comm-type a2a+p2p with --hierarchical-context-parallel-sizes) and at
+CP=2 x DP=2, all with the distributed optimizer, dropout off, to 1e-5 relative; a torch_dist
+checkpoint saved at CP=4 and loaded at CP=2 x DP=2 continues with the uninterrupted losses;
+Megatron-LM's own log lines (iteration, lm loss, throughput) are printed.
+"""
+
+import contextlib
+import io
+import json
+import os
+
+import pytest
+
+from tests.harness import run_ranks
+from tests.training.megatron_lm_checkout import import_megatron_lm, needs_megatron_lm
+
+pytestmark = [needs_megatron_lm, pytest.mark.timeout(300)]
+
+ITERS = 4
+
+
+def flags(data, metrics, *extra):
+    return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--num-query-groups", "2", "--group-query-attention", "--seq-length", "128",
+            "--max-position-embeddings", "128", "--micro-batch-size", "2",
+            "--global-batch-size", "8", "--train-iters", str(ITERS), "--lr", "2e-3",
+            "--lr-decay-iters", "10", "--data-path", data, "--split", "90,8,2",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+            "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
+            "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1",
+            "--log-throughput", "--seed", "1234", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--position-embedding-type", "rope",
+            "--distributed-backend", "gloo", "--transformer-impl", "local",
+            "--no-gradient-accumulation-fusion", "--no-bias-dropout-fusion",
+            "--no-bias-gelu-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion",
+            "--no-persist-layer-norm", "--use-distributed-optimizer",
+            "--metrics-file", metrics, *extra]
+
+
+def _train(rank, world, argv, log):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    import pretrain_gpt
+
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            pretrain_gpt.main(["--trainer", "megatron-lm", *argv])
+    except SystemExit as stop:  # --exit-interval: Megatron-LM's train() exits with 0
+        if stop.code not in (0, None):
+            raise
+    if rank == world - 1:
+        with open(log, "w") as f:
+            f.write(out.getvalue())
+
+
+def train(tmp_path, name, data, *extra):
+    import_megatron_lm()
+    metrics, log = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.log"
+    run_ranks(_train, 4, flags(data, str(metrics), *extra), str(log), timeout=240,
+              daemon=False)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    losses = {r["iteration"]: r["lm_loss"] for r in records if "kind" not in r}
+    return losses, log.read_text()
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_data, tmp_path_factory):
+    """CP=1 x DP=4, uninterrupted."""
+    return train(tmp_path_factory.mktemp("cp1"), "cp1", tiny_data)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--context-parallel-size", "4"],
+    ["--context-parallel-size", "4", "--cp-comm-type", "a2a"],
+    ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+     "--hierarchical-context-parallel-sizes", "2", "2"],
+    ["--context-parallel-size", "2"],
+], ids=["ring4", "ulysses4", "hybrid2x2", "cp2xdp2"])
+def test_cp_matches_cp1_under_megatron_lm(baseline, tiny_data, tmp_path, extra):
+    reference, _ = baseline
+    losses, _ = train(tmp_path, "cp", tiny_data, *extra)
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    for iteration, loss in reference.items():
+        assert losses[iteration] == pytest.approx(loss, rel=1e-5), iteration
+
+
+def test_megatron_lm_log_lines(baseline):
+    losses, log = baseline
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    assert "iteration        4/       4" in log
+    assert "lm loss:" in log and "throughput per GPU (TFLOP/s/GPU)" in log
+
+
+def test_torch_dist_checkpoint_resumes_at_another_layout(baseline, tiny_data, tmp_path):
+    reference, _ = baseline
+    ckpt = str(tmp_path / "ckpt")
+    first, _ = train(tmp_path, "save", tiny_data, "--context-parallel-size", "4", "--save",
+                     ckpt, "--save-interval", "2", "--exit-interval", "2", "--ckpt-format",
+                     "torch_dist")
+    assert sorted(first) == [1, 2]
+    assert os.path.isdir(os.path.join(ckpt, "iter_0000002"))
+    resumed, _ = train(tmp_path, "load", tiny_data, "--context-parallel-size", "2", "--load",
+                       ckpt, "--ckpt-format", "torch_dist")
+    assert sorted(resumed) == [3, 4]
+    for iteration in (1, 2):
+        assert first[iteration] == pytest.approx(reference[iteration], rel=1e-5)
+    for iteration in (3, 4):
+        assert resumed[iteration] == pytest.approx(reference[iteration], rel=1e-5), iteration
