@@ -13,7 +13,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.16.1,<0.19",
+        "megatron-core>=0.16.1,<0.20",
         "einops>=0.8",
         "numpy>=1.26",
         "packaging",
