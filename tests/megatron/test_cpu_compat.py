@@ -123,3 +123,27 @@ def test_rng_tracker_forks_a_separate_stream():
         assert torch.equal(forked_a, torch.rand(4, generator=torch.Generator().manual_seed(77)))
     finally:
         cpu_compat.remove()
+
+
+def test_megatron_lm_scope_is_applied_only_when_asked_and_fully_removed():
+    """The "megatron-lm" rows (Megatron-LM's trainer on CPU) touch torch itself
+    (Tensor.cuda, Parameter.type): apply(megatron_lm=True) adds them, remove() restores all."""
+    from tests.training.megatron_lm_checkout import HAVE_MEGATRON_LM, import_megatron_lm
+
+    if not HAVE_MEGATRON_LM:
+        pytest.skip("Megatron-LM checkout absent")
+    import_megatron_lm()
+    cuda, param_type = torch.Tensor.cuda, torch.nn.Parameter.type
+    try:
+        assert cpu_compat.apply(force=True)
+        assert torch.nn.Parameter.type is param_type  # core scope only
+        assert cpu_compat.apply(force=True, megatron_lm=True)
+        p = torch.nn.Parameter(torch.zeros(1))
+        assert p.type() == "torch.cuda.FloatTensor" and p.cuda() is p
+        import megatron.training.training as training
+
+        assert training.torch.zeros(1, device="cuda").device.type == "cpu"
+    finally:
+        cpu_compat.remove()
+    assert torch.Tensor.cuda is cuda and torch.nn.Parameter.type is param_type
+    assert training.torch is torch and not cpu_compat.is_applied()
