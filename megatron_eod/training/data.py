@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from megatron_eod.data.tokenizers import build_tokenizer
-from megatron_eod.megatron.dataset import build_gpt_datasets
+from megatron_eod.training import eod_wiring as wiring
 
 __all__ = ["MicroBatches", "build_tokenizer_from_args", "build_datasets", "dataset_sizes"]
 
@@ -56,10 +56,5 @@ def dataset_sizes(args):
     return [args.train_iters * gbs, evals * args.eval_iters * gbs, args.eval_iters * gbs]
 
 
-def build_datasets(args, tokenizer, is_built_on_rank):
-    return build_gpt_datasets(
-        None if args.mock_data else args.data_path, args.seq_length, tokenizer,
-        dataset_sizes(args), split=args.split, seed=args.seed,
-        reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        path_to_cache=args.data_cache_path, is_built_on_rank=is_built_on_rank)
+def build_datasets(args, tokenizer):
+    return wiring.datasets(args, tokenizer, dataset_sizes(args))

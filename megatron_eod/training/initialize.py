@@ -21,9 +21,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_eod.attention.groups import register_hybrid_groups
 from megatron_eod.megatron import cpu_compat
 from megatron_eod.megatron.imports import import_megatron
+from megatron_eod.training import eod_wiring as wiring
 
 __all__ = ["initialize", "shutdown"]
 
@@ -51,9 +51,7 @@ def initialize(args):
         context_parallel_size=cp,
         hierarchical_context_parallel_sizes=[u, cp // u] if hybrid else None,
         create_gloo_process_groups=False)
-    if hybrid:
-        inner, outer = ps.get_hierarchical_context_parallel_groups()
-        register_hybrid_groups(ps.get_context_parallel_group(), u, inner, outer)
+    wiring.hybrid_groups(args)
     seed = args.seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)

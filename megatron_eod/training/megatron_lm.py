@@ -22,12 +22,10 @@ from __future__ import annotations
 import importlib
 
 from megatron_eod.attention.backends import has_transformer_engine
-from megatron_eod.attention.groups import register_hybrid_groups
 from megatron_eod.megatron.batch_context import EodContextRegistry
-from megatron_eod.megatron.dataset import build_gpt_datasets
 from megatron_eod.megatron.imports import import_megatron
-from megatron_eod.megatron.layer_spec import get_gpt_eod_block_spec
-from megatron_eod.megatron.steps import EodGPTSteps, is_dataset_built_on_rank
+from megatron_eod.megatron.steps import EodGPTSteps
+from megatron_eod.training import eod_wiring as wiring
 from megatron_eod.training.megatron_lm_args import add_eod_args, eod_args_from_megatron
 
 __all__ = ["EodProviders", "add_eod_args", "plans_ahead"]
@@ -66,12 +64,8 @@ class EodProviders:
     def _args(self):
         args = self._training().get_args()
         eod_args_from_megatron(args)
-        if (args.context_parallel_algo == "hybrid" and args.context_parallel_size > 1
-                and not self._groups_registered):
-            ps = import_megatron("megatron.core.parallel_state")
-            inner, outer = ps.get_hierarchical_context_parallel_groups()
-            register_hybrid_groups(ps.get_context_parallel_group(), args.ulysses_degree,
-                                   inner, outer)
+        if not self._groups_registered:
+            wiring.hybrid_groups(args)  # parallel_state exists once a provider runs
             self._groups_registered = True
         return args
 
@@ -81,17 +75,8 @@ class EodProviders:
         if config is None:
             config = importlib.import_module(
                 "megatron.training.arguments").core_transformer_config_from_args(args)
-        rope = args.position_embedding_type == "rope"
         te = getattr(args, "transformer_impl", "local") == "transformer_engine"
-        spec = get_gpt_eod_block_spec(
-            self.registry, config, use_transformer_engine=te and has_transformer_engine(),
-            rotary_base=args.rotary_base, rotary_percent=args.rotary_percent if rope else 0.0,
-            rope_scaling=getattr(args, "use_rope_scaling", False),
-            rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
-            seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor",
-                                                 None),
-            normalization=args.normalization, qk_layernorm=getattr(args, "qk_layernorm", False),
-            kernel="flash_attn" if getattr(args, "use_flash_attn", False) else "auto")
+        spec = wiring.block_spec(self.registry, config, args, te and has_transformer_engine())
         gpt = import_megatron("megatron.core.models.gpt")
         # RoPE is applied inside the attention; learned positions by the embedding, both at
         # the reset position ids get_batch hands the model.
@@ -101,18 +86,12 @@ class EodProviders:
             post_process=post_process,
             fp16_lm_cross_entropy=getattr(args, "fp16_lm_cross_entropy", False),
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type="learned_absolute"
-            if args.position_embedding_type == "learned_absolute" else "none",
+            position_embedding_type=wiring.gpt_position_embedding_type(args),
             pg_collection=pg_collection)
 
     def datasets_provider(self, train_val_test_num_samples):
         args = self._args()
-        return build_gpt_datasets(
-            None if getattr(args, "mock_data", False) else args.data_path, args.seq_length,
-            self._training().get_tokenizer(), list(train_val_test_num_samples),
-            split=args.split, seed=args.seed, reset_position_ids=args.reset_position_ids,
-            reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-            path_to_cache=args.data_cache_path, is_built_on_rank=is_dataset_built_on_rank)
+        return wiring.datasets(args, self._training().get_tokenizer(), train_val_test_num_samples)
 
     def forward_step(self, data_iterator, model, return_schedule_plan=False):
         if return_schedule_plan:
@@ -123,14 +102,9 @@ class EodProviders:
         if self._steps is None:
             args = self._args()
             tokenizer = self._training().get_tokenizer()
-            self._steps = EodGPTSteps(
-                tokenizer.eod, self.registry, args.seq_length, args.micro_batch_size,
-                algo=args.context_parallel_algo, ulysses_degree=args.ulysses_degree,
-                reset_position_ids=args.reset_position_ids,
-                reset_attention_mask=args.reset_attention_mask,
-                eod_mask_loss=args.eod_mask_loss,
-                pad_token_id=None,  # GPTDataset already turned pads into loss-masked zeros
-                plan_ahead=plans_ahead(args))
+            # GPTDataset already turned pads into loss-masked zeros: no pad id here.
+            self._steps = wiring.steps(args, self.registry, tokenizer.eod, None,
+                                       plans_ahead(args))
         return self._steps
 
 

@@ -15,7 +15,7 @@ import torch
 
 from megatron_eod.attention.backends import has_transformer_engine
 from megatron_eod.megatron.imports import import_megatron
-from megatron_eod.megatron.layer_spec import get_gpt_eod_block_spec
+from megatron_eod.training import eod_wiring as wiring
 
 __all__ = ["transformer_config", "build_model"]
 
@@ -56,18 +56,13 @@ def build_model(args, registry, vocab_size: int):
     gpt = import_megatron("megatron.core.models.gpt")
     ddp = import_megatron("megatron.core.distributed")
     config = transformer_config(args)
-    use_rope = args.position_embedding_type == "rope"
-    spec = get_gpt_eod_block_spec(
-        registry, config,
-        use_transformer_engine=torch.cuda.is_available() and has_transformer_engine(),
-        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent if use_rope else 0.0,
-        normalization=args.normalization,
-        kernel="flash_attn" if args.use_flash_attn else "auto")
+    spec = wiring.block_spec(registry, config, args,
+                             torch.cuda.is_available() and has_transformer_engine())
     model = gpt.GPTModel(
         config, spec, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type="none")
+        position_embedding_type=wiring.gpt_position_embedding_type(args))
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if args.fp16 or args.bf16:

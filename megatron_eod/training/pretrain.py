@@ -28,7 +28,8 @@ from megatron_eod.data.tokenizers import padded_vocab_size
 from megatron_eod.megatron.args import FlagError, parse_args
 from megatron_eod.megatron.batch_context import EodContextRegistry
 from megatron_eod.megatron.imports import import_megatron
-from megatron_eod.megatron.steps import EodGPTSteps, is_dataset_built_on_rank
+from megatron_eod.megatron.steps import is_dataset_built_on_rank
+from megatron_eod.training import eod_wiring as wiring
 from megatron_eod.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_eod.training.data import MicroBatches, build_datasets, build_tokenizer_from_args
 from megatron_eod.training.initialize import initialize, shutdown
@@ -81,19 +82,15 @@ class _Trainer:
         self.counters = {"consumed_train_samples": 0, "consumed_valid_samples": 0,
                          "skipped": 0, "nan": 0, **counters}
         # Collective (megatron-core's builder has barriers); None where no data is read.
-        train, valid, test = build_datasets(a, tokenizer, is_dataset_built_on_rank)
+        train, valid, test = build_datasets(a, tokenizer)
         dp_rank, dp = ps.get_data_parallel_rank(), a.data_parallel_size
         make = lambda ds, consumed, name: None if ds is None else MicroBatches(  # noqa: E731
             ds, a.micro_batch_size, dp_rank, dp, consumed, name, cyclic=name != "train")
         self.train_iter = make(train, self.counters["consumed_train_samples"], "train")
         self.valid_iter = make(valid, self.counters["consumed_valid_samples"], "valid")
         self.test_ds = test
-        self.steps = EodGPTSteps(
-            tokenizer.eod, self.registry, a.seq_length, a.micro_batch_size,
-            algo=a.context_parallel_algo, ulysses_degree=a.ulysses_degree,
-            reset_position_ids=a.reset_position_ids,
-            reset_attention_mask=a.reset_attention_mask, eod_mask_loss=a.eod_mask_loss,
-            pad_token_id=getattr(tokenizer, "pad", None), plan_ahead=a.plan_ahead)
+        self.steps = wiring.steps(a, self.registry, tokenizer.eod,
+                                  getattr(tokenizer, "pad", None), a.plan_ahead)
         self.fwd_bwd = schedules.get_forward_backward_func()
         self.reporter = Reporter(a, dist.get_rank() == dist.get_world_size() - 1)
 

@@ -1,0 +1,68 @@
+"""The EoD wiring both trainers share: layer spec arguments, datasets, step functions.
+
+One job: turn parsed args (the lean trainer's, or Megatron-LM's after megatron_lm_args) into
+the EoD pieces, in ONE place, so the lean trainer (model.py, data.py, pretrain.py) and the
+Megatron-LM providers (megatron_lm.py) cannot drift apart. Flags either parser lacks read as
+their Megatron-LM defaults.
+
+What it does not do: no flag rules (megatron/args.py, megatron_lm_args.py), no process groups.
+"""
+
+from __future__ import annotations
+
+from megatron_eod.attention.groups import register_hybrid_groups
+from megatron_eod.megatron.dataset import build_gpt_datasets
+from megatron_eod.megatron.imports import import_megatron
+from megatron_eod.megatron.layer_spec import get_gpt_eod_block_spec
+from megatron_eod.megatron.steps import EodGPTSteps, is_dataset_built_on_rank
+
+__all__ = ["block_spec", "gpt_position_embedding_type", "datasets", "steps", "hybrid_groups"]
+
+
+def block_spec(registry, config, args, use_transformer_engine: bool):
+    """This pipeline stage's block spec with EoD attention and the args' RoPE settings."""
+    rope = args.position_embedding_type == "rope"
+    return get_gpt_eod_block_spec(
+        registry, config, use_transformer_engine=use_transformer_engine,
+        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent if rope else 0.0,
+        rope_scaling=getattr(args, "use_rope_scaling", False),
+        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
+        seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
+        normalization=args.normalization, qk_layernorm=getattr(args, "qk_layernorm", False),
+        kernel="flash_attn" if getattr(args, "use_flash_attn", False) else "auto")
+
+
+def gpt_position_embedding_type(args) -> str:
+    """GPTModel's own position embedding: RoPE is applied inside EoD attention ("none");
+    learned absolute positions are looked up at the reset position ids get_batch passes."""
+    return "learned_absolute" if args.position_embedding_type == "learned_absolute" else "none"
+
+
+def datasets(args, tokenizer, sizes):
+    """Train/valid/test GPTDatasets on the ranks that read data (None elsewhere)."""
+    return build_gpt_datasets(
+        None if getattr(args, "mock_data", False) else args.data_path, args.seq_length,
+        tokenizer, list(sizes), split=args.split, seed=args.seed,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        path_to_cache=args.data_cache_path, is_built_on_rank=is_dataset_built_on_rank)
+
+
+def steps(args, registry, eod_token_id: int, pad_token_id, plan_ahead: bool) -> EodGPTSteps:
+    return EodGPTSteps(
+        eod_token_id, registry, args.seq_length, args.micro_batch_size,
+        algo=args.context_parallel_algo, ulysses_degree=args.ulysses_degree,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        pad_token_id=pad_token_id, plan_ahead=plan_ahead)
+
+
+def hybrid_groups(args) -> bool:
+    """For hybrid CP, hand parallel_state's hierarchical CP groups ([u, cp/u]: Ulysses over
+    consecutive ranks, Ring strided) to the attention. True when registered."""
+    if args.context_parallel_algo != "hybrid" or args.context_parallel_size == 1:
+        return False
+    ps = import_megatron("megatron.core.parallel_state")
+    inner, outer = ps.get_hierarchical_context_parallel_groups()
+    register_hybrid_groups(ps.get_context_parallel_group(), args.ulysses_degree, inner, outer)
+    return True
