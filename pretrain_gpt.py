@@ -11,7 +11,7 @@ Two trainers, one EoD wiring. `--trainer auto` (the default) runs Megatron-LM's 
 `pretrain()` with our providers whenever `megatron.training` is importable (a Megatron-LM
 checkout on PYTHONPATH, or megatron-core >= 0.17): Megatron-LM's flags plus
 `--context-parallel-algo`, `--ulysses-degree-in-cp`, `--metrics-file`, so a Megatron-LM
-launch script keeps working. Elsewhere it runs our lean trainer (megatron_eod/megatron/args.py
+launch script keeps working. Elsewhere it runs our lean trainer (megatron_eod/training/args.py
 lists its flags). `--trainer megatron-lm|lean` chooses explicitly.
 """
 

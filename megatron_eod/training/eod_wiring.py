@@ -5,7 +5,7 @@ the EoD pieces, in ONE place, so the lean trainer (model.py, data.py, pretrain.p
 Megatron-LM providers (megatron_lm.py) cannot drift apart. Flags either parser lacks read as
 their Megatron-LM defaults.
 
-What it does not do: no flag rules (megatron/args.py, megatron_lm_args.py), no process groups.
+What it does not do: no flag rules (training/args.py, megatron_lm_args.py), no process groups.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_eod.data.tokenizers import padded_vocab_size
-from megatron_eod.megatron.args import FlagError, parse_args
+from megatron_eod.training.args import FlagError, parse_args
 from megatron_eod.megatron.batch_context import EodContextRegistry
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.megatron.steps import is_dataset_built_on_rank

@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from megatron_eod.megatron.args import parse_args
+from megatron_eod.training.args import parse_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = sorted(glob.glob(os.path.join(REPO, "examples", "**", "*.sh"), recursive=True)

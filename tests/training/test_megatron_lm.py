@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megatron_eod.data.tokenizers import ByteTokenizer, padded_vocab_size
 from megatron_eod.megatron import cpu_compat
-from megatron_eod.megatron.args import FlagError, parse_args
+from megatron_eod.training.args import FlagError, parse_args
 from megatron_eod.training.data import MicroBatches
 from megatron_eod.training.megatron_lm import EodProviders
 from megatron_eod.training.megatron_lm_args import add_eod_args, eod_args_from_megatron

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megatron_eod.megatron.args import FlagError
+from megatron_eod.training.args import FlagError
 from tests.training.megatron_lm_checkout import import_megatron_lm, needs_megatron_lm
 
 pytestmark = needs_megatron_lm

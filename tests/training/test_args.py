@@ -1,4 +1,4 @@
-"""`megatron_eod.megatron.args`: Megatron-style flags, derived fields and every FlagError rule.
+"""`megatron_eod.training.args`: Megatron-style flags, derived fields and every FlagError rule.
 
 CPU only, no process groups: `world_size` and `cuda_available` are passed explicitly, so the
 GPU-only rules (--bf16, --use-flash-attn, nccl) are exercised both ways on any machine.
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_eod.data.tokenizers import TOKENIZER_TYPES
-from megatron_eod.megatron.args import (
+from megatron_eod.training.args import (
     CP_ALGO_ALIASES, FlagError, build_parser, parse_args, validate_args)
 from megatron_eod.megatron.dataset import parse_data_path
 
