@@ -66,7 +66,8 @@ def train(tmp_path, name, data, *extra):
               daemon=False)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     losses = {r["iteration"]: r["lm_loss"] for r in records if "kind" not in r}
-    return losses, log.read_text()
+    evaluations = {r["kind"]: r for r in records if "kind" in r}
+    return losses, log.read_text() + "\n" + json.dumps(evaluations)
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +96,12 @@ def test_megatron_lm_log_lines(baseline):
     assert sorted(losses) == list(range(1, ITERS + 1))
     assert "iteration        4/       4" in log
     assert "lm loss:" in log and "throughput per GPU (TFLOP/s/GPU)" in log
+    evaluations = json.loads(log.splitlines()[-1])  # --metrics-file: the end-of-run evaluations
+    assert set(evaluations) == {"valid", "test"}
+    for kind, label in (("valid", "validation"), ("test", "test")):
+        assert evaluations[kind]["iteration"] == ITERS
+        assert f"lm loss value: {evaluations[kind]['lm_loss']:.6E}" in log.split(
+            f"on {label} set")[1].splitlines()[0]
 
 
 def test_torch_dist_checkpoint_resumes_at_another_layout(baseline, tiny_data, tmp_path):
