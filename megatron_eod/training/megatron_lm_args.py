@@ -42,6 +42,15 @@ REFUSED = {
     "spec": (bool, "a custom layer spec replaces the one EoD attention is slotted into"),
     "heterogeneous_layers_config_path": (bool, "heterogeneous layers use their own specs"),
     "use_legacy_models": (bool, "the legacy model has no pluggable core attention"),
+    "experimental_attention_variant": (bool, "it replaces softmax attention (gated delta "
+                                             "net, DSA)"),
+    "qk_l2_norm": (bool, "the EoD layer spec has q/k layer norms (--qk-layernorm), not L2 "
+                         "norms"),
+    "use_kitchen_attention": (bool, "Kitchen attention replaces the core attention"),
+    "kitchen_config_file": (bool, "Kitchen quantized layers are not in the EoD layer spec"),
+    "kitchen_recipe_number": (lambda v: v is not None, "Kitchen quantized layers are not in "
+                                                       "the EoD layer spec"),
+    "yaml_cfg": (bool, "the EoD providers read the model from command-line flags"),
     "window_size": (lambda v: v is not None, "EoD attention is full causal per document"),
     "softmax_type": (lambda v: v not in (None, "vanilla"), "the kernels compute vanilla softmax"),
     "hybrid_context_parallel": (bool, "Megatron-LM's dynamic hybrid CP re-packs sequences; "

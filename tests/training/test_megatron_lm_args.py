@@ -49,6 +49,10 @@ REFUSALS = {
     "heterogeneous": (["--heterogeneous-layers-config-path", "layers.json"],
                       "--heterogeneous-layers-config-path"),
     "legacy-models": (["--use-legacy-models"], "--use-legacy-models"),
+    "attention-variant": (["--experimental-attention-variant", "gated_delta_net"],
+                          "--experimental-attention-variant gated_delta_net"),
+    "qk-l2-norm": (["--qk-l2-norm"], "--qk-l2-norm"),
+    "kitchen-attention": (["--use-kitchen-attention"], "--use-kitchen-attention"),
     "window": (["--window-size", "8,0"], "--window-size"),
     "softmax": (["--softmax-type", "off-by-one"], "--softmax-type off-by-one"),
     "dynamic-hybrid-cp": (["--hybrid-context-parallel"], "--hybrid-context-parallel"),
@@ -94,6 +98,22 @@ def test_megatron_lm_defaults_we_cannot_run_say_what_to_add(drop, message):
     base = [f for f in BASE if f not in drop]
     with pytest.raises(FlagError, match=message):
         checked(base=base)
+
+
+@pytest.mark.parametrize("dest,value,message", [
+    ("kitchen_config_file", "recipe.yaml", "--kitchen-config-file recipe.yaml"),
+    ("kitchen_recipe_number", 1, "--kitchen-recipe-number 1"),
+    ("yaml_cfg", "model.yaml", "--yaml-cfg model.yaml"),
+])
+def test_flags_read_at_parse_time_are_named(dest, value, message):
+    """Megatron-LM adds the Kitchen flags only where NVIDIA Kitchen is installed, and reads
+    --yaml-cfg while parsing: set on the parsed args instead."""
+    from megatron_eod.training.megatron_lm_args import eod_args_from_megatron
+
+    args = megatron_lm_args()
+    setattr(args, dest, value)
+    with pytest.raises(FlagError, match=message):
+        eod_args_from_megatron(args)
 
 
 def test_per_token_loss_is_the_default_and_cannot_be_lost():
