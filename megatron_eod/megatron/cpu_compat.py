@@ -27,10 +27,12 @@ Scope "megatron-lm" (`apply(megatron_lm=True)`: Megatron-LM's trainer on CPU):
 | target                                           | why it breaks on CPU                      |
 |--------------------------------------------------|-------------------------------------------|
 | `sys.modules[...batch_invariant_kernels]`        | imports Triton (absent from CPU torch)    |
-| module `torch` of Megatron-LM's initialize,      | `device="cuda"` tensors, synchronize,     |
-| training, utils, checkpointing and of core's     | streams, memory reports, CUDA RNG state,  |
-| timers, utils, optimizer, clip_grads, DDP, rerun| device properties; initialize also asserts|
-| state machine, dist_checkpointing strategies     | CUDA and seeds only if device_count() > 0 |
+| module `torch` of Megatron-LM's initialize,      | `device="cuda"` tensors (random ones from |
+| training, utils, checkpointing and of core's     | their own generator, as on a GPU: the JIT |
+| timers, utils, optimizer, clip_grads, DDP, rerun | warm-up must not move the CPU one),       |
+| state machine, dist_checkpointing strategies     | synchronize, streams, memory reports, CUDA|
+|                                                  | RNG state, device properties; initialize  |
+|                                                  | asserts CUDA, seeds if device_count() > 0 |
 | `megatron.legacy.fused_kernels.load`             | probes nvcc (no fused kernels are used)   |
 | `torch.nn.Parameter.type`                        | optimizers group params by CUDA type name |
 | `clip_grad_by_total_norm_fp32` (clip_grads and   | asserts torch.cuda.FloatTensor gradients  |

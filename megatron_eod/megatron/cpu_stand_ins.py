@@ -30,14 +30,23 @@ def _on_cpu(device):
     return device
 
 
-_FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand",
-              "randn", "randint", "zeros_like", "ones_like", "empty_like", "full_like")
+_FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like",
+              "ones_like", "empty_like", "full_like")
+_RANDOM = ("rand", "randn", "randint", "randperm")
+
+# What a GPU draws "cuda" random tensors from: not the CPU generator. Megatron-LM's JIT warm-up
+# draws [seq/cp, mbs, ffn] random tensors on the device; drawn from the CPU generator they would
+# change every parameter initialised from it later (learned position embeddings) with CP size.
+DEVICE_GENERATOR = torch.Generator()
 
 
-def _factory_on_cpu(factory):
+def _factory_on_cpu(factory, random: bool = False):
     def make(*args, **kwargs):
-        if "device" in kwargs:
-            kwargs["device"] = _on_cpu(kwargs["device"])
+        device = kwargs.get("device")
+        if device is not None:
+            kwargs["device"] = _on_cpu(device)
+            if random and kwargs["device"] != device and kwargs.get("generator") is None:
+                kwargs["generator"] = DEVICE_GENERATOR
         return factory(*args, **kwargs)
 
     return make
@@ -79,7 +88,7 @@ class _CudaOnCpu:
         name="cpu", major=0, minor=0, total_memory=0, multi_processor_count=0))
     get_rng_state = staticmethod(lambda *args, **kwargs: torch.get_rng_state())
     set_rng_state = staticmethod(lambda state, *args, **kwargs: torch.set_rng_state(state))
-    manual_seed = manual_seed_all = staticmethod(lambda seed: None)  # the CPU seed is set too
+    manual_seed = manual_seed_all = staticmethod(lambda seed: DEVICE_GENERATOR.manual_seed(seed))
     Stream = Event = _NoStream
     current_stream = default_stream = staticmethod(lambda *args: _NoStream())
     stream = staticmethod(lambda *args: contextlib.nullcontext())
@@ -90,14 +99,17 @@ class _CudaOnCpu:
 
 class TorchOnCpu:
     """`torch` for one module's global name `torch`: tensor factories asked for a CUDA
-    device allocate on the CPU and `torch.cuda` is `_CudaOnCpu`. Everything else is torch."""
+    device allocate on the CPU (random ones drawing from DEVICE_GENERATOR, as a GPU draws from
+    its own) and `torch.cuda` is `_CudaOnCpu`. Everything else is torch."""
 
     def __init__(self, claims_device: bool = False):
         self.cuda = _CudaOnCpu(claims_device)
 
     def __getattr__(self, name):
         value = getattr(torch, name)
-        return _factory_on_cpu(value) if name in _FACTORIES else value
+        if name in _FACTORIES or name in _RANDOM:
+            return _factory_on_cpu(value, random=name in _RANDOM)
+        return value
 
 
 def cpu_rng_tracker_class():

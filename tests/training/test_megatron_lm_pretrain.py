@@ -119,3 +119,16 @@ def test_torch_dist_checkpoint_resumes_at_another_layout(baseline, tiny_data, tm
         assert first[iteration] == pytest.approx(reference[iteration], rel=1e-5)
     for iteration in (3, 4):
         assert resumed[iteration] == pytest.approx(reference[iteration], rel=1e-5), iteration
+
+
+def test_megatron_lm_default_learned_positions_under_cp(tiny_data, tmp_path):
+    """Megatron-LM's default --position-embedding-type learned_absolute, looked up at reset
+    positions, with q/k layer norms: CP=4 hybrid 2x2 == CP=1."""
+    extra = ["--position-embedding-type", "learned_absolute", "--qk-layernorm"]
+    reference, _ = train(tmp_path, "cp1_learned", tiny_data, *extra)
+    losses, _ = train(tmp_path, "hybrid_learned", tiny_data, *extra,
+                      "--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                      "--hierarchical-context-parallel-sizes", "2", "2")
+    assert sorted(losses) == sorted(reference) == list(range(1, ITERS + 1))
+    for iteration, loss in reference.items():
+        assert losses[iteration] == pytest.approx(loss, rel=1e-5), iteration
