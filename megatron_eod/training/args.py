@@ -67,10 +67,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     _typed(g, float, ("--rotary-percent", 1.0), ("--init-method-std", 0.02),
            ("--hidden-dropout", 0.1),
            ("--attention-dropout", 0.0, "must be 0: the varlen attention kernels apply none"))
-    _switches(g, "--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights")
+    _switches(g, "--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights",
+              "--qk-layernorm", "--rotary-interleaved", "--use-rope-scaling")
+    _typed(g, float, ("--rope-scaling-factor", 8.0, "Llama-3 RoPE scaling factor"),
+           ("--rotary-seq-len-interpolation-factor", None,
+            "divide positions by this factor (linear RoPE interpolation)"))
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
-    g.add_argument("--position-embedding-type", choices=("rope", "none"), default="rope")
+    g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute", "none"),
+                   default="rope", help="all at the reset position ids")
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
@@ -233,6 +238,7 @@ def _check_model(args) -> None:
     pp = args.pipeline_model_parallel_size
     _require(args.num_layers % pp == 0, f"--num-layers {args.num_layers} must be divisible by "
                                         f"--pipeline-model-parallel-size {pp}")
+    _positive(args, "rope_scaling_factor", "rotary_seq_len_interpolation_factor")
     _require(0.0 < args.rotary_percent <= 1.0,
              f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
     _require(0.0 <= args.hidden_dropout < 1.0,

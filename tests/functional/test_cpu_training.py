@@ -128,3 +128,15 @@ def test_kill_and_resume_is_bit_identical(cp1, tiny_data, tmp_path):
     full = train(2, tiny_data, "--context-parallel-size", "2")
     assert first + rest == full  # exactly, not approximately
     assert_same(full, cp1)
+
+
+def test_rope_variants_and_learned_positions_under_cp(tiny_data):
+    """The lean trainer builds through the same EoD wiring as Megatron-LM's providers:
+    learned absolute positions with q/k layer norms, and interleaved, Llama-3-scaled RoPE,
+    each at CP=4 hybrid 2x2 == CP=1 (that each layout is right is checked against stock
+    megatron-core in tests/megatron/test_stock_equivalence.py)."""
+    for extra in (["--position-embedding-type", "learned_absolute", "--qk-layernorm"],
+                  ["--rotary-interleaved", "--use-rope-scaling", "--rotary-base", "500000"]):
+        hybrid = ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid",
+                  "--ulysses-degree-in-cp", "2"]
+        assert_same(train(4, tiny_data, *extra, *hybrid), train(1, tiny_data, *extra))

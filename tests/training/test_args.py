@@ -253,6 +253,9 @@ BAD = [
      r"--attention-dropout 0.1: our varlen attention kernels apply no dropout"),
     (["--hidden-dropout", 1.0], 1, False, r"--hidden-dropout must be in \[0, 1\)"),
     (["--rotary-percent", 0], 1, False, r"--rotary-percent must be in \(0, 1\]"),
+    (["--rope-scaling-factor", 0], 1, False, "--rope-scaling-factor must be positive"),
+    (["--rotary-seq-len-interpolation-factor", -2], 1, False,
+     "--rotary-seq-len-interpolation-factor must be positive"),
     # context parallelism
     (["--seq-length", 126] + CP4, 4, False,
      r"--seq-length 126 must be divisible by --context-parallel-size 4"),

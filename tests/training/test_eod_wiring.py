@@ -1,0 +1,43 @@
+"""training/eod_wiring.py: both trainers' args reach the EoD pieces the same way."""
+
+from megatron_eod.megatron.batch_context import EodContextRegistry
+from megatron_eod.training import eod_wiring
+from megatron_eod.training.args import parse_args
+from megatron_eod.training.model import transformer_config
+from tests.functional.tiny_gpt import tiny_flags
+from tests.harness import run_ranks
+from tests.megatron.tiny_model import cp_setup
+
+KEYS = ("rotary_percent", "rope_scaling", "rope_scaling_factor", "seq_len_interpolation_factor")
+
+
+def _wired(rank, world, argv):
+    args = parse_args(argv, world_size=1, cuda_available=False)
+    with cp_setup(1):
+        config = transformer_config(args)
+        spec = eod_wiring.block_spec(EodContextRegistry(), config, args, False)
+    attention = spec.layer_specs[0].submodules.self_attention.submodules
+    return {"params": {k: attention.core_attention.params[k] for k in KEYS},
+            "qk_norm": attention.q_layernorm is not None, "qk_config": config.qk_layernorm,
+            "interleaved": config.rotary_interleaved,
+            "gpt_positions": eod_wiring.gpt_position_embedding_type(args)}
+
+
+def test_lean_flags_reach_the_spec_and_the_config(tiny_data):
+    (wired,) = run_ranks(_wired, 1, tiny_flags(
+        tiny_data, "--qk-layernorm", "--rotary-interleaved", "--use-rope-scaling",
+        "--rope-scaling-factor", "16", "--rotary-seq-len-interpolation-factor", "2",
+        "--rotary-percent", "0.5"))
+    assert wired == {"params": {"rotary_percent": 0.5, "rope_scaling": True,
+                                "rope_scaling_factor": 16.0,
+                                "seq_len_interpolation_factor": 2.0},
+                     "qk_norm": True, "qk_config": True, "interleaved": True,
+                     "gpt_positions": "none"}
+
+
+def test_positions_other_than_rope_turn_rope_off(tiny_data):
+    for kind in ("learned_absolute", "none"):
+        (wired,) = run_ranks(_wired, 1, tiny_flags(tiny_data, "--position-embedding-type",
+                                                   kind))
+        assert wired["params"]["rotary_percent"] == 0.0
+        assert wired["gpt_positions"] == kind
