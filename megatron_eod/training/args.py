@@ -90,6 +90,10 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
            ("--clip-grad", 1.0, "0 disables clipping"), ("--adam-beta1", 0.9),
            ("--adam-beta2", 0.999), ("--adam-eps", 1e-8))
     _switches(g, "--bf16", "--fp16", "--use-cpu-initialization")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                   dest="check_for_nan_in_loss_and_grad",
+                   help="keep training when the loss or the grad norm is NaN/Inf (default: "
+                        "stop, as Megatron-LM)")
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,

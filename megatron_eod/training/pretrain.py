@@ -37,7 +37,11 @@ from megatron_eod.training.model import build_model
 from megatron_eod.training.optimizer import build_optimizer
 from megatron_eod.training.reporting import Reporter
 
-__all__ = ["pretrain"]
+__all__ = ["NonFiniteError", "pretrain"]
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the grad norm became NaN/Inf (--check-for-nan-in-loss-and-grad)."""
 
 
 def pretrain(argv=None):
@@ -54,6 +58,10 @@ def pretrain(argv=None):
     initialize(args)
     try:
         return _Trainer(args).run()
+    except NonFiniteError as error:
+        if dist.get_rank() == 0:
+            print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
         shutdown()
 
@@ -127,7 +135,27 @@ class _Trainer:
         pairs = torch.tensor([float(self.steps.pairs_seen)], dtype=torch.float64,
                              device=self.device)
         dist.all_reduce(pairs, group=self.ps.get_data_parallel_group())
+        self._stop_if_not_finite(loss, grad_norm, updated)
         return loss, grad_norm, lr, pairs.item(), self.steps.plan_wait_s - waited
+
+    def _stop_if_not_finite(self, loss, grad_norm, updated):
+        """NaN/Inf in the loss or the grad norm stops every rank (the loss is known on the last
+        pipeline stage only, so the verdict is reduced over the world); an fp16 step the loss
+        scaler skipped is a skip, not a stop."""
+        if not self.args.check_for_nan_in_loss_and_grad:
+            return
+        last = self.ps.is_pipeline_last_stage()
+        bad = torch.tensor([float(last and not math.isfinite(loss)),
+                            float(updated and not math.isfinite(grad_norm))],
+                           device=self.device)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.any():
+            what = " and ".join(name for name, b in zip(("lm loss", "grad norm"), bad.tolist())
+                                if b)
+            raise NonFiniteError(
+                f"iteration {self.iteration + 1}: {what} is NaN or Inf (lm loss {loss}, grad "
+                f"norm {grad_norm}); stopping. Lower --lr, check the data, or pass "
+                f"--no-check-for-nan-in-loss-and-grad to keep going")
 
     def evaluate(self, label="validation"):
         a = self.args
@@ -170,8 +198,9 @@ class _Trainer:
             loss, grad_norm, lr, pairs, plan_wait = self._train_step()
             self.iteration += 1
             counters["consumed_train_samples"] += a.global_batch_size
-            if self.ps.is_pipeline_last_stage() and not math.isfinite(loss):
-                counters["nan"] += 1
+            if (self.ps.is_pipeline_last_stage() and not math.isfinite(loss)) or \
+                    not math.isfinite(grad_norm):
+                counters["nan"] += 1  # with --no-check-for-nan-in-loss-and-grad
             losses.append(loss)
             self.reporter.iteration(self.iteration, time.perf_counter() - start, lr, loss,
                                     grad_norm, counters["skipped"], counters["nan"],

@@ -1,0 +1,42 @@
+"""A run whose loss or grad norm turns NaN/Inf stops (lean trainer), as Megatron-LM's
+--check-for-nan-in-loss-and-grad does; --no-check-for-nan-in-loss-and-grad keeps going and
+counts the iterations."""
+
+import contextlib
+import io
+
+from megatron_eod.training.pretrain import pretrain
+from tests.functional.tiny_gpt import tiny_flags
+from tests.harness import run_ranks
+
+# --lr 1e3 in float32: the grad norm goes non-finite within a few iterations.
+DIVERGE = ["--lr", "1e3", "--min-lr", "0", "--lr-warmup-iters", "0", "--clip-grad", "0",
+           "--context-parallel-size", "2"]
+
+
+def _train(rank, world, argv):
+    err, out = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            losses = pretrain(argv)
+    except SystemExit as stop:
+        return stop.code, err.getvalue(), None
+    return 0, err.getvalue() + out.getvalue(), losses
+
+
+def test_non_finite_loss_or_grad_norm_stops_every_rank(tiny_data):
+    results = run_ranks(_train, 2, tiny_flags(tiny_data, *DIVERGE))
+    assert [code for code, _, _ in results] == [1, 1]
+    message = results[0][1]
+    assert "pretrain_gpt.py: error: iteration" in message
+    assert "is NaN or Inf" in message and "--no-check-for-nan-in-loss-and-grad" in message
+
+
+def test_the_check_can_be_turned_off(tiny_data):
+    argv = tiny_flags(tiny_data, *DIVERGE, "--no-check-for-nan-in-loss-and-grad",
+                      "--log-interval", "1")
+    results = run_ranks(_train, 2, argv)
+    code, text, losses = results[-1]
+    assert code == 0 and len(losses) == 10
+    last = [line for line in text.splitlines() if "iteration       10/" in line][0]
+    assert "number of nan iterations:   0" not in last
