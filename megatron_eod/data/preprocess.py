@@ -9,8 +9,12 @@ strings (sentences, one sequence each); empty documents are written as documents
 sequences and get no EoD; the token dtype is megatron-core's optimal one for the vocab size.
 Added: every bad line (not UTF-8, malformed JSON, not an object, a missing key, a field that is
 not text, text the tokenizer rejects) is an error naming `file:line`, or, with
-`skip_bad_lines`, is skipped and counted; blank lines are counted and skipped; a failed run
-leaves no partial `.bin/.idx` behind; any number of workers writes the same bytes as one.
+`skip_bad_lines`, is skipped and counted; blank lines are counted and skipped; any number of
+workers writes the same bytes as one. Safe replacement: everything is written to `.tmp` files
+beside the outputs and renamed into place only after success (metadata, `.bin`, `.idx` last),
+so a failed or killed run leaves the previous dataset whole. Each dataset gets a metadata
+file (`{prefix}.json`, sidecar.py): the tokenizer's class, vocab size, EoD and pad ids, and
+the dataset's dtype, documents, tokens, non-EoD tokens and .bin size.
 
 What it does not do: no sentence splitting, no multiple input partitions.
 """
@@ -26,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy
+
+from megatron_eod.data.sidecar import sidecar_path, tokenizer_identity, write_sidecar
 
 __all__ = ["PreprocessError", "PreprocessStats", "preprocess_jsonl", "output_paths"]
 
@@ -143,6 +149,9 @@ def _chunks(path: str):
             start = end
 
 
+_TMP = ".tmp"
+
+
 def output_paths(output_prefix: str, key: str) -> Tuple[str, str]:
     """The (.bin, .idx) paths Megatron's tool uses for one json key."""
     base = f"{output_prefix}_{key}_document"
@@ -176,8 +185,12 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer,
     _ENCODER = _Encoder(tokenizer, json_keys, append_eod, dtype)
     stats = PreprocessStats()
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
-    builders = {key: IndexedDatasetBuilder(output_paths(output_prefix, key)[0], dtype=dtype)
-                for key in json_keys}
+    finals = {key: output_paths(output_prefix, key) for key in json_keys}
+    temps = {key: tuple(path + _TMP for path in paths) for key, paths in finals.items()}
+    _remove(path for paths in temps.values() for path in paths)  # a killed run's leftovers
+    builders = {key: IndexedDatasetBuilder(temps[key][0], dtype=dtype) for key in json_keys}
+    counts = {key: [0, 0] for key in json_keys}  # tokens, EoD tokens
+    eod = getattr(tokenizer, "eod", None)
     pool = None
     start = time.perf_counter()
     try:
@@ -189,6 +202,9 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer,
         first_line = 1
         for n_lines, records, packed in results:
             offsets = dict.fromkeys(json_keys, 0)
+            for key, ids in packed.items():
+                counts[key][0] += int(ids.size)
+                counts[key][1] += int(numpy.count_nonzero(ids == eod)) if eod is not None else 0
             for i, n_bytes, status, payload in records:
                 stats.bytes_read += n_bytes
                 if status == "blank":
@@ -218,14 +234,24 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer,
                         f"({d:.0f} docs/s, {t:.0f} tokens/s, {mb:.2f} MB/s)")
             first_line += n_lines
         for key, builder in builders.items():
-            builder.finalize(output_paths(output_prefix, key)[1])
-            stats.outputs[key] = output_paths(output_prefix, key)[0][: -len(".bin")]
+            builder.finalize(temps[key][1])
+        for key in json_keys:  # only now replace what was there: metadata, .bin, .idx last
+            base = finals[key][0][: -len(".bin")]
+            tokens, eods = counts[key]
+            meta = write_sidecar(base, {
+                "tokenizer": tokenizer_identity(tokenizer),
+                "dtype": numpy.dtype(dtype).name, "documents": stats.documents,
+                "tokens": tokens, "non_eod_tokens": tokens - eods,
+                "bin_bytes": os.path.getsize(temps[key][0])}, suffix=_TMP)
+            os.replace(meta, sidecar_path(base))
+            os.replace(temps[key][0], finals[key][0])
+            os.replace(temps[key][1], finals[key][1])
+            stats.outputs[key] = base
     except BaseException:
-        for key, builder in builders.items():
+        for builder in builders.values():
             builder.data_file.close()
-            for path in output_paths(output_prefix, key):
-                if os.path.exists(path):
-                    os.remove(path)
+        _remove(path for paths in temps.values() for path in paths)
+        _remove(sidecar_path(finals[key][0][: -len(".bin")]) + _TMP for key in json_keys)
         raise
     finally:
         if pool is not None:
@@ -233,3 +259,9 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer,
         _ENCODER = None
     stats.seconds = time.perf_counter() - start
     return stats
+
+
+def _remove(paths) -> None:
+    for path in paths:
+        if os.path.exists(path):
+            os.remove(path)
