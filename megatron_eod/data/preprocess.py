@@ -189,7 +189,7 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer,
     temps = {key: tuple(path + _TMP for path in paths) for key, paths in finals.items()}
     _remove(path for paths in temps.values() for path in paths)  # a killed run's leftovers
     builders = {key: IndexedDatasetBuilder(temps[key][0], dtype=dtype) for key in json_keys}
-    counts = {key: [0, 0] for key in json_keys}  # tokens, EoD tokens
+    counts = {key: [0, 0, -1] for key in json_keys}  # tokens, EoD tokens, largest id
     eod = getattr(tokenizer, "eod", None)
     pool = None
     start = time.perf_counter()
@@ -205,6 +205,8 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer,
             for key, ids in packed.items():
                 counts[key][0] += int(ids.size)
                 counts[key][1] += int(numpy.count_nonzero(ids == eod)) if eod is not None else 0
+                if ids.size:
+                    counts[key][2] = max(counts[key][2], int(ids.max()))
             for i, n_bytes, status, payload in records:
                 stats.bytes_read += n_bytes
                 if status == "blank":
@@ -237,11 +239,11 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer,
             builder.finalize(temps[key][1])
         for key in json_keys:  # only now replace what was there: metadata, .bin, .idx last
             base = finals[key][0][: -len(".bin")]
-            tokens, eods = counts[key]
+            tokens, eods, largest = counts[key]
             meta = write_sidecar(base, {
                 "tokenizer": tokenizer_identity(tokenizer),
                 "dtype": numpy.dtype(dtype).name, "documents": stats.documents,
-                "tokens": tokens, "non_eod_tokens": tokens - eods,
+                "tokens": tokens, "non_eod_tokens": tokens - eods, "max_token_id": largest,
                 "bin_bytes": os.path.getsize(temps[key][0])}, suffix=_TMP)
             os.replace(meta, sidecar_path(base))
             os.replace(temps[key][0], finals[key][0])

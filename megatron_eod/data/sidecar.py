@@ -1,7 +1,8 @@
 """The metadata file written beside each dataset: which tokenizer made it, and what it holds.
 
 One job: `{prefix}.json` next to `{prefix}.bin/.idx` records the tokenizer (class, vocab size,
-EoD id, pad id) and the dataset (token dtype, documents, tokens, non-EoD tokens, .bin bytes),
+EoD id, pad id) and the dataset (token dtype, documents, tokens, non-EoD tokens, largest
+token id, .bin bytes),
 so that training can refuse a tokenizer that does not match the data (checks.py) and a
 .bin/.idx pair that is not the one preprocessing wrote. Written atomically (a temporary file,
 then a rename). Megatron's own tool writes none: then the checks fall back to scanning.

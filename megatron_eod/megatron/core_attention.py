@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import torch
 
 from megatron_eod.attention import context_parallel_attention
 from megatron_eod.attention.backends import get_backend

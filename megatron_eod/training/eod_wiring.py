@@ -11,7 +11,8 @@ What it does not do: no flag rules (training/args.py, megatron_lm_args.py), no p
 from __future__ import annotations
 
 from megatron_eod.attention.groups import register_hybrid_groups
-from megatron_eod.megatron.dataset import build_gpt_datasets
+from megatron_eod.data.checks import check_dataset
+from megatron_eod.megatron.dataset import build_gpt_datasets, parse_data_path
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.megatron.layer_spec import get_gpt_eod_block_spec
 from megatron_eod.megatron.steps import EodGPTSteps, is_dataset_built_on_rank
@@ -39,7 +40,11 @@ def gpt_position_embedding_type(args) -> str:
 
 
 def datasets(args, tokenizer, sizes):
-    """Train/valid/test GPTDatasets on the ranks that read data (None elsewhere)."""
+    """Train/valid/test GPTDatasets on the ranks that read data (None elsewhere), after every
+    rank checked every dataset against itself and the tokenizer (data/checks.py)."""
+    if not getattr(args, "mock_data", False):
+        for prefix in parse_data_path(args.data_path)[0]:
+            check_dataset(prefix, tokenizer)
     return build_gpt_datasets(
         None if getattr(args, "mock_data", False) else args.data_path, args.seq_length,
         tokenizer, list(sizes), split=args.split, seed=args.seed,

@@ -24,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_eod.data.checks import DatasetError
 from megatron_eod.data.tokenizers import padded_vocab_size
 from megatron_eod.training.args import FlagError, parse_args
 from megatron_eod.megatron.batch_context import EodContextRegistry
@@ -58,10 +59,10 @@ def pretrain(argv=None):
     initialize(args)
     try:
         return _Trainer(args).run()
-    except NonFiniteError as error:
+    except (NonFiniteError, DatasetError) as error:
         if dist.get_rank() == 0:
             print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+        raise SystemExit(1 if isinstance(error, NonFiniteError) else 2) from None
     finally:
         shutdown()
 

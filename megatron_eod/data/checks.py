@@ -1,0 +1,148 @@
+"""Start-up checks of a Megatron indexed dataset against itself and the training tokenizer.
+
+One job: before the first step, refuse a dataset that would fail late or train wrongly, with a
+`DatasetError` naming the file and the rule:
+* the `.idx` is one (magic, version, a known dtype code, a size that fits its counts), its
+  document and sequence tables are consistent, and the `.bin` holds exactly the bytes the
+  index points at (a truncated or swapped `.bin`/`.idx` pair);
+* with the metadata file preprocessing writes (sidecar.py): the pair is the one it describes
+  (dtype, documents, tokens, bytes); the training tokenizer has its EoD id and a vocabulary
+  that covers its largest token id; it holds non-EoD tokens;
+* without one (Megatron's own tool): a bounded scan (at most `scan_tokens`, spread over the
+  file; the whole file when smaller) for token ids outside the vocabulary, and, when the scan
+  covered everything, for a dataset of EoD tokens only. Results are cached per file state.
+* a dataset with no tokens is refused.
+
+What it does not do: no repair, no reading of whole large files (the scan is bounded).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Tuple
+
+import numpy
+
+from megatron_eod.data.sidecar import read_sidecar, sidecar_path
+
+__all__ = ["DatasetError", "check_dataset"]
+
+_MAGIC = b"MMIDIDX\x00\x00"
+_HEADER = len(_MAGIC) + 8 + 1 + 8 + 8  # magic, version, dtype code, sequences, documents
+_DTYPES = {1: numpy.uint8, 2: numpy.int8, 3: numpy.int16, 4: numpy.int32, 5: numpy.int64,
+           6: numpy.float64, 7: numpy.float32, 8: numpy.uint16}
+_SCANS: Dict[Tuple[str, int, float, int], Tuple[int, int, bool]] = {}
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be trained on as given; the message names the file and rule."""
+
+
+def check_dataset(prefix: str, tokenizer, scan_tokens: int = 1 << 24) -> None:
+    """Raise DatasetError unless `prefix`.bin/.idx is whole and fits `tokenizer`."""
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    dtype, lengths, pointers, documents = _read_index(idx)
+    size = os.path.getsize(bin_)
+    itemsize = numpy.dtype(dtype).itemsize
+    expected = int(pointers[-1]) + int(lengths[-1]) * itemsize if len(lengths) else 0
+    if size != expected:
+        raise DatasetError(f"{bin_}: {size} bytes, but {idx} points at {expected} ({len(lengths)}"
+                           f" sequences of {numpy.dtype(dtype).name}); the pair is truncated or "
+                           f"from different runs: re-run tools/preprocess_data.py")
+    tokens = int(lengths.sum(dtype=numpy.int64))
+    if tokens == 0:
+        raise DatasetError(f"{prefix}: the dataset has no tokens")
+    meta = read_sidecar(prefix)
+    if meta is not None:
+        _check_against_metadata(prefix, meta, numpy.dtype(dtype).name, len(documents) - 1,
+                                tokens, size, tokenizer)
+        return
+    largest, non_eod, whole = _scan(bin_, dtype, tokens, tokenizer.eod, scan_tokens)
+    if largest >= tokenizer.vocab_size:
+        raise DatasetError(f"{bin_}: token id {largest} is outside the training tokenizer's "
+                           f"vocabulary ({tokenizer.vocab_size}); the data was made with "
+                           f"another tokenizer or --vocab-size")
+    if whole and non_eod == 0:
+        raise DatasetError(f"{bin_}: every token is the EoD id {tokenizer.eod}: nothing to "
+                           f"learn (wrong --tokenizer-type or data)")
+
+
+def _read_index(idx: str):
+    try:
+        with open(idx, "rb") as f:
+            head = f.read(_HEADER)
+    except OSError as err:
+        raise DatasetError(f"{idx}: cannot be read ({err.strerror})") from None
+    if len(head) < _HEADER or head[:len(_MAGIC)] != _MAGIC:
+        raise DatasetError(f"{idx}: not a Megatron indexed dataset index (bad header)")
+    version, code, sequences, docs = (
+        int(numpy.frombuffer(head, numpy.uint64, 1, 9)[0]), head[17],
+        int(numpy.frombuffer(head, numpy.uint64, 1, 18)[0]),
+        int(numpy.frombuffer(head, numpy.uint64, 1, 26)[0]))
+    if version != 1:
+        raise DatasetError(f"{idx}: index version {version}, expected 1")
+    if code not in _DTYPES:
+        raise DatasetError(f"{idx}: unknown token dtype code {code} (valid: "
+                           f"{sorted(_DTYPES)}); the index is damaged")
+    size = os.path.getsize(idx)
+    expected = _HEADER + 12 * sequences + 8 * docs
+    if size != expected:
+        raise DatasetError(f"{idx}: {size} bytes, but its header ({sequences} sequences, "
+                           f"{docs - 1 if docs else 0} documents) needs {expected}; the index "
+                           f"is damaged")
+    lengths = numpy.fromfile(idx, numpy.int32, sequences, offset=_HEADER)
+    pointers = numpy.fromfile(idx, numpy.int64, sequences, offset=_HEADER + 4 * sequences)
+    documents = numpy.fromfile(idx, numpy.int64, docs, offset=_HEADER + 12 * sequences)
+    itemsize = numpy.dtype(_DTYPES[code]).itemsize
+    steps = pointers[1:] - pointers[:-1]
+    if (len(lengths) and (pointers[0] != 0 or (lengths < 0).any()
+                          or (steps != lengths[:-1].astype(numpy.int64) * itemsize).any())):
+        raise DatasetError(f"{idx}: sequence offsets do not follow the sequence lengths; the "
+                           f"index is damaged")
+    if (docs == 0 or documents[0] != 0 or documents[-1] != sequences
+            or (numpy.diff(documents) < 0).any()):
+        raise DatasetError(f"{idx}: the document table does not cover the {sequences} "
+                           f"sequences; the index is damaged")
+    return _DTYPES[code], lengths, pointers, documents
+
+
+def _check_against_metadata(prefix, meta, dtype, documents, tokens, size, tokenizer):
+    where = sidecar_path(prefix)
+    recorded = (meta.get("dtype"), meta.get("documents"), meta.get("tokens"),
+                meta.get("bin_bytes"))
+    if recorded != (dtype, documents, tokens, size):
+        raise DatasetError(f"{prefix}.bin/.idx hold {documents} documents, {tokens} {dtype} "
+                           f"tokens, {size} bytes, but {where} describes {recorded[1]}, "
+                           f"{recorded[2]} {recorded[0]}, {recorded[3]}: the files are not the "
+                           f"ones preprocessing wrote (re-run tools/preprocess_data.py)")
+    made = meta.get("tokenizer", {})
+    if made.get("eod") != tokenizer.eod:
+        raise DatasetError(f"{where}: the data was made with EoD id {made.get('eod')} "
+                           f"({made.get('class')}, vocab {made.get('vocab_size')}), the training "
+                           f"tokenizer's EoD id is {tokenizer.eod}: pass the tokenizer flags the "
+                           f"data was made with")
+    if meta.get("max_token_id", -1) >= tokenizer.vocab_size:
+        raise DatasetError(f"{where}: the data holds token id {meta['max_token_id']}, outside "
+                           f"the training tokenizer's vocabulary ({tokenizer.vocab_size})")
+    if meta.get("non_eod_tokens") == 0:
+        raise DatasetError(f"{prefix}: every token is the EoD id {tokenizer.eod}: nothing to "
+                           f"learn")
+
+
+def _scan(bin_, dtype, tokens, eod, scan_tokens):
+    """(largest id, non-EoD tokens seen, whether the whole file was read), cached."""
+    stat = os.stat(bin_)
+    key = (os.path.abspath(bin_), stat.st_size, stat.st_mtime, eod)
+    if key not in _SCANS:
+        data = numpy.memmap(bin_, dtype=dtype, mode="r", shape=(tokens,))
+        if tokens <= scan_tokens:
+            parts, whole = [data], True
+        else:
+            chunk = scan_tokens // 64
+            starts = numpy.linspace(0, tokens - chunk, 64).astype(numpy.int64)
+            parts, whole = [data[s:s + chunk] for s in starts], False
+        largest = max(int(p.max()) for p in parts)
+        non_eod = sum(int(numpy.count_nonzero(p != eod)) for p in parts)
+        _SCANS[key] = (largest, non_eod, whole)
+        del data
+    return _SCANS[key]

@@ -1,0 +1,135 @@
+"""Start-up dataset checks (data/checks.py): each broken or mismatched dataset is refused with
+the file and the rule; a good one, with or without preprocessing's metadata file, passes."""
+
+import json
+import os
+import shutil
+
+import numpy
+import pytest
+
+from megatron_eod.data.checks import DatasetError, check_dataset
+from megatron_eod.data.preprocess import preprocess_jsonl
+from megatron_eod.data.tokenizers import ByteTokenizer, NullTokenizer
+
+TEXTS = ["alpha beta", "gamma", "a longer document about delta and epsilon", "z"]
+
+
+def make(tmp_path, name, texts=TEXTS, sidecar=True):
+    src = tmp_path / f"{name}.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    preprocess_jsonl(str(src), str(tmp_path / name), ByteTokenizer(), append_eod=True,
+                     log=lambda m: 0)
+    prefix = str(tmp_path / f"{name}_text_document")
+    if not sidecar:  # as Megatron-LM's own tools/preprocess_data.py leaves it
+        os.remove(prefix + ".json")
+    return prefix
+
+
+def raw(tmp_path, name, documents, dtype=numpy.uint16):
+    """A dataset written with megatron-core's builder alone (no metadata file)."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / name)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+    for doc in documents:
+        builder.add_item(torch.tensor(doc, dtype=torch.int64))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+@pytest.mark.parametrize("sidecar", [True, False], ids=["ours", "megatron-tool"])
+def test_a_good_dataset_passes(tmp_path, sidecar):
+    check_dataset(make(tmp_path, "good", sidecar=sidecar), ByteTokenizer())
+
+
+@pytest.mark.parametrize("sidecar", [True, False], ids=["ours", "megatron-tool"])
+def test_a_truncated_bin_is_named(tmp_path, sidecar):
+    prefix = make(tmp_path, "cut", sidecar=sidecar)
+    with open(prefix + ".bin", "r+b") as f:
+        f.truncate(os.path.getsize(prefix + ".bin") - 50)
+    with pytest.raises(DatasetError, match=r"cut_text_document\.bin: \d+ bytes, but .*truncated"):
+        check_dataset(prefix, ByteTokenizer())
+
+
+@pytest.mark.parametrize("sidecar", [True, False], ids=["ours", "megatron-tool"])
+def test_the_idx_of_another_dataset_is_named(tmp_path, sidecar):
+    prefix = make(tmp_path, "one", sidecar=sidecar)
+    other = make(tmp_path, "two", texts=["something else entirely, and longer"] * 3)
+    shutil.copy(other + ".idx", prefix + ".idx")
+    with pytest.raises(DatasetError, match="one_text_document"):
+        check_dataset(prefix, ByteTokenizer())
+
+
+def test_a_flipped_dtype_code_is_named(tmp_path):
+    prefix = make(tmp_path, "flip", sidecar=False)
+    with open(prefix + ".idx", "r+b") as f:
+        f.seek(17)
+        f.write(bytes([4]))  # uint16 -> int32
+    with pytest.raises(DatasetError, match=r"flip_text_document\.idx: sequence offsets"):
+        check_dataset(prefix, ByteTokenizer())
+    with open(prefix + ".idx", "r+b") as f:
+        f.seek(17)
+        f.write(bytes([42]))
+    with pytest.raises(DatasetError, match="unknown token dtype code 42"):
+        check_dataset(prefix, ByteTokenizer())
+
+
+def test_not_an_index_is_named(tmp_path):
+    prefix = make(tmp_path, "junk")
+    with open(prefix + ".idx", "wb") as f:
+        f.write(b"hello, not an index")
+    with pytest.raises(DatasetError, match=r"junk_text_document\.idx: not a Megatron"):
+        check_dataset(prefix, ByteTokenizer())
+
+
+def test_an_empty_dataset_is_refused(tmp_path):
+    prefix = make(tmp_path, "empty", texts=["", ""])
+    with pytest.raises(DatasetError, match="has no tokens"):
+        check_dataset(prefix, ByteTokenizer())
+
+
+def test_a_tokenizer_with_another_eod_is_refused(tmp_path):
+    prefix = make(tmp_path, "eod")
+    with pytest.raises(DatasetError, match=r"eod_text_document\.json: the data was made with "
+                                           r"EoD id 256.*EoD id is 300"):
+        check_dataset(prefix, NullTokenizer(300))
+
+
+@pytest.mark.parametrize("sidecar", [True, False], ids=["ours", "megatron-tool"])
+def test_ids_outside_the_vocabulary_are_refused(tmp_path, sidecar):
+    prefix = make(tmp_path, "vocab", sidecar=sidecar)
+
+    class SmallVocab:  # EoD 256 as the data's, but only 200 ids
+        eod, vocab_size = 256, 200
+
+    with pytest.raises(DatasetError, match="outside the training tokenizer's vocabulary"):
+        check_dataset(prefix, SmallVocab())
+
+
+def test_eod_only_data_is_refused(tmp_path):
+    prefix = raw(tmp_path, "eods", [[256], [256, 256]])
+    with pytest.raises(DatasetError, match="every token is the EoD id 256"):
+        check_dataset(prefix, ByteTokenizer())
+    prefix = make(tmp_path, "eods_ours", texts=["a"])
+    meta = json.load(open(prefix + ".json"))
+    meta["non_eod_tokens"] = 0
+    json.dump(meta, open(prefix + ".json", "w"))
+    with pytest.raises(DatasetError, match="every token is the EoD id 256"):
+        check_dataset(prefix, ByteTokenizer())
+
+
+def test_the_scan_is_bounded_on_large_files(tmp_path):
+    """Without metadata a file larger than the scan budget is sampled, not read whole: an
+    out-of-vocabulary id in a sampled stretch is still found."""
+    docs = [[1] * 1000 for _ in range(200)]
+    docs[0][0] = 999  # the first stretch is always sampled
+    prefix = raw(tmp_path, "big", docs)
+
+    class Tok:
+        eod, vocab_size = 0, 500
+
+    with pytest.raises(DatasetError, match="token id 999"):
+        check_dataset(prefix, Tok(), scan_tokens=6400)

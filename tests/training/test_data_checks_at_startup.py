@@ -1,0 +1,16 @@
+"""The trainer refuses a dataset that does not fit its tokenizer before the first step, on
+every rank, with the file and the rule (exit 2), instead of training with the wrong EoD id."""
+
+from tests.functional.tiny_gpt import tiny_flags
+from tests.harness import run_ranks
+from tests.training.test_nan_stop import _train
+
+
+def test_a_tokenizer_that_does_not_match_the_data_stops_the_start(tiny_data):
+    argv = tiny_flags(tiny_data, "--tokenizer-type", "NullTokenizer", "--vocab-size", "300",
+                      "--context-parallel-size", "2")
+    results = run_ranks(_train, 2, argv)
+    assert [code for code, _, _ in results] == [2, 2]
+    message = results[0][1]
+    assert "pretrain_gpt.py: error:" in message and "_text_document.json" in message
+    assert "EoD id 256" in message and "iteration" not in message
