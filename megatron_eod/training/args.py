@@ -100,6 +100,9 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    help="default with full: uniform")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="default: nccl with CUDA, else gloo")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="a collective that waits longer (a rank stopped answering) ends the "
+                        "job; every process group (Megatron-LM's default: 10)")
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -119,7 +122,9 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     _typed(g, str, ("--save", None), ("--load", None), ("--tensorboard-dir", None),
            ("--metrics-file", None))
     _typed(g, int, ("--save-interval", None), ("--eval-interval", 1000), ("--eval-iters", 100),
-           ("--log-interval", 100), ("--exit-interval", None))
+           ("--log-interval", 100), ("--exit-interval", None),
+           ("--save-keep-last", None, "keep only the newest N checkpoints under --save "
+                                      "(default: keep all, as Megatron-LM)"))
     _switches(g, "--no-load-optim", "--no-load-rng")
 
 
@@ -325,6 +330,7 @@ def _check_training(args, cuda_available: bool) -> None:
                                                    f"{getattr(args, dest)}")
     _check_recompute(args)
     _check_device_flags(args, cuda_available)
+    _positive(args, "distributed_timeout_minutes")
 
 
 def _check_recompute(args) -> None:
@@ -389,7 +395,10 @@ def _check_eod(args) -> None:
 
 
 def _check_logging(args) -> None:
-    _positive(args, "save_interval", "eval_interval", "log_interval", "exit_interval")
+    _positive(args, "save_interval", "eval_interval", "log_interval", "exit_interval",
+              "save_keep_last")
+    _require(args.save_keep_last is None or args.save is not None,
+             "--save-keep-last needs --save DIR")
     _require(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
     _require(args.save_interval is None or args.save is not None,
              "--save-interval needs --save DIR")

@@ -10,7 +10,9 @@ continues the loss curve exactly (bit-identical on CPU in float32):
 
 The tracker file is written last, after a barrier, so a run killed while saving leaves the
 previous checkpoint as the latest. Loading checks that the parallel sizes match (a checkpoint
-of another TP/PP size cannot be loaded: no resharding here).
+of another TP/PP size cannot be loaded: no resharding here). The `.tmp` files a save killed
+midway leaves are removed at the next save or load; `--save-keep-last N` deletes all but the
+newest N iteration folders after each save (default: keep all, as Megatron-LM).
 
 What it does not do: no distributed (sharded) checkpoints, no resharding, no async saving.
 """
@@ -18,6 +20,7 @@ What it does not do: no distributed (sharded) checkpoints, no resharding, no asy
 from __future__ import annotations
 
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -68,10 +71,31 @@ def _sizes(args):
             "pipeline_model_parallel_size": args.pipeline_model_parallel_size}
 
 
+def _remove_stale_tmp(root) -> None:
+    """A run killed mid-save leaves `*.tmp` files; nothing reads them: remove them."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name in (TRACKER + ".tmp", "model_optim_rng.pt.tmp"):
+                os.remove(os.path.join(folder, name))
+
+
+def _prune(root, keep: int, newest: int) -> None:
+    """Keep the newest `keep` iteration folders (never the one just written)."""
+    found = sorted(int(name[len("iter_"):]) for name in os.listdir(root)
+                   if name.startswith("iter_") and name[len("iter_"):].isdigit())
+    for iteration in found[:-keep] if keep < len(found) else []:
+        if iteration != newest:
+            shutil.rmtree(_iter_dir(root, iteration), ignore_errors=True)
+
+
 def save_checkpoint(args, iteration, model, optimizer, scheduler, counters):
     """Collective: every rank calls it."""
     ps = _ps()
     root = args.save
+    dist.barrier()  # nobody is writing: rank 0 may clear what a killed save left
+    if dist.get_rank() == 0 and os.path.isdir(root):
+        _remove_stale_tmp(root)
+    dist.barrier()
     if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
         path = _model_file(root, iteration)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -87,12 +111,17 @@ def save_checkpoint(args, iteration, model, optimizer, scheduler, counters):
         with open(os.path.join(root, TRACKER + ".tmp"), "w") as f:
             f.write(str(iteration))
         os.replace(os.path.join(root, TRACKER + ".tmp"), os.path.join(root, TRACKER))
+        if getattr(args, "save_keep_last", None):
+            _prune(root, args.save_keep_last, iteration)
     dist.barrier()
 
 
 def load_checkpoint(args, model, optimizer, scheduler):
     """-> (iteration, counters) of the latest checkpoint under --load, or (0, {}) if none."""
     root = args.load
+    if dist.get_rank() == 0 and os.path.isdir(root):
+        _remove_stale_tmp(root)
+    dist.barrier()
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
         if dist.get_rank() == 0:

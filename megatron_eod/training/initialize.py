@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron_eod.megatron import cpu_compat
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.training import eod_wiring as wiring
+from megatron_eod.training.parent_watch import exit_with_parent, launched_by_torchrun
 
 __all__ = ["initialize", "shutdown"]
 
@@ -36,8 +37,11 @@ def initialize(args):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     else:
         cpu_compat.apply()
+    if launched_by_torchrun():
+        exit_with_parent()  # no orphans training on when torchrun's agent dies
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
     if not dist.is_initialized():
-        dist.init_process_group(args.distributed_backend, timeout=timedelta(minutes=30))
+        dist.init_process_group(args.distributed_backend, timeout=timeout)
         _OWNS_PROCESS_GROUP = True
     if dist.get_world_size() != args.world_size:
         raise ValueError(f"the process group has {dist.get_world_size()} ranks but the flags "
@@ -50,7 +54,8 @@ def initialize(args):
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=cp,
         hierarchical_context_parallel_sizes=[u, cp // u] if hybrid else None,
-        create_gloo_process_groups=False)
+        create_gloo_process_groups=False,
+        distributed_timeout_minutes=args.distributed_timeout_minutes)
     wiring.hybrid_groups(args)
     seed = args.seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(seed)

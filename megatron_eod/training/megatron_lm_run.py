@@ -37,6 +37,7 @@ from megatron_eod.megatron import cpu_compat
 from megatron_eod.training.args import FlagError
 from megatron_eod.training.megatron_lm import EodProviders
 from megatron_eod.training.megatron_lm_args import add_eod_args, eod_args_from_megatron
+from megatron_eod.training.parent_watch import exit_with_parent, launched_by_torchrun
 
 __all__ = ["megatron_lm_available", "run"]
 
@@ -56,6 +57,8 @@ def run(argv=None):
     """Train with Megatron-LM's `pretrain()`; raises SystemExit(2) on a flag error."""
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]  # Megatron-LM parses sys.argv itself
+    if launched_by_torchrun():
+        exit_with_parent()  # no orphans training on when torchrun's agent dies
     if not torch.cuda.is_available():
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         cpu_compat.apply(megatron_lm=True)

@@ -1,0 +1,39 @@
+"""Checkpoints do not pile up and a save killed midway leaves nothing behind for long:
+`--save-keep-last N` keeps the newest N iteration folders; stale `.tmp` files (a kill during a
+save) are removed at the next save and at load, and the run resumes from the last complete
+checkpoint."""
+
+import os
+
+from tests.functional.test_cpu_training import train
+
+
+def iterations(root):
+    return sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("iter_"))
+
+
+def test_keep_last_prunes_old_checkpoints(tiny_data, tmp_path):
+    save = str(tmp_path / "ckpt")
+    train(2, tiny_data, "--context-parallel-size", "2", "--save", save, "--save-interval", "2",
+          "--save-keep-last", "2")
+    assert iterations(save) == [8, 10]
+    everything = str(tmp_path / "all")
+    train(2, tiny_data, "--context-parallel-size", "2", "--save", everything,
+          "--save-interval", "4")
+    assert iterations(everything) == [4, 8, 10]  # the default keeps all, as Megatron-LM
+
+
+def test_stale_tmp_files_are_removed_and_the_run_resumes(tiny_data, tmp_path):
+    save = str(tmp_path / "ckpt")
+    first = train(2, tiny_data, "--context-parallel-size", "2", "--save", save,
+                  "--exit-interval", "4")
+    # What a kill during the next save leaves: a partial model file and tracker.
+    partial = os.path.join(save, "iter_0000006", "mp_rank_00", "model_optim_rng.pt.tmp")
+    os.makedirs(os.path.dirname(partial))
+    for path in (partial, os.path.join(save, "latest_checkpointed_iteration.txt.tmp")):
+        with open(path, "wb") as f:
+            f.write(b"half a checkpoint")
+    rest = train(2, tiny_data, "--context-parallel-size", "2", "--load", save, "--save", save)
+    assert len(first) == 4 and len(rest) == 6
+    leftovers = [name for _, _, files in os.walk(save) for name in files if name.endswith(".tmp")]
+    assert leftovers == []
