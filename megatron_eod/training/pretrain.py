@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -63,8 +64,24 @@ def pretrain(argv=None):
         if dist.get_rank() == 0:
             print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1 if isinstance(error, NonFiniteError) else 2) from None
+    except RuntimeError as error:
+        if "timed out" not in str(error).lower():
+            raise
+        # Every rank that waited says so: the stuck one may be any of them.
+        print(f"pretrain_gpt.py: error: rank {dist.get_rank()}: a collective waited longer "
+              f"than --distributed-timeout-minutes {args.distributed_timeout_minutes} (a "
+              f"rank stopped answering or died) in {_where(error)}: {error}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
         shutdown()
+
+
+def _where(error) -> str:
+    """The innermost megatron/megatron_eod frame of an exception: which collective waited."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if "megatron" in f.filename]
+    return f"{frames[-1].name} ({os.path.basename(frames[-1].filename)})" if frames else "?"
 
 
 class _Trainer:

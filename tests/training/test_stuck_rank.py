@@ -1,0 +1,61 @@
+"""A rank that stops answering (SIGSTOP) ends the whole torchrun job within
+--distributed-timeout-minutes, with a message saying a collective timed out, instead of
+hanging forever."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.functional.tiny_gpt import tiny_flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_rank_ends_the_job_within_the_timeout(tiny_data, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           os.path.join(REPO, "pretrain_gpt.py"), "--trainer", "lean",
+           *tiny_flags(tiny_data, "--context-parallel-size", "2", "--train-iters", "100000",
+                       "--lr-decay-iters", "100000", "--eval-interval", "100000",
+                       "--distributed-timeout-minutes", "0.2", "--metrics-file",
+                       str(metrics))]
+    log = open(tmp_path / "log.txt", "w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        end = time.monotonic() + 150
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert proc.poll() is None, open(tmp_path / "log.txt").read()[-3000:]
+            assert time.monotonic() < end, "training never started"
+            time.sleep(0.2)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "pretrain_gpt.py" in " ".join(p.cmdline())]
+        assert len(workers) == 2
+        stopped = time.monotonic()
+        os.kill(workers[0].pid, signal.SIGSTOP)
+        proc.wait(timeout=120)
+        waited = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                p.kill()
+            proc.kill()
+    log.seek(0)
+    text = log.read()
+    assert proc.returncode != 0
+    assert waited < 0.2 * 60 + 60, f"the job took {waited:.0f} s to end"
+    assert "--distributed-timeout-minutes" in text, text[-3000:]
