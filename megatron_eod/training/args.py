@@ -4,9 +4,9 @@ One job: parse Megatron's flag spellings (dest names as in Megatron-LM: `--num-l
 `args.num_layers`, `--disable-bias-linear` -> `args.add_bias_linear = False`, mirrored as
 `args.disable_bias_linear`), fill the derived fields (`world_size`, `data_parallel_size`,
 `ulysses_degree`, `params_dtype`, batch and LR defaults, ...) and reject every invalid
-combination with a `FlagError` that names the flags.
-`--context-parallel-algo` also takes the Ascend spellings (`megatron_cp_algo` -> ring,
-`ulysses_cp_algo` -> ulysses, `hybrid_cp_algo` -> hybrid) and stores the short name.
+combination with a `FlagError` that names the flags. The CP rules (and FlagError) live in
+cp_flags.py, shared with Megatron-LM's args; `--context-parallel-algo` also takes the Ascend
+spellings (`megatron_cp_algo` -> ring, ...) and stores the short name.
 
 What it does not do: no file checks (dataset.py and build_tokenizer check that paths exist),
 no process groups, no global args object, no import of optional tokenizer packages.
@@ -22,20 +22,10 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_eod.data.tokenizers import TOKENIZER_TYPES
-from megatron_eod.plan import ulysses_degree_for
+from megatron_eod.training.cp_flags import CP_ALGO_ALIASES, FlagError, check_context_parallel
 
 __all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "check_context_parallel", "parse_args",
            "validate_args"]
-
-# Accepted --context-parallel-algo values -> the name stored in args.context_parallel_algo.
-CP_ALGO_ALIASES = {"ring": "ring", "ulysses": "ulysses", "hybrid": "hybrid",
-                   "megatron_cp_algo": "ring", "ulysses_cp_algo": "ulysses",
-                   "hybrid_cp_algo": "hybrid"}
-
-
-class FlagError(ValueError):
-    """An invalid flag or flag combination; the message names the flags and the rule."""
-
 
 class _Parser(argparse.ArgumentParser):
     """argparse whose usage errors raise FlagError (one clean line) instead of exiting."""
@@ -255,43 +245,6 @@ def _check_model(args) -> None:
     _require(args.attention_dropout == 0.0,
              f"--attention-dropout {args.attention_dropout}: our varlen attention kernels "
              f"apply no dropout; pass --attention-dropout 0")
-
-
-def check_context_parallel(args) -> None:
-    """The CP rules on any namespace with Megatron's attribute names (Megatron-LM's args too):
-    normalises `context_parallel_algo`, sets `ulysses_degree`; FlagError names the flags."""
-    algo = CP_ALGO_ALIASES.get(args.context_parallel_algo)
-    _require(algo is not None, f"--context-parallel-algo {args.context_parallel_algo!r} is not "
-                               f"supported; choose one of {', '.join(CP_ALGO_ALIASES)}")
-    args.context_parallel_algo = algo
-    cp, tp, given = (args.context_parallel_size, args.tensor_model_parallel_size,
-                     args.ulysses_degree_in_cp)
-    _require(args.seq_length % cp == 0, f"--seq-length {args.seq_length} must be divisible by "
-                                        f"--context-parallel-size {cp}")
-    # Flag-worded checks first; the degree itself comes from the plan's one rule.
-    _require(algo != "ring" or given in (None, 1),
-             f"--ulysses-degree-in-cp {given} contradicts --context-parallel-algo ring "
-             f"(Ulysses degree 1)")
-    _require(algo != "ulysses" or given in (None, cp),
-             f"--ulysses-degree-in-cp {given} contradicts --context-parallel-algo ulysses "
-             f"(degree = --context-parallel-size {cp})")
-    if algo == "hybrid":
-        _require(given is not None,
-                 "--context-parallel-algo hybrid needs --ulysses-degree-in-cp")
-        _require(1 < given < cp, f"--ulysses-degree-in-cp {given} must be > 1 and < "
-                                 f"--context-parallel-size {cp} for --context-parallel-algo "
-                                 f"hybrid (use ring for 1, ulysses for {cp})")
-        _require(cp % given == 0, f"--ulysses-degree-in-cp {given} must divide "
-                                  f"--context-parallel-size {cp}")
-    degree = ulysses_degree_for(algo, cp, given)
-    source = {"ring": None, "ulysses": "--context-parallel-size",
-              "hybrid": "--ulysses-degree-in-cp"}[algo]
-    heads_per_rank = args.num_attention_heads // tp
-    _require(source is None or heads_per_rank % degree == 0,
-             f"--num-attention-heads {args.num_attention_heads} / --tensor-model-parallel-size "
-             f"{tp} = {heads_per_rank} heads per rank must be divisible by {source} {degree} "
-             f"(--context-parallel-algo {algo} spreads heads over the Ulysses group)")
-    args.ulysses_degree = degree
 
 
 def _check_sequence_parallel(args) -> None:

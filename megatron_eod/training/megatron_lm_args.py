@@ -22,7 +22,7 @@ Everything else EoD attention cannot run is in REFUSED, with the reason.
 
 from __future__ import annotations
 
-from megatron_eod.training.args import CP_ALGO_ALIASES, FlagError, check_context_parallel
+from megatron_eod.training.cp_flags import CP_ALGO_ALIASES, FlagError, check_context_parallel
 
 __all__ = ["REFUSED", "add_eod_args", "eod_args_from_megatron"]
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_eod.megatron import cpu_compat
-from megatron_eod.training.args import FlagError
+from megatron_eod.training.cp_flags import FlagError
 from megatron_eod.training.megatron_lm import EodProviders
 from megatron_eod.training.megatron_lm_args import add_eod_args, eod_args_from_megatron
 from megatron_eod.training.parent_watch import exit_with_parent, launched_by_torchrun

@@ -1,0 +1,67 @@
+"""The context-parallel flag rules both trainers share, and the error every flag rule raises.
+
+One job: `check_context_parallel(args)` on any namespace with Megatron's attribute names (the
+lean trainer's args, or Megatron-LM's after megatron_lm_args maps its --cp-comm-type):
+normalises `context_parallel_algo` (the Ascend spellings too), sets `ulysses_degree` from the
+plan's one rule, and raises `FlagError` naming the flags.
+
+What it does not do: no parsing (args.py, megatron_lm_args.py).
+"""
+
+from __future__ import annotations
+
+from megatron_eod.plan import ulysses_degree_for
+
+__all__ = ["CP_ALGO_ALIASES", "FlagError", "check_context_parallel"]
+
+# Accepted --context-parallel-algo values -> the name stored in args.context_parallel_algo.
+CP_ALGO_ALIASES = {"ring": "ring", "ulysses": "ulysses", "hybrid": "hybrid",
+                   "megatron_cp_algo": "ring", "ulysses_cp_algo": "ulysses",
+                   "hybrid_cp_algo": "hybrid"}
+
+
+class FlagError(ValueError):
+    """An invalid flag or flag combination; the message names the flags and the rule."""
+
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise FlagError(message)
+
+
+def check_context_parallel(args) -> None:
+    """The CP rules on any namespace with Megatron's attribute names (Megatron-LM's args too):
+    normalises `context_parallel_algo`, sets `ulysses_degree`; FlagError names the flags."""
+    algo = CP_ALGO_ALIASES.get(args.context_parallel_algo)
+    _require(algo is not None, f"--context-parallel-algo {args.context_parallel_algo!r} is not "
+                               f"supported; choose one of {', '.join(CP_ALGO_ALIASES)}")
+    args.context_parallel_algo = algo
+    cp, tp, given = (args.context_parallel_size, args.tensor_model_parallel_size,
+                     args.ulysses_degree_in_cp)
+    _require(args.seq_length % cp == 0, f"--seq-length {args.seq_length} must be divisible by "
+                                        f"--context-parallel-size {cp}")
+    # Flag-worded checks first; the degree itself comes from the plan's one rule.
+    _require(algo != "ring" or given in (None, 1),
+             f"--ulysses-degree-in-cp {given} contradicts --context-parallel-algo ring "
+             f"(Ulysses degree 1)")
+    _require(algo != "ulysses" or given in (None, cp),
+             f"--ulysses-degree-in-cp {given} contradicts --context-parallel-algo ulysses "
+             f"(degree = --context-parallel-size {cp})")
+    if algo == "hybrid":
+        _require(given is not None,
+                 "--context-parallel-algo hybrid needs --ulysses-degree-in-cp")
+        _require(1 < given < cp, f"--ulysses-degree-in-cp {given} must be > 1 and < "
+                                 f"--context-parallel-size {cp} for --context-parallel-algo "
+                                 f"hybrid (use ring for 1, ulysses for {cp})")
+        _require(cp % given == 0, f"--ulysses-degree-in-cp {given} must divide "
+                                  f"--context-parallel-size {cp}")
+    degree = ulysses_degree_for(algo, cp, given)
+    source = {"ring": None, "ulysses": "--context-parallel-size",
+              "hybrid": "--ulysses-degree-in-cp"}[algo]
+    heads_per_rank = args.num_attention_heads // tp
+    _require(source is None or heads_per_rank % degree == 0,
+             f"--num-attention-heads {args.num_attention_heads} / --tensor-model-parallel-size "
+             f"{tp} = {heads_per_rank} heads per rank must be divisible by {source} {degree} "
+             f"(--context-parallel-algo {algo} spreads heads over the Ulysses group)")
+    args.ulysses_degree = degree
