@@ -19,13 +19,13 @@ What it does not do: no repair, no reading of whole large files (the scan is bou
 from __future__ import annotations
 
 import os
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy
 
 from megatron_eod.data.sidecar import read_sidecar, sidecar_path
 
-__all__ = ["DatasetError", "check_dataset"]
+__all__ = ["DatasetError", "SCAN_TOKENS", "check_dataset"]
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _HEADER = len(_MAGIC) + 8 + 1 + 8 + 8  # magic, version, dtype code, sequences, documents
@@ -38,8 +38,13 @@ class DatasetError(ValueError):
     """A dataset that cannot be trained on as given; the message names the file and rule."""
 
 
-def check_dataset(prefix: str, tokenizer, scan_tokens: int = 1 << 24) -> None:
-    """Raise DatasetError unless `prefix`.bin/.idx is whole and fits `tokenizer`."""
+SCAN_TOKENS = 1 << 24
+
+
+def check_dataset(prefix: str, tokenizer, scan_tokens: Optional[int] = None) -> None:
+    """Raise DatasetError unless `prefix`.bin/.idx is whole and fits `tokenizer`. Without
+    metadata, at most `scan_tokens` (default SCAN_TOKENS; 0: no scan) tokens are read."""
+    scan_tokens = SCAN_TOKENS if scan_tokens is None else scan_tokens
     idx, bin_ = prefix + ".idx", prefix + ".bin"
     dtype, lengths, pointers, documents = _read_index(idx)
     size = os.path.getsize(bin_)
@@ -56,6 +61,8 @@ def check_dataset(prefix: str, tokenizer, scan_tokens: int = 1 << 24) -> None:
     if meta is not None:
         _check_against_metadata(prefix, meta, numpy.dtype(dtype).name, len(documents) - 1,
                                 tokens, size, tokenizer)
+        return
+    if scan_tokens <= 0:
         return
     largest, non_eod, whole = _scan(bin_, dtype, tokens, tokenizer.eod, scan_tokens)
     if largest >= tokenizer.vocab_size:

@@ -10,14 +10,17 @@ What it does not do: no flag rules (training/args.py, megatron_lm_args.py), no p
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 from megatron_eod.attention.groups import register_hybrid_groups
-from megatron_eod.data.checks import check_dataset
+from megatron_eod.data.checks import DatasetError, check_dataset
 from megatron_eod.megatron.dataset import build_gpt_datasets, parse_data_path
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.megatron.layer_spec import get_gpt_eod_block_spec
 from megatron_eod.megatron.steps import EodGPTSteps, is_dataset_built_on_rank
 
-__all__ = ["block_spec", "gpt_position_embedding_type", "datasets", "steps", "hybrid_groups"]
+__all__ = ["block_spec", "gpt_position_embedding_type", "datasets", "check_datasets", "steps",
+           "hybrid_groups"]
 
 
 def block_spec(registry, config, args, use_transformer_engine: bool):
@@ -43,14 +46,33 @@ def datasets(args, tokenizer, sizes):
     """Train/valid/test GPTDatasets on the ranks that read data (None elsewhere), after every
     rank checked every dataset against itself and the tokenizer (data/checks.py)."""
     if not getattr(args, "mock_data", False):
-        for prefix in parse_data_path(args.data_path)[0]:
-            check_dataset(prefix, tokenizer)
+        check_datasets(parse_data_path(args.data_path)[0], tokenizer)
     return build_gpt_datasets(
         None if getattr(args, "mock_data", False) else args.data_path, args.seq_length,
         tokenizer, list(sizes), split=args.split, seed=args.seed,
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         path_to_cache=args.data_cache_path, is_built_on_rank=is_dataset_built_on_rank)
+
+
+def check_datasets(prefixes, tokenizer) -> None:
+    """data/checks.py on every prefix: the cheap index/size/metadata checks on every rank (a
+    node may hold its own, damaged copy), the bounded token scan on rank 0 only (no heavy
+    reads multiplied by the world size); every rank raises the first rank's error, so none is
+    left waiting in the dataset builder's collectives."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    error = None
+    try:
+        for prefix in prefixes:
+            check_dataset(prefix, tokenizer, scan_tokens=None if rank == 0 else 0)
+    except DatasetError as found:
+        error = str(found)
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise DatasetError(error)
 
 
 def steps(args, registry, eod_token_id: int, pad_token_id, plan_ahead: bool) -> EodGPTSteps:
