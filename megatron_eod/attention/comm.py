@@ -3,7 +3,9 @@
 One job: move tensors between ranks of an explicit process group, asynchronously, so that
 the algorithms can overlap a step's transfer with the previous step's compute. Peers are
 given as ranks inside `group`; empty transfers are skipped (both sides know the sizes from the
-plan, so a skipped send always meets a skipped receive).
+plan, so a skipped send always meets a skipped receive). NCCL allows a batched p2p call with
+only some ranks of a group only after the group's first collective: `warm_up(group)` runs one
+(an all-reduce of one element) the first time a group is used, on every rank of it.
 
 What it does not do: no attention math, no global process-group state.
 """
@@ -15,7 +17,9 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["Exchange", "exchange", "all_to_all_equal"]
+__all__ = ["Exchange", "exchange", "all_to_all_equal", "warm_up"]
+
+_WARM = []  # groups that have run a collective (kept alive, compared by identity)
 
 
 class Exchange:
@@ -46,6 +50,16 @@ def exchange(send: Optional[torch.Tensor], send_to: int, recv_shape, recv_from: 
                               group, tag))
     works = dist.batch_isend_irecv(ops) if ops else []
     return Exchange(works, received)
+
+
+def warm_up(group, device) -> None:
+    """Run one collective on `group` the first time it is seen (every rank of it calls this at
+    the same point: the entry of an attention call), so that later batched p2p calls may
+    involve only the ranks with something to move."""
+    if group is None or any(g is group for g in _WARM):
+        return
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    _WARM.append(group)
 
 
 def all_to_all_equal(x: torch.Tensor, group) -> torch.Tensor:

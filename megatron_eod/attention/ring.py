@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_eod.attention.comm import exchange
+from megatron_eod.attention.comm import exchange, warm_up
 from megatron_eod.attention.lse import merge_into
 
 __all__ = ["ring_attention", "ring_forward", "ring_backward", "GroupTransport"]
@@ -140,6 +140,7 @@ def _land(item, dkv_T2GD):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_THD, k_TGD, v_TGD, schedule, group, backend, scale):
+        warm_up(group, q_THD.device)  # before the group's first batched p2p call (NCCL rule)
         transport = GroupTransport(group)
         out_THD, lse_TH = ring_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale)
         ctx.save_for_backward(q_THD, k_TGD, v_TGD, out_THD, lse_TH)

@@ -1,0 +1,97 @@
+"""The communication rules NCCL enforces and gloo does not, checked on gloo by recording every
+point-to-point operation of real ring and hybrid attention (forward and backward) at CP 2-8 on
+random layouts:
+
+1. a group's first batched p2p call may leave ranks out only after a collective on the group
+   (PyTorch's rule): every rank warms each group up before its first p2p on it;
+2. NCCL matches p2p messages between a pair by order, not by tag: for every ordered pair of
+   ranks, the sizes and dtypes src sends to dst, in order, are exactly those dst receives from
+   src, in order.
+A checker that cannot fail proves nothing: it is also run on logs with a swapped pair of
+messages and with a p2p before the warm-up, and must flag both.
+"""
+
+import pytest
+import torch.distributed as dist
+
+import megatron_eod.attention.ring as ring
+from tests.attention.test_context_parallel_attention import _check_rank
+from tests.harness import run_ranks
+
+
+def _recorded(rank, world, algo, degree, kind, b, s, seed):
+    log = []
+    real_exchange, real_warm = ring.exchange, ring.warm_up
+
+    def ranks_of(group):
+        return tuple(dist.get_process_group_ranks(group))
+
+    def exchange(send, send_to, recv_shape, recv_from, group, dtype, device, tag=0):
+        me, ranks = dist.get_rank(), ranks_of(group)
+        if send is not None and send.numel():
+            log.append(("send", ranks, me, ranks[send_to], send.numel(), str(send.dtype)))
+        if recv_shape is not None and recv_shape[0] > 0:
+            numel = 1
+            for size in recv_shape:
+                numel *= size
+            log.append(("recv", ranks, ranks[recv_from], me, numel, str(dtype)))
+        return real_exchange(send, send_to, recv_shape, recv_from, group, dtype, device, tag)
+
+    def warm_up(group, device):
+        log.append(("warm", ranks_of(group)))
+        return real_warm(group, device)
+
+    ring.exchange, ring.warm_up = exchange, warm_up
+    try:
+        _check_rank(rank, world, algo, degree, kind, b, s, 2, None, seed)
+    finally:
+        ring.exchange, ring.warm_up = real_exchange, real_warm
+    return log
+
+
+def violations(logs):
+    """Rule breaks in per-rank op logs (see the module docstring)."""
+    found = []
+    for rank, log in enumerate(logs):
+        warm = set()
+        for entry in log:
+            if entry[0] == "warm":
+                warm.add(entry[1])
+            elif entry[1] not in warm:
+                found.append(f"rank {rank}: p2p on group {entry[1]} before any collective on it")
+    sent, received = {}, {}
+    for log in logs:
+        for entry in log:
+            if entry[0] != "warm":
+                kind, _, src, dst, numel, dtype = entry
+                (sent if kind == "send" else received).setdefault((src, dst), []).append(
+                    (numel, dtype))
+    for pair in set(sent) | set(received):
+        if sent.get(pair, []) != received.get(pair, []):
+            found.append(f"{pair[0]} -> {pair[1]}: sends {sent.get(pair, [])} but receives "
+                         f"{received.get(pair, [])}")
+    return found
+
+
+@pytest.mark.parametrize("algo,world,degree", [
+    ("ring", 2, None), ("ring", 4, None), ("ring", 8, None), ("hybrid", 4, 2),
+    ("hybrid", 8, 2), ("hybrid", 8, 4)])
+@pytest.mark.parametrize("kind,b,s,seed", [("mixed", 2, 96, 3), ("spanning", 1, 128, 5),
+                                           ("short", 3, 32, 7)])
+def test_ring_and_hybrid_obey_nccl_p2p_rules(algo, world, degree, kind, b, s, seed):
+    logs = run_ranks(_recorded, world, algo, degree, kind, b, s, seed)
+    assert all(log and log[0][0] == "warm" for log in logs)  # every rank ran ring attention
+    if kind == "spanning":  # a document over every rank: keys/values must move
+        assert any(entry[0] == "send" for log in logs for entry in log)
+    assert violations(logs) == []
+
+
+def test_the_checker_flags_order_and_warm_up_breaks():
+    group = (0, 1)
+    good = [[("warm", group), ("send", group, 0, 1, 8, "f"), ("send", group, 0, 1, 4, "f")],
+            [("warm", group), ("recv", group, 0, 1, 8, "f"), ("recv", group, 0, 1, 4, "f")]]
+    assert violations(good) == []
+    swapped = [good[0], [good[1][0], good[1][2], good[1][1]]]
+    assert violations(swapped) and "0 -> 1" in violations(swapped)[0]
+    cold = [good[0][1:], good[1]]
+    assert any("before any collective" in v for v in violations(cold))
