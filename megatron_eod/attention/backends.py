@@ -31,12 +31,13 @@ from typing import List, Tuple
 import torch
 
 __all__ = ["CPUExactBackend", "TorchVarlenBackend", "FlashAttnBackend", "get_backend",
-           "has_transformer_engine"]
+           "has_transformer_engine", "accumulation_dtype", "default_scale"]
 
 _GPU_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _lse_dtype(dtype):
+def accumulation_dtype(dtype):
+    """What lse, merges and gradient sums accumulate in: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -81,7 +82,7 @@ class CPUExactBackend:
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale):
         out = torch.zeros_like(q)
-        lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=_lse_dtype(q.dtype))
+        lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=accumulation_dtype(q.dtype))
         for qs, ks, mask, has_key in self._blocks(q, k, cu_q, cu_k, causal):
             if qs.stop == qs.start or ks.stop == ks.start:
                 continue

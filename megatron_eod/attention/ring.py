@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_eod.attention.backends import accumulation_dtype
 from megatron_eod.attention.comm import exchange, warm_up
 from megatron_eod.attention.lse import merge_into
 
@@ -53,10 +54,6 @@ class GroupTransport:
                         device, tag=_GRAD_TAG + step.step)
 
 
-def _acc_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def ring_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale):
     """-> (out [T, H, D] in q's dtype, lse [T, H] float32/float64)."""
     steps = schedule.steps
@@ -65,8 +62,8 @@ def ring_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale):
     local = schedule.local  # over the local rows in order: no gather
     out_THD, lse_TH = backend.forward(q_THD, k_TGD, v_TGD, local.cu_seqlens_q,
                                       local.cu_seqlens_k, local.max_seqlen_q,
-                                      local.max_seqlen_k, True, scale)
-    acc = _acc_dtype(q_THD.dtype)
+                                      local.max_seqlen_k, local.causal, scale)
+    acc = accumulation_dtype(q_THD.dtype)
     lse_TH = lse_TH.to(acc)
     if any(step.call is not None for step in steps):
         out_THD = out_THD.to(acc)
@@ -79,7 +76,7 @@ def ring_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale):
         o, lse = backend.forward(q_THD[call.q_index], kv_N2GD[call.k_index, 0],
                                  kv_N2GD[call.k_index, 1], call.cu_seqlens_q,
                                  call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k,
-                                 False, scale)
+                                 call.causal, scale)
         merge_into(out_THD, lse_TH, call.q_index, o, lse.to(acc))
     return out_THD.to(q_THD.dtype), lse_TH
 
@@ -88,11 +85,11 @@ def ring_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tran
                   backend, scale):
     """-> (dq, dk, dv) in the dtypes of q, k, v."""
     steps = schedule.steps
-    acc = _acc_dtype(q_THD.dtype)
+    acc = accumulation_dtype(q_THD.dtype)
     local = schedule.local
     dq, dk, dv = backend.backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH,
                                   local.cu_seqlens_q, local.cu_seqlens_k, local.max_seqlen_q,
-                                  local.max_seqlen_k, True, scale)
+                                  local.max_seqlen_k, local.causal, scale)
     if not steps:
         return dq, dk, dv
     kv_T2GD = torch.stack([k_TGD, v_TGD], dim=1)
@@ -112,7 +109,8 @@ def ring_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tran
             gq, gk, gv = backend.backward(dout_THD[rows], q_THD[rows], kv_N2GD[call.k_index, 0],
                                           kv_N2GD[call.k_index, 1], out_THD[rows], lse_TH[rows],
                                           call.cu_seqlens_q, call.cu_seqlens_k,
-                                          call.max_seqlen_q, call.max_seqlen_k, False, scale)
+                                          call.max_seqlen_q, call.max_seqlen_k, call.causal,
+                                          scale)
             dq.index_add_(0, rows, gq.to(acc))
             grad_N2GD = torch.zeros((step.recv_count,) + tuple(kv_N2GD.shape[1:]), dtype=acc,
                                     device=q_THD.device)

@@ -25,7 +25,7 @@ from typing import List, Tuple
 
 import torch
 
-from megatron_eod.attention.backends import default_scale, get_backend
+from megatron_eod.attention.backends import accumulation_dtype, default_scale, get_backend
 from megatron_eod.attention.ring import ring_backward, ring_forward
 
 __all__ = ["SimulatedPlan", "GroupResult"]
@@ -102,7 +102,7 @@ class SimulatedPlan:
         """(out, dq, dk, dv) over the whole stream, in stream order."""
         (q_shape, k_shape), device = self.shape, self.rows[0].device
         dtype = self.inputs[0][0].dtype
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        acc = accumulation_dtype(dtype)
         out = torch.zeros(q_shape, dtype=dtype, device=device)
         dq = torch.zeros(q_shape, dtype=dtype, device=device)
         dkv = torch.zeros((k_shape[0], 2) + tuple(k_shape[1:]), dtype=acc, device=device)

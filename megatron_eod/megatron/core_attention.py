@@ -18,12 +18,11 @@ What it does not do: no dropout on attention probabilities (varlen kernels here 
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 
 from megatron_eod.attention import context_parallel_attention
-from megatron_eod.attention.backends import get_backend
+from megatron_eod.attention.backends import default_scale, get_backend
 from megatron_eod.megatron.imports import import_megatron
 
 __all__ = ["EodCoreAttention"]
@@ -68,7 +67,7 @@ class EodCoreAttention(_module.MegatronModule):
                             else attention_dropout)
         self.registry = registry
         self.head_dim = config.kv_channels
-        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.head_dim)
+        self.softmax_scale = softmax_scale or default_scale(self.head_dim)
         self.rotary = None  # rotary_percent = 0: no RoPE (--position-embedding-type none)
         if rotary_percent:
             # megatron-core's own frequencies (base, percent, Llama-3 scaling); the angles
