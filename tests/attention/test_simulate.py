@@ -64,3 +64,22 @@ def test_simulation_on_gpu_in_bf16(algo, cp, degree):
         err = (mine.cpu().double() - exact).abs().max().item()
         base = (single.cpu().double() - exact).abs().max().item()
         assert err <= 2 * base + 1e-3, (name, err, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo,cp,degree", [("ring", 4, None), ("hybrid", 8, 2)])
+def test_ring_steps_make_no_host_syncs_on_gpu(algo, cp, degree):
+    """The schedule executor's forward and backward (every group's kernels, merges, gathers
+    and gradient sums) run with no device-to-host synchronisation: the plan is moved once,
+    before (SimulatedPlan does), and nothing inside asks the GPU for a value."""
+    cu, tensors = _case("mixed", 2, 1024, 8, 2, 64, seed=2, device="cuda",
+                        dtype=torch.bfloat16)
+    plan = plan_context_parallel(cu, cp, algo, degree)
+    simulated = SimulatedPlan(plan, *tensors, TorchVarlenBackend(), 0.125)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for g in range(plan.ring_size):
+            simulated.run_group(g)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
