@@ -42,19 +42,7 @@ def main(argv=None):
         return run(argv)
     from megatron_eod.training.pretrain import pretrain
 
-    return pretrain(_without_trainer_flag(argv))
-
-
-def _without_trainer_flag(argv):
-    out, skip = [], False
-    for i, item in enumerate(argv):
-        if skip:
-            skip = False
-        elif item == "--trainer":
-            skip = True
-        elif not item.startswith("--trainer="):
-            out.append(item)
-    return out
+    return pretrain(argv)
 
 
 if __name__ == "__main__":

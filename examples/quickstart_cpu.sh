@@ -53,7 +53,7 @@ run() {  # run NAME FLAGS...: one training job on $NPROC CPU ranks
   local log="$WORK_DIR/log_$name.txt" rc=0
   rm -f "$WORK_DIR/metrics_$name.jsonl"
   OMP_NUM_THREADS=1 "$VENV/bin/torchrun" --standalone --nproc-per-node "$NPROC" \
-    "$ROOT/pretrain_gpt.py" "${MODEL[@]}" "${TRAIN[@]}" "${DATA[@]}" "${EOD[@]}" \
+    "$ROOT/pretrain_gpt.py" --trainer lean "${MODEL[@]}" "${TRAIN[@]}" "${DATA[@]}" "${EOD[@]}" \
     --metrics-file "$WORK_DIR/metrics_$name.jsonl" "$@" > "$log" 2>&1 &
   local pid=$!
   # Show the iteration lines as they come; the full log stays in $log.

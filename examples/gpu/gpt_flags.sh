@@ -22,6 +22,7 @@ RUN_DIR="${RUN_DIR:-$ROOT/runs/gpt_${ALGO}}"
 CKPT_DIR="${CKPT_DIR:-$RUN_DIR/ckpt}"
 
 GPT_FLAGS=(
+  --trainer lean  # these are the lean trainer's flags (Megatron-LM's trainer: see README)
   --num-layers 24 --hidden-size 2048 --ffn-hidden-size 5632
   --num-attention-heads 16 --group-query-attention --num-query-groups 8
   --normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights

@@ -130,6 +130,8 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
               "--reset-position-ids", "--eod-mask-loss")
     g.add_argument("--attention-mask-type", choices=("causal", "general"), default=None,
                    help="general = EoD document mask (default with --reset-attention-mask)")
+    g.add_argument("--trainer", choices=("auto", "megatron-lm", "lean"), default="auto",
+                   help="which trainer pretrain_gpt.py runs (read before these flags)")
     g.add_argument("--no-plan-ahead", action="store_false", dest="plan_ahead",
                    help="plan each micro-batch when the step needs it instead of one "
                         "micro-batch ahead on a worker thread (for debugging)")

@@ -8,7 +8,8 @@ Tolerances, and why they are looser than the CPU tests' 1e-5:
   the log-sum-exp merges and gradient sums, so activations round differently, and 10 Adam
   steps carry that into the weights. The loss is a mean over ~1,000 tokens, which averages the
   rounding down: measured on an H100 the gap stays several times below this bound.
-- GPU bf16 CP=1 vs the CPU float32 golden losses: 3e-2 relative. Same rounding plus another
+- GPU bf16 CP=1 vs the CPU float32 golden losses: 3e-2 relative (both runs initialise the
+  weights on the CPU, --use-cpu-initialization, so they train the same model). Same rounding plus another
   kernel and float32 master weights updated from bf16 gradients: a check that the GPU path
   trains the same model, not a bit-level comparison.
 """
@@ -46,8 +47,9 @@ def train_on_gpus(nproc, data, tmp_path, *extra):
     metrics = tmp_path / f"metrics_{nproc}_{'_'.join(extra) or 'cp1'}.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           os.path.join(REPO, "pretrain_gpt.py"),
-           *tiny_flags(data, "--bf16", "--metrics-file", str(metrics), *extra)]
+           os.path.join(REPO, "pretrain_gpt.py"), "--trainer", "lean",
+           *tiny_flags(data, "--bf16", "--use-cpu-initialization", "--metrics-file",
+                       str(metrics), *extra)]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]

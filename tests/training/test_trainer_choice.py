@@ -29,8 +29,8 @@ def calls(monkeypatch):
 @pytest.mark.parametrize("available,argv,expected", [
     (False, ["--lr", "1"], ("lean", ["--lr", "1"])),
     (True, ["--lr", "1"], ("megatron-lm", ["--lr", "1"])),
-    (True, ["--trainer", "lean", "--lr", "1"], ("lean", ["--lr", "1"])),
-    (True, ["--trainer=lean", "--lr", "1"], ("lean", ["--lr", "1"])),
+    (True, ["--trainer", "lean", "--lr", "1"], ("lean", ["--trainer", "lean", "--lr", "1"])),
+    (True, ["--trainer=lean", "--lr", "1"], ("lean", ["--trainer=lean", "--lr", "1"])),
     (True, ["--trainer", "megatron-lm", "--lr", "1"],
      ("megatron-lm", ["--trainer", "megatron-lm", "--lr", "1"])),
 ], ids=["auto-lean", "auto-megatron-lm", "lean", "lean-equals", "megatron-lm"])
