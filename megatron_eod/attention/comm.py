@@ -25,14 +25,25 @@ _WARM = []  # groups that have run a collective (kept alive, compared by identit
 class Exchange:
     """A started send-to-one-peer / receive-from-another; `wait()` returns the received tensor."""
 
-    def __init__(self, works: List, received: Optional[torch.Tensor]):
-        self._works, self._received = works, received
+    def __init__(self, works: List, received: Optional[torch.Tensor], what: str = "", group=None):
+        self._works, self._received, self._what, self._group = works, received, what, group
 
     def wait(self) -> Optional[torch.Tensor]:
-        for work in self._works:
-            work.wait()
+        try:
+            for work in self._works:
+                work.wait()
+        except RuntimeError as error:  # e.g. a peer stopped answering: say which transfer
+            raise RuntimeError(f"{error} [{self._what} in CP group of global ranks "
+                               f"{_ranks(self._group)}]") from error
         self._works = []
         return self._received
+
+
+def _ranks(group):
+    try:
+        return dist.get_process_group_ranks(group)
+    except (RuntimeError, ValueError):
+        return "?"
 
 
 def exchange(send: Optional[torch.Tensor], send_to: int, recv_shape, recv_from: int, group,
@@ -49,7 +60,9 @@ def exchange(send: Optional[torch.Tensor], send_to: int, recv_shape, recv_from: 
         ops.append(dist.P2POp(dist.irecv, received, dist.get_global_rank(group, recv_from),
                               group, tag))
     works = dist.batch_isend_irecv(ops) if ops else []
-    return Exchange(works, received)
+    what = (f"p2p tag {tag}: send to group rank {send_to}, receive from group rank "
+            f"{recv_from}")
+    return Exchange(works, received, what, group)
 
 
 def warm_up(group, device) -> None:
@@ -66,5 +79,9 @@ def all_to_all_equal(x: torch.Tensor, group) -> torch.Tensor:
     """x: [world, ...] with chunk j going to group rank j -> [world, ...] with chunk j from j."""
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, unlike empty_like
-    dist.all_to_all_single(out, x, group=group)
+    try:
+        dist.all_to_all_single(out, x, group=group)
+    except RuntimeError as error:
+        raise RuntimeError(f"{error} [Ulysses all-to-all in group of global ranks "
+                           f"{_ranks(group)}]") from error
     return out
