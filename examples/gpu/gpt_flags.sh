@@ -61,9 +61,14 @@ if [ -n "${TOKENIZER:-}" ]; then
   GPT_FLAGS+=(--tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER")
 fi
 
+# Megatron requires one CUDA work queue per device for TP/CP communication overlap (before
+# Blackwell); keep a value the caller set.
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+
 # launch CMD...: run it, or print it with DRY_RUN=1 (one argument per line after the program).
 launch() {
   if [ "${DRY_RUN:-0}" = 1 ]; then
+    echo "CUDA_DEVICE_MAX_CONNECTIONS=$CUDA_DEVICE_MAX_CONNECTIONS"
     printf '%s\n' "$@"
   else
     mkdir -p "$RUN_DIR"

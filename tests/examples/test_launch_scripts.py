@@ -47,6 +47,8 @@ def test_gpu_launcher_flags_are_valid(script, env, world, algo, flash, monkeypat
     if flash == "1":  # validation checks that flash_attn imports: pretend it does
         monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
     assert "torchrun" in launcher
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in launcher  # Megatron's TP/CP overlap needs it
+    assert flags[:2] == ["--trainer", "lean"]  # these are the lean trainer's flags
     args = parse_args(flags, world_size=world, cuda_available=True)
     assert args.context_parallel_size == world
     assert args.context_parallel_algo == algo
