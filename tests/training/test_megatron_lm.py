@@ -1,12 +1,9 @@
-"""The providers for Megatron-LM's trainer (training/megatron_lm.py), against a stand-in for
-`megatron.training` (absent from megatron-core 0.16.1): it supplies `get_args` (our parsed
-flags with Megatron-LM's extra fields), `get_tokenizer` and `core_transformer_config_from_args`.
-
-What this shows: the providers build the EoD model and datasets and their forward_step gives
-the same loss at CP=2 ring and CP=4 hybrid (2x2, Megatron's hierarchical CP groups) as at
-CP=1, float32, 1e-5 relative (summation order only). What it cannot show: that Megatron-LM's
-real `get_args` carries every field the providers read (checked by name against its flags
-only by reading its source).
+"""The providers for Megatron-LM's trainer (training/megatron_lm.py) in-process, against a
+stand-in for `megatron.training` that supplies `get_args` (our parsed flags with Megatron-LM's
+extra fields), `get_tokenizer` and `core_transformer_config_from_args`: fast checks of the
+providers alone (CP=2 ring and CP=4 hybrid give the CP=1 loss to 1e-5) that need no
+Megatron-LM checkout. Megatron-LM's real `pretrain()` and parser run in
+test_megatron_lm_pretrain.py and test_megatron_lm_args.py.
 """
 
 import argparse
