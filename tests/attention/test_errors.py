@@ -55,3 +55,19 @@ def test_gpu_kernels_reject_float32_before_running():
         get_backend(torch.device("cuda"), torch.float32)
     with pytest.raises(ValueError, match="CPU attention backend takes float32 or float64"):
         get_backend(torch.device("cpu"), torch.bfloat16)
+
+
+def test_a_failed_transfer_names_itself_and_its_group():
+    """Where a wait fails (a peer stopped answering), the error says which transfer and which
+    group; the backend's own message is kept."""
+    from megatron_eod.attention.comm import Exchange
+
+    class TimedOut:
+        def wait(self):
+            raise RuntimeError("Timed out waiting 12000ms for recv operation to complete")
+
+    pending = Exchange([TimedOut()], None, "p2p tag 3: send to group rank 1, receive from "
+                                           "group rank 1", group=None)
+    with pytest.raises(RuntimeError, match=r"Timed out waiting 12000ms .*\[p2p tag 3: send to "
+                                           r"group rank 1.* in CP group of global ranks"):
+        pending.wait()

@@ -59,5 +59,3 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tiny_data, tmp_path):
     assert proc.returncode != 0
     assert waited < 0.2 * 60 + 60, f"the job took {waited:.0f} s to end"
     assert "--distributed-timeout-minutes" in text, text[-3000:]
-    # Where a rank waited in our attention, the message names the transfer and the group.
-    assert "group of global ranks [0, 1]" in text or "start_grad_sync" in text, text[-3000:]
