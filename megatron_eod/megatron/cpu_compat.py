@@ -122,8 +122,7 @@ def _no_grad_copy():
 
 _BATCH_INVARIANT = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
 _TORCH_ON_CPU = lambda: stand_ins.TorchOnCpu()  # noqa: E731
-_MEGATRON_LM_TORCH = [  # modules whose global `torch` becomes TorchOnCpu
-    "megatron.training.training", "megatron.training.utils", "megatron.training.checkpointing",
+_CORE_TORCH = [  # megatron-core modules whose global `torch` becomes TorchOnCpu
     "megatron.core.timers", "megatron.core.utils", "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads", "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.distributed.distributed_data_parallel", "megatron.core.rerun_state_machine",
@@ -132,6 +131,10 @@ _MEGATRON_LM_TORCH = [  # modules whose global `torch` becomes TorchOnCpu
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.strategies.fully_parallel",
     "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.pipeline_parallel.schedules",
+]
+_MEGATRON_LM_TORCH = [  # Megatron-LM's trainer modules whose global `torch` becomes TorchOnCpu
+    "megatron.training.training", "megatron.training.utils", "megatron.training.checkpointing",
 ]
 
 # (target, attribute, replacement factory, scope). A target is a module, a class inside one
@@ -157,20 +160,20 @@ PATCHES: List[Tuple[str, str, Callable[[], object], str]] = [
      lambda: _pos_emb_on_this_cp_rank, "core"),
     ("megatron.core.models.common.embeddings.rotary_pos_embedding",
      "get_pos_emb_on_this_cp_rank", lambda: _pos_emb_on_this_cp_rank, "core"),
-    ("megatron.core.pipeline_parallel.schedules", "torch", _TORCH_ON_CPU, "core"),
+    *[(module, "torch", _TORCH_ON_CPU, "core") for module in _CORE_TORCH],
+    ("torch.nn:Parameter", "type", lambda: stand_ins.parameter_type, "core"),
+    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
+     lambda: stand_ins.clip_grad_by_total_norm_fp32, "core"),
+    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32",
+     lambda: stand_ins.clip_grad_by_total_norm_fp32, "core"),
+    (_DIST_OPT, "sharded_state_dict", _sharded_state_dict_with_state, "core"),
+    (_DIST_OPT, "_set_main_param_and_optimizer_states", _no_grad_copy, "core"),
+    (_DIST_OPT, "load_state_dict", _load_state_dict_with_own_steps, "core"),
     ("sys:modules", _BATCH_INVARIANT, _batch_invariant_kernels, "megatron-lm"),
     ("megatron.training.initialize", "torch",
      lambda: stand_ins.TorchOnCpu(claims_device=True), "megatron-lm"),
     *[(module, "torch", _TORCH_ON_CPU, "megatron-lm") for module in _MEGATRON_LM_TORCH],
     ("megatron.legacy.fused_kernels", "load", lambda: (lambda args: None), "megatron-lm"),
-    ("torch.nn:Parameter", "type", lambda: stand_ins.parameter_type, "megatron-lm"),
-    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
-     lambda: stand_ins.clip_grad_by_total_norm_fp32, "megatron-lm"),
-    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32",
-     lambda: stand_ins.clip_grad_by_total_norm_fp32, "megatron-lm"),
-    (_DIST_OPT, "sharded_state_dict", _sharded_state_dict_with_state, "megatron-lm"),
-    (_DIST_OPT, "_set_main_param_and_optimizer_states", _no_grad_copy, "megatron-lm"),
-    (_DIST_OPT, "load_state_dict", _load_state_dict_with_own_steps, "megatron-lm"),
 ]
 
 _originals: Dict[Tuple[str, str], object] = {}

@@ -21,7 +21,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_eod.attention.backends import has_transformer_engine
 from megatron_eod.data.tokenizers import TOKENIZER_TYPES
+from megatron_eod.training import args_optim as optim
 from megatron_eod.training.cp_flags import CP_ALGO_ALIASES, FlagError, check_context_parallel
 
 __all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "check_context_parallel", "parse_args",
@@ -64,27 +66,23 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
             "divide positions by this factor (linear RoPE interpolation)"))
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default=None,
+                   help="default: transformer_engine where it is installed and CUDA is "
+                        "present (Megatron-LM's default), else local")
     g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute", "none"),
                    default="rope", help="all at the reset position ids")
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
-    g.add_argument("--train-iters", type=int, required=True)
-    g.add_argument("--lr", type=float, required=True)
     _typed(g, int, ("--micro-batch-size", 1),
            ("--global-batch-size", None, "default: --micro-batch-size x data-parallel size"),
-           ("--lr-warmup-iters", 0), ("--lr-decay-iters", None, "default: --train-iters"),
            ("--seed", 1234), ("--recompute-num-layers", None, "default with full: 1"))
-    _typed(g, float, ("--min-lr", 0.0), ("--weight-decay", 0.01),
-           ("--clip-grad", 1.0, "0 disables clipping"), ("--adam-beta1", 0.9),
-           ("--adam-beta2", 0.999), ("--adam-eps", 1e-8))
     _switches(g, "--bf16", "--fp16", "--use-cpu-initialization")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                    dest="check_for_nan_in_loss_and_grad",
                    help="keep training when the loss or the grad norm is NaN/Inf (default: "
                         "stop, as Megatron-LM)")
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
                    help="default with full: uniform")
@@ -115,7 +113,6 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
            ("--log-interval", 100), ("--exit-interval", None),
            ("--save-keep-last", None, "keep only the newest N checkpoints under --save "
                                       "(default: keep all, as Megatron-LM)"))
-    _switches(g, "--no-load-optim", "--no-load-rng")
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -141,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The flags of `pretrain_gpt.py`; usage errors raise FlagError."""
     parser = _Parser(description="GPT pretraining with EoD reset under context parallelism",
                      allow_abbrev=False)
-    for add in (_add_model_args, _add_training_args, _add_data_args, _add_logging_args,
-                _add_parallel_args):
+    for add in (_add_model_args, _add_training_args, optim.add_optimizer_args,
+                optim.add_schedule_args, _add_data_args, _add_logging_args,
+                optim.add_checkpoint_args, _add_parallel_args):
         add(parser)
     return parser
 
@@ -193,6 +191,7 @@ def validate_args(args: argparse.Namespace, world_size: int,
     _check_data(args)
     _check_eod(args)
     _check_logging(args)
+    optim.check_checkpoint(args)
     return args
 
 
@@ -261,28 +260,9 @@ def _check_sequence_parallel(args) -> None:
 
 
 def _check_training(args, cuda_available: bool) -> None:
-    _positive(args, "micro_batch_size", "global_batch_size", "train_iters", "lr",
-              "lr_decay_iters", "adam_eps")
-    mbs, dp = args.micro_batch_size, args.data_parallel_size
-    if args.global_batch_size is None:
-        args.global_batch_size = mbs * dp
-    _require(args.global_batch_size % (mbs * dp) == 0,
-             f"--global-batch-size {args.global_batch_size} must be a multiple of "
-             f"--micro-batch-size {mbs} x data-parallel size {dp}")
-    args.num_micro_batches = args.global_batch_size // (mbs * dp)
-    _require(0.0 <= args.min_lr <= args.lr,
-             f"--min-lr {args.min_lr} must be in [0, --lr {args.lr}]")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    _require(0 <= args.lr_warmup_iters <= args.lr_decay_iters,
-             f"--lr-warmup-iters {args.lr_warmup_iters} must be in [0, --lr-decay-iters "
-             f"{args.lr_decay_iters}]")
-    for dest in ("weight_decay", "clip_grad"):
-        _require(getattr(args, dest) >= 0, f"{_flag(dest)} must be >= 0, got "
-                                           f"{getattr(args, dest)}")
-    for dest in ("adam_beta1", "adam_beta2"):
-        _require(0.0 <= getattr(args, dest) < 1.0, f"{_flag(dest)} must be in [0, 1), got "
-                                                   f"{getattr(args, dest)}")
+    optim.check_batch_sizes(args)
+    optim.check_schedule(args)
+    optim.check_optimizer(args)
     _check_recompute(args)
     _check_device_flags(args, cuda_available)
     _positive(args, "distributed_timeout_minutes")
@@ -318,6 +298,12 @@ def _check_device_flags(args, cuda_available: bool) -> None:
         except ImportError:
             raise FlagError("--use-flash-attn needs the flash_attn package: "
                             "pip install flash-attn") from None
+    if args.transformer_impl == "transformer_engine":
+        _require(cuda_available, "--transformer-impl transformer_engine needs CUDA; pass "
+                                 "--transformer-impl local on CPU")
+        _require(has_transformer_engine(), "--transformer-impl transformer_engine needs the "
+                                           "transformer_engine package; pass --transformer-impl "
+                                           "local or install it")
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda_available else "gloo"
     _require(args.distributed_backend != "nccl" or cuda_available,

@@ -1,35 +1,46 @@
-"""Save and resume: model, optimizer, LR schedule, data position and every rank's RNG.
+"""Save and resume in Megatron-LM's checkpoint formats, through megatron-core.
 
-One job: `--save DIR` / `--load DIR` in Megatron's legacy layout, so that a resumed run
-continues the loss curve exactly (bit-identical on CPU in float32):
+One job: `--save DIR` with the state Megatron-LM's trainer writes and reads (checkpoint_load.py
+reads it back), so that a checkpoint of either trainer continues in the other:
 
-    DIR/latest_checkpointed_iteration.txt          the newest complete iteration
-    DIR/iter_0000010/mp_rank_TT_PPP/model_optim_rng.pt   one per (TP, PP) rank, written by DP
-                                                   rank 0 / CP rank 0 (replicas are equal)
-    DIR/iter_0000010/rng/rank_NNNNN.pt             every rank's CPU/CUDA/tracker RNG states
+    DIR/latest_checkpointed_iteration.txt      the newest complete iteration (written last)
+    DIR/iter_0000010/                          --ckpt-format torch_dist (default):
+        common.pt, metadata.json, *.distcp     megatron.core.dist_checkpointing: sharded by
+                                               global tensor, so --load reshards over TP, PP,
+                                               DP and CP
+    DIR/iter_0000010/mp_rank_TT[_PPP]/model_optim_rng.pt   --ckpt-format torch (legacy):
+                                               one file per TP/PP rank, same sizes to load
 
-The tracker file is written last, after a barrier, so a run killed while saving leaves the
-previous checkpoint as the latest. Loading checks that the parallel sizes match (a checkpoint
-of another TP/PP size cannot be loaded: no resharding here). The `.tmp` files a save killed
-midway leaves are removed at the next save or load; `--save-keep-last N` deletes all but the
-newest N iteration folders after each save (default: keep all, as Megatron-LM).
+The state: `args` (with consumed_train/valid_samples, as Megatron-LM reads them),
+`checkpoint_version` 3.0, `iteration`, `model` (GPTModel's sharded state), `optimizer`
+(megatron-core optimizer's sharded state; the distributed optimizer's "dp_reshardable", or
+"fully_reshardable" with --dist-ckpt-optim-fully-reshardable), `opt_param_scheduler`,
+`rng_state` (per TP/PP rank, replicated over DP x CP) and `num_floating_point_operations_so_far`.
+The format on --load is detected. RNG state is skipped when TP/PP changed (as Megatron-LM).
+A save killed midway leaves the tracker on the previous checkpoint; its partial folder is
+removed by the next save; `--save-keep-last N` keeps the newest N.
 
-What it does not do: no distributed (sharded) checkpoints, no resharding, no async saving.
+What it does not do: no async or local (non-persistent) checkpoints, no torch_dcp/fsdp_dtensor,
+no distributed optimizer in the legacy torch format (flag error: use torch_dist).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import random
 import shutil
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_eod.megatron.imports import import_megatron
 
-__all__ = ["save_checkpoint", "load_checkpoint"]
+__all__ = ["save_checkpoint", "TRACKER"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
+_LEGACY_FILE = "model_optim_rng.pt"
 
 
 def _ps():
@@ -40,43 +51,121 @@ def _iter_dir(root, iteration):
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def _model_file(root, iteration):
+def _legacy_file(folder):
+    """This rank's file of a --ckpt-format torch checkpoint (Megatron-LM's names)."""
     ps = _ps()
-    name = (f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_"
-            f"{ps.get_pipeline_model_parallel_rank():03d}")
-    return os.path.join(_iter_dir(root, iteration), name, "model_optim_rng.pt")
+    name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        name += f"_{ps.get_pipeline_model_parallel_rank():03d}"
+    return os.path.join(folder, name, _LEGACY_FILE)
 
 
-def _rng_file(root, iteration):
-    return os.path.join(_iter_dir(root, iteration), "rng", f"rank_{dist.get_rank():05d}.pt")
+def _unwrap(model):
+    """DDP -> (Float16Module ->) GPTModel, as Megatron-LM's unwrap_model."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 def _rng_state():
     tp = import_megatron("megatron.core.tensor_parallel")
-    return {"cpu": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-            "tracker": tp.get_cuda_rng_tracker().get_states()}
+    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(),
+            # On CPU the device generator is the CPU one (cpu_compat), as Megatron-LM on CPU.
+            "cuda_rng_state": (torch.cuda.get_rng_state() if torch.cuda.is_available()
+                               else torch.get_rng_state()),
+            "rng_tracker_states": tp.get_cuda_rng_tracker().get_states()}
 
 
 def _set_rng_state(state):
     tp = import_megatron("megatron.core.tensor_parallel")
-    torch.set_rng_state(state["cpu"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    tp.get_cuda_rng_tracker().set_states(state["tracker"])
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tp.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
-def _sizes(args):
-    return {"tensor_model_parallel_size": args.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": args.pipeline_model_parallel_size}
+def _sharded_rng_state():
+    """Megatron-LM's `rng_state`: one per (PP, TP) rank, DP x CP ranks are its replicas."""
+    mapping = import_megatron("megatron.core.dist_checkpointing.mapping")
+    ps = _ps()
+    return mapping.ShardedObject(
+        "rng_state", [_rng_state()],
+        (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
+        (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+        replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
 
 
-def _remove_stale_tmp(root) -> None:
-    """A run killed mid-save leaves `*.tmp` files; nothing reads them: remove them."""
-    for folder, _, files in os.walk(root):
-        for name in files:
-            if name in (TRACKER + ".tmp", "model_optim_rng.pt.tmp"):
-                os.remove(os.path.join(folder, name))
+def _content_metadata(args):
+    """What megatron-core's sharded_state_dict methods read (Megatron-LM's keys)."""
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if args.use_distributed_optimizer:
+        if args.dist_ckpt_optim_fully_reshardable:
+            metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+            metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+        else:
+            metadata["distrib_optim_sharding_type"] = "dp_reshardable"
+    return metadata
+
+
+def _saved_args(args, counters):
+    saved = argparse.Namespace(**vars(args))
+    saved.consumed_train_samples = counters["consumed_train_samples"]
+    saved.consumed_valid_samples = counters["consumed_valid_samples"]
+    saved.skipped_train_samples = 0
+    saved.add_position_embedding = True  # Megatron-LM compares it, default True
+    saved.ckpt_format_eod = args.ckpt_format
+    return saved
+
+
+def _state(args, iteration, model, optimizer, scheduler, counters, metadata, rng,
+           with_optimizer=True, loading=False):
+    """Megatron-LM's checkpoint state dict (sharded for torch_dist; to save, or to load into
+    with `loading`)."""
+    sharded = loading or args.ckpt_format == "torch_dist"
+    core = _unwrap(model)
+    state = {"args": _saved_args(args, counters), "checkpoint_version": 3.0,
+             "iteration": iteration, "num_floating_point_operations_so_far": 0,
+             "eod_counters": {"skipped": counters["skipped"], "nan": counters["nan"]}}
+    state["model"] = (core.sharded_state_dict(metadata=metadata) if sharded
+                      else core.state_dict_for_save_checkpoint())
+    if with_optimizer:
+        state["optimizer"] = (optimizer.sharded_state_dict(state["model"], is_loading=loading,
+                                                           metadata=metadata)
+                              if sharded else optimizer.state_dict())
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if rng:
+        state["rng_state"] = _sharded_rng_state() if sharded else [_rng_state()]
+    return state
+
+
+def _read_tracker(root):
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if text == "release":
+        return "release"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--load {root}: {path} holds {text!r}, not an iteration") from None
+
+
+def _clear_partial(root, iteration) -> bool:
+    """Rank 0, before a save: remove what a killed save of `iteration` (or of our old
+    legacy layout) left. False when `iteration` is already the complete latest checkpoint
+    (a resumed run that made no step): nothing to write."""
+    if _read_tracker(root) == iteration:
+        return False
+    shutil.rmtree(_iter_dir(root, iteration), ignore_errors=True)
+    tmp = os.path.join(root, TRACKER + ".tmp")
+    if os.path.exists(tmp):
+        os.remove(tmp)
+    return True
 
 
 def _prune(root, keep: int, newest: int) -> None:
@@ -90,22 +179,35 @@ def _prune(root, keep: int, newest: int) -> None:
 
 def save_checkpoint(args, iteration, model, optimizer, scheduler, counters):
     """Collective: every rank calls it."""
-    ps = _ps()
-    root = args.save
-    dist.barrier()  # nobody is writing: rank 0 may clear what a killed save left
-    if dist.get_rank() == 0 and os.path.isdir(root):
-        _remove_stale_tmp(root)
-    dist.barrier()
-    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
-        path = _model_file(root, iteration)
+    dcp = import_megatron("megatron.core.dist_checkpointing")
+    ps, root = _ps(), args.save
+    write = torch.tensor([1], device="cuda" if torch.cuda.is_available() else "cpu")
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        write.fill_(int(_clear_partial(root, iteration)))
+    dist.broadcast(write, 0)
+    if not write.item():
+        return
+    metadata = _content_metadata(args)
+    state = _state(args, iteration, model, optimizer, scheduler, counters,
+                   {**metadata, "dp_cp_group": ps.get_data_parallel_group(
+                       with_context_parallel=True)},
+                   rng=not args.no_save_rng, with_optimizer=not args.no_save_optim)
+    if args.ckpt_format == "torch_dist":
+        folder = _iter_dir(root, iteration)
+        if dist.get_rank() == 0:
+            os.makedirs(folder, exist_ok=True)
+        dist.barrier()
+        strategies = import_megatron("megatron.core.dist_checkpointing.strategies")
+        strategy = strategies.fully_parallel.FullyParallelSaveStrategyWrapper(
+            dcp.serialization.get_default_save_sharded_strategy("torch_dist"),
+            ps.get_data_parallel_group(with_context_parallel=True))
+        dcp.save(state, folder, strategy, content_metadata=metadata)
+    elif ps.get_data_parallel_rank(with_context_parallel=True) == 0:
+        path = _legacy_file(_iter_dir(root, iteration))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save({"iteration": iteration, "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "counters": dict(counters), "sizes": _sizes(args)}, path + ".tmp")
+        torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
-    rng_path = _rng_file(root, iteration)
-    os.makedirs(os.path.dirname(rng_path), exist_ok=True)
-    torch.save(_rng_state(), rng_path)
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(root, TRACKER + ".tmp"), "w") as f:
@@ -113,41 +215,6 @@ def save_checkpoint(args, iteration, model, optimizer, scheduler, counters):
         os.replace(os.path.join(root, TRACKER + ".tmp"), os.path.join(root, TRACKER))
         if getattr(args, "save_keep_last", None):
             _prune(root, args.save_keep_last, iteration)
+        print(f" saved checkpoint at iteration {iteration} to {root} ({args.ckpt_format})",
+              flush=True)
     dist.barrier()
-
-
-def load_checkpoint(args, model, optimizer, scheduler):
-    """-> (iteration, counters) of the latest checkpoint under --load, or (0, {}) if none."""
-    root = args.load
-    if dist.get_rank() == 0 and os.path.isdir(root):
-        _remove_stale_tmp(root)
-    dist.barrier()
-    tracker = os.path.join(root, TRACKER)
-    if not os.path.isfile(tracker):
-        if dist.get_rank() == 0:
-            print(f" no checkpoint under --load {root}; starting from scratch", flush=True)
-        return 0, {}
-    with open(tracker) as f:
-        iteration = int(f.read().strip())
-    path = _model_file(root, iteration)
-    if not os.path.isfile(path):
-        raise ValueError(f"--load {root}: {path} is missing (was it saved with other "
-                         f"--tensor-model-parallel-size/--pipeline-model-parallel-size?)")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    if state["sizes"] != _sizes(args):
-        raise ValueError(f"--load {root}: saved with {state['sizes']}, this run has "
-                         f"{_sizes(args)}; resharding is not supported")
-    model.load_state_dict(state["model"])
-    optimizer.reload_model_params()  # masters follow the loaded weights ...
-    if not args.no_load_optim:  # ... unless the checkpoint has its own float32 masters
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-    rng_path = _rng_file(root, iteration)
-    if not args.no_load_rng:
-        if not os.path.isfile(rng_path):
-            raise ValueError(f"--load {root}: {rng_path} is missing (saved with another world "
-                             f"size? pass --no-load-rng to start fresh RNG streams)")
-        _set_rng_state(torch.load(rng_path, map_location="cpu", weights_only=False))
-    if dist.get_rank() == 0:
-        print(f" loaded checkpoint from {root} at iteration {iteration}", flush=True)
-    return iteration, state["counters"]

@@ -53,7 +53,8 @@ def dataset_sizes(args):
     """Megatron's sample counts: train, valid (every eval), test."""
     gbs = args.global_batch_size
     evals = args.train_iters // args.eval_interval + 1
-    return [args.train_iters * gbs, evals * args.eval_iters * gbs, args.eval_iters * gbs]
+    train = args.train_samples if args.train_samples is not None else args.train_iters * gbs
+    return [train, evals * args.eval_iters * gbs, args.eval_iters * gbs]
 
 
 def build_datasets(args, tokenizer):

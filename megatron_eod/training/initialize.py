@@ -4,7 +4,9 @@ One job: bring a rank from "launched by torchrun" (or "forked by a test with a p
 already up") to "ready to build the model". NCCL on GPUs, gloo on CPUs; on a machine without
 CUDA the megatron-core CPU patches are applied (cpu_compat). For Hybrid CP, parallel_state
 builds the Ulysses (consecutive) and Ring (strided) sub-groups as its hierarchical CP groups
-and they are handed to the attention (`register_hybrid_groups`). Seeds follow Megatron:
+and they are handed to the attention (`register_hybrid_groups`). megatron-core's
+micro-batch calculator is set up for --global-batch-size / --rampup-batch-size. Seeds follow
+Megatron:
 seed + 100 * pipeline rank for the default generators, and megatron-core's model-parallel
 RNG tracker (`model_parallel_cuda_manual_seed`).
 
@@ -57,6 +59,10 @@ def initialize(args):
         create_gloo_process_groups=False,
         distributed_timeout_minutes=args.distributed_timeout_minutes)
     wiring.hybrid_groups(args)
+    calculator = import_megatron("megatron.core.num_microbatches_calculator")
+    calculator.init_num_microbatches_calculator(
+        dist.get_rank(), args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
+        args.data_parallel_size, args.decrease_batch_size_if_needed)
     seed = args.seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
@@ -67,6 +73,7 @@ def initialize(args):
 def shutdown():
     global _OWNS_PROCESS_GROUP
     import_megatron("megatron.core.parallel_state").destroy_model_parallel()
+    import_megatron("megatron.core.num_microbatches_calculator").unset_num_microbatches_calculator()
     if _OWNS_PROCESS_GROUP and dist.is_initialized():
         dist.destroy_process_group()
         _OWNS_PROCESS_GROUP = False

@@ -1,12 +1,15 @@
 """The GPT model the trainer runs: megatron-core's GPTModel with the EoD attention spec.
 
 One job: turn validated flags into a `TransformerConfig`, build this pipeline stage's
-`GPTModel` with `get_gpt_layer_eod_spec` (local modules on CPU; TransformerEngine's where it
-is installed and a GPU is present) and wrap it in megatron-core's DistributedDataParallel
-(gradients accumulate in float32 buffers and are summed over DP x CP by
-`finalize_model_grads`, per-token loss mode).
+`GPTModel` with `get_gpt_layer_eod_spec` (--transformer-impl: local modules, or
+TransformerEngine's; default TransformerEngine where it is installed and a GPU is present) and
+wrap it in megatron-core's DistributedDataParallel as Megatron-LM configures it (gradients
+accumulate in float32 buffers and are summed over DP x CP by `finalize_model_grads`,
+per-token loss mode; --overlap-grad-reduce buckets of max(40M, 1M x DP x CP) elements,
+--use-distributed-optimizer / --overlap-param-gather shard and gather the parameters).
 
-What it does not do: no optimizer, no data. Fusions stay off on CPU (see cpu_compat).
+What it does not do: no optimizer, no data. Megatron's bias/activation and bias/dropout
+fusions are on with CUDA (as Megatron-LM's defaults) and off on CPU (see cpu_compat).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from megatron_eod.attention.backends import has_transformer_engine
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.training import eod_wiring as wiring
 
-__all__ = ["transformer_config", "build_model"]
+__all__ = ["transformer_config", "build_model", "ddp_config", "uses_transformer_engine"]
 
 
 def transformer_config(args):
@@ -45,7 +48,9 @@ def transformer_config(args):
         recompute_method=args.recompute_method if recompute == "full" else None,
         recompute_num_layers=args.recompute_num_layers if recompute == "full" else None,
         calculate_per_token_loss=True,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        # Megatron-LM's defaults on GPUs; its gelu fusion needs the bias it fuses.
+        bias_activation_fusion=gpu and (args.swiglu or args.add_bias_linear),
+        bias_dropout_fusion=gpu, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False,
         batch_p2p_sync=gpu)  # the sync after batched p2p is torch.cuda.synchronize()
@@ -57,8 +62,7 @@ def build_model(args, registry, vocab_size: int):
     gpt = import_megatron("megatron.core.models.gpt")
     ddp = import_megatron("megatron.core.distributed")
     config = transformer_config(args)
-    spec = wiring.block_spec(registry, config, args,
-                             torch.cuda.is_available() and has_transformer_engine())
+    spec = wiring.block_spec(registry, config, args, uses_transformer_engine(args))
     model = gpt.GPTModel(
         config, spec, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
@@ -68,8 +72,27 @@ def build_model(args, registry, vocab_size: int):
         model.cuda(torch.cuda.current_device())
     if args.fp16 or args.bf16:
         model = import_megatron("megatron.core.transformer.module").Float16Module(config, model)
-    ddp_config = ddp.DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                   overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=False)
-    model = ddp.DistributedDataParallel(config, ddp_config, model)
+    model = ddp.DistributedDataParallel(config, ddp_config(args), model)
     return model, config
+
+
+def uses_transformer_engine(args) -> bool:
+    if args.transformer_impl is None:  # Megatron-LM's default where it can run, else local
+        return torch.cuda.is_available() and has_transformer_engine()
+    return args.transformer_impl == "transformer_engine"
+
+
+def ddp_config(args):
+    """Megatron-LM's DDP configuration for these flags."""
+    ddp = import_megatron("megatron.core.distributed")
+    ps = import_megatron("megatron.core.parallel_state")
+    bucket = None  # one bucket: nothing to overlap with
+    if args.overlap_grad_reduce:
+        bucket = max(40_000_000, 1_000_000 * ps.get_data_parallel_world_size(
+            with_context_parallel=True))
+    return ddp.DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=False,  # the trainer stops on NaN itself, saying where
+        bucket_size=bucket)

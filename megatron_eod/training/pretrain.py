@@ -2,16 +2,19 @@
 
 One job: flags -> start-up -> model, optimizer, data -> iterations of megatron-core's
 pipeline schedule with our step functions -> logging, validation, checkpoints. Each
-iteration: zero DDP's gradient buffers, run `num_micro_batches` micro-batches through the
-schedule (which calls `finalize_model_grads`: gradients summed over DP x CP, the shared
-embedding over PP, layer norms over TP with sequence parallelism, all divided by the global
-count of loss tokens), one optimizer step, one LR schedule step. The reported lm loss is the
-global token-weighted mean over all micro-batches, DP and CP ranks, so it is the same number
-at any CP size.
+iteration: megatron-core's micro-batch calculator says how many micro-batches this
+iteration's (possibly ramping) global batch has; zero DDP's gradient buffers, run them
+through the schedule (which calls `finalize_model_grads`: gradients summed over DP x CP, the
+shared embedding over PP, layer norms over TP with sequence parallelism, all divided by the
+global count of loss tokens), one step of megatron-core's optimizer, one LR schedule step
+of as many samples. The reported lm loss is the global token-weighted mean over all
+micro-batches, DP and CP ranks, so it is the same number at any CP size. With
+--overlap-param-gather the forward pre-hooks gather the parameters (off for the first
+iteration, around evaluation and before saving, as Megatron-LM does).
 
     pretrain(argv)   # parse, run, tear down; raises SystemExit(2) on a flag error
 
-What it does not do: no virtual pipeline stages, no distributed optimizer, no MoE.
+What it does not do: no virtual pipeline stages, no MoE.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from megatron_eod.megatron.batch_context import EodContextRegistry
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.megatron.steps import is_dataset_built_on_rank
 from megatron_eod.training import eod_wiring as wiring
-from megatron_eod.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron_eod.training.checkpoint_load import load_checkpoint
+from megatron_eod.training.checkpointing import save_checkpoint
 from megatron_eod.training.data import MicroBatches, build_datasets, build_tokenizer_from_args
 from megatron_eod.training.initialize import initialize, shutdown
 from megatron_eod.training.model import build_model
@@ -98,9 +102,13 @@ class _Trainer:
         self.model, config = build_model(a, self.registry, vocab)
         self.optimizer, self.scheduler = build_optimizer(self.model, a)
         config.no_sync_func = self.model.no_sync
+        if a.overlap_grad_reduce:  # Megatron-LM's default --align-grad-reduce
+            config.grad_sync_func = self.model.start_grad_sync
         config.finalize_model_grads_func = finalize
-        if a.fp16:
-            config.grad_scale_func = self.optimizer.scaler
+        config.grad_scale_func = self.optimizer.scale_loss
+        self.calculator = import_megatron("megatron.core.num_microbatches_calculator")
+        self.gathers_params = a.use_distributed_optimizer and a.overlap_param_gather
+        self.hooks_on = self.gathers_params  # DDP registers them when it is built
         self.iteration, counters = 0, {}
         if a.load:
             self.iteration, counters = load_checkpoint(a, self.model, self.optimizer,
@@ -120,11 +128,11 @@ class _Trainer:
         self.fwd_bwd = schedules.get_forward_backward_func()
         self.reporter = Reporter(a, dist.get_rank() == dist.get_world_size() - 1)
 
-    def _schedule(self, data_iterator, forward_only):
+    def _schedule(self, data_iterator, forward_only, num_micro_batches):
         a = self.args
         return self.fwd_bwd(forward_step_func=self.steps.forward_step,
                             data_iterator=data_iterator, model=[self.model],
-                            num_microbatches=a.num_micro_batches,
+                            num_microbatches=num_micro_batches,
                             seq_length=a.micro_batch_size * a.seq_length, micro_batch_size=1,
                             forward_only=forward_only)
 
@@ -140,21 +148,28 @@ class _Trainer:
         return (total[0] / total[1].clamp(min=1)).item()
 
     def _train_step(self):
+        """-> (loss, grad norm or None, lr, attention pairs, plan wait, samples consumed)."""
+        a = self.args
+        self.calculator.update_num_microbatches(self.counters["consumed_train_samples"],
+                                                consistency_check=True)
+        micro_batches = self.calculator.get_num_microbatches()
+        samples = micro_batches * a.micro_batch_size * a.data_parallel_size
         self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
         self.steps.pairs_seen = 0
         waited = self.steps.plan_wait_s
         lr = self.optimizer.param_groups[0]["lr"]
-        loss = self._mean_loss(self._schedule(self.train_iter, forward_only=False))
-        updated, grad_norm = self.optimizer.step()
+        loss = self._mean_loss(self._schedule(self.train_iter, False, micro_batches))
+        updated, grad_norm, _ = self.optimizer.step()
         if updated:
-            self.scheduler.step(increment=1)
+            self.scheduler.step(increment=samples)
         else:
             self.counters["skipped"] += 1
         pairs = torch.tensor([float(self.steps.pairs_seen)], dtype=torch.float64,
                              device=self.device)
         dist.all_reduce(pairs, group=self.ps.get_data_parallel_group())
         self._stop_if_not_finite(loss, grad_norm, updated)
-        return loss, grad_norm, lr, pairs.item(), self.steps.plan_wait_s - waited
+        return loss, grad_norm, lr, pairs.item(), self.steps.plan_wait_s - waited, samples
 
     def _stop_if_not_finite(self, loss, grad_norm, updated):
         """NaN/Inf in the loss or the grad norm stops every rank (the loss is known on the last
@@ -164,7 +179,7 @@ class _Trainer:
             return
         last = self.ps.is_pipeline_last_stage()
         bad = torch.tensor([float(last and not math.isfinite(loss)),
-                            float(updated and not math.isfinite(grad_norm))],
+                            float(updated and not _finite(grad_norm))],
                            device=self.device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if bad.any():
@@ -187,12 +202,15 @@ class _Trainer:
                 a.data_parallel_size, 0, "test", cyclic=True)
         if not self._split_has_samples(iterator):
             return  # the split has no samples (e.g. --split 100,0,0)
+        hooks_were_on = self.hooks_on
+        self._param_hooks(False)
         self.model.eval()
         outputs = []
-        with torch.no_grad():
+        with torch.no_grad():  # the full --global-batch-size, as Megatron-LM evaluates
             for _ in range(a.eval_iters):
-                outputs += self._schedule(iterator, forward_only=True)
+                outputs += self._schedule(iterator, True, a.num_micro_batches)
         self.model.train()
+        self._param_hooks(hooks_were_on)
         if label == "validation":
             self.counters["consumed_valid_samples"] += a.eval_iters * a.global_batch_size
         self.reporter.validation(self.iteration, self._mean_loss(outputs), label)
@@ -207,40 +225,68 @@ class _Trainer:
                            group=self.ps.get_tensor_model_parallel_group())
         return bool(has.item())
 
+    def _param_hooks(self, enable: bool, sync: bool = True):
+        """--overlap-param-gather: the forward pre-hooks that wait for the distributed
+        optimizer's parameter all-gather (disabling them gathers now unless sync is False)."""
+        if not self.gathers_params:
+            return
+        if enable and not self.hooks_on:
+            self.model.enable_forward_pre_hook()
+        elif not enable and self.hooks_on:
+            self.model.disable_forward_pre_hook(param_sync=False)
+        if not enable and sync:
+            self.model.start_param_sync(force_sync=True)
+        self.hooks_on = enable
+
+    def _save(self):
+        if self.gathers_params:  # the saved weights must be this step's
+            self.model.start_param_sync(force_sync=True)
+        save_checkpoint(self.args, self.iteration, self.model, self.optimizer, self.scheduler,
+                        self.counters)
+
     def run(self):
         a, counters = self.args, self.counters
         self.model.train()
         losses = []
+        # Megatron-LM: the first iteration runs without the gather hooks, so that a bad load
+        # or init does not spread through the first all-gather.
+        self._param_hooks(False, sync=False)
         while self.iteration < a.train_iters:
             start = time.perf_counter()
-            loss, grad_norm, lr, pairs, plan_wait = self._train_step()
+            loss, grad_norm, lr, pairs, plan_wait, samples = self._train_step()
+            self._param_hooks(True)
             self.iteration += 1
-            counters["consumed_train_samples"] += a.global_batch_size
+            counters["consumed_train_samples"] += samples
             if (self.ps.is_pipeline_last_stage() and not math.isfinite(loss)) or \
-                    not math.isfinite(grad_norm):
+                    not _finite(grad_norm):
                 counters["nan"] += 1  # with --no-check-for-nan-in-loss-and-grad
             losses.append(loss)
             self.reporter.iteration(self.iteration, time.perf_counter() - start, lr, loss,
                                     grad_norm, counters["skipped"], counters["nan"],
-                                    counters["consumed_train_samples"], pairs, plan_wait)
+                                    counters["consumed_train_samples"], pairs, plan_wait,
+                                    samples)
             if a.eval_interval and self.iteration % a.eval_interval == 0 and \
                     self.iteration < a.train_iters:
                 self.evaluate()
-            if a.save and a.save_interval and self.iteration % a.save_interval == 0:
-                save_checkpoint(a, self.iteration, self.model, self.optimizer, self.scheduler,
-                                counters)
+            saved = a.save and a.save_interval and self.iteration % a.save_interval == 0
+            if saved:
+                self._save()
             if a.exit_interval and self.iteration % a.exit_interval == 0:
-                if a.save and not (a.save_interval and self.iteration % a.save_interval == 0):
-                    save_checkpoint(a, self.iteration, self.model, self.optimizer,
-                                    self.scheduler, counters)
-                self.reporter.close()
-                self.steps.close()
-                return losses
+                if a.save and not saved:
+                    self._save()
+                return self._finish(losses)
         self.evaluate()
         self.evaluate("test")
         if a.save and not (a.save_interval and self.iteration % a.save_interval == 0):
-            save_checkpoint(a, self.iteration, self.model, self.optimizer, self.scheduler,
-                            counters)
+            self._save()
+        return self._finish(losses)
+
+    def _finish(self, losses):
         self.reporter.close()
         self.steps.close()
         return losses
+
+
+def _finite(grad_norm) -> bool:
+    """A grad norm is None when --clip-grad 0 (megatron-core computes none)."""
+    return grad_norm is None or math.isfinite(grad_norm)

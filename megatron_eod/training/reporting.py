@@ -40,11 +40,14 @@ class Reporter:
                 self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
 
     def iteration(self, iteration, seconds, lr, loss, grad_norm, skipped, nan, consumed,
-                  attention_pairs, plan_wait_s=0.0):
+                  attention_pairs, plan_wait_s=0.0, batch_size=None):
+        """grad_norm is None when --clip-grad 0; batch_size is this iteration's global batch
+        (it ramps with --rampup-batch-size)."""
         if not self.active:
             return
         a = self.args
-        tokens = a.global_batch_size * a.seq_length
+        batch_size = batch_size or a.global_batch_size
+        tokens = batch_size * a.seq_length
         # 4*H*D flops per pair forward, twice that backward, per layer; per rank.
         flops = attention_pairs * 4 * a.num_attention_heads * a.kv_channels * 3 * a.num_layers
         record = {"iteration": iteration, "lm_loss": loss, "grad_norm": grad_norm, "lr": lr,
@@ -55,14 +58,16 @@ class Reporter:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             print(f" [{stamp}] iteration {iteration:8d}/{a.train_iters:8d} | consumed samples: "
                   f"{consumed:12d} | elapsed time per iteration (ms): {seconds * 1e3:.1f} | "
-                  f"learning rate: {lr:.6E} | global batch size: {a.global_batch_size:5d} | "
-                  f"lm loss: {loss:.6E} | grad norm: {grad_norm:.3f} | "
+                  f"learning rate: {lr:.6E} | global batch size: {batch_size:5d} | "
+                  f"lm loss: {loss:.6E} | "
+                  + ("" if grad_norm is None else f"grad norm: {grad_norm:.3f} | ") +
                   f"number of skipped iterations: {skipped:3d} | "
                   f"number of nan iterations: {nan:3d} |", flush=True)
         self._write(record)
         if self.writer:
             for key in ("lm_loss", "grad_norm", "lr", "tokens_per_s", "attention_tflops"):
-                self.writer.add_scalar(key, record[key], iteration)
+                if record[key] is not None:
+                    self.writer.add_scalar(key, record[key], iteration)
 
     def validation(self, iteration, loss, label="validation"):
         if not self.active:

@@ -21,7 +21,9 @@ TOL = 1e-5
 
 
 def train(world, data, *extra):
-    return losses_of(run_ranks(train_rank, world, tiny_flags(data, *extra), timeout=200))
+    # Not daemonic: megatron-core's torch_dist checkpoint writer starts processes.
+    return losses_of(run_ranks(train_rank, world, tiny_flags(data, *extra), timeout=200,
+                               daemon=False))
 
 
 def assert_same(losses, reference, tol=TOL):

@@ -1,7 +1,7 @@
 """Checkpoints do not pile up and a save killed midway leaves nothing behind for long:
-`--save-keep-last N` keeps the newest N iteration folders; stale `.tmp` files (a kill during a
-save) are removed at the next save and at load, and the run resumes from the last complete
-checkpoint."""
+`--save-keep-last N` keeps the newest N iteration folders; what a kill during a save leaves (a
+partial iteration folder the tracker does not name, a tracker `.tmp`) is replaced by the next
+save, and the run resumes from the last complete checkpoint."""
 
 import os
 
@@ -23,12 +23,12 @@ def test_keep_last_prunes_old_checkpoints(tiny_data, tmp_path):
     assert iterations(everything) == [4, 8, 10]  # the default keeps all, as Megatron-LM
 
 
-def test_stale_tmp_files_are_removed_and_the_run_resumes(tiny_data, tmp_path):
+def test_a_save_killed_midway_is_replaced_and_the_run_resumes(tiny_data, tmp_path):
     save = str(tmp_path / "ckpt")
     first = train(2, tiny_data, "--context-parallel-size", "2", "--save", save,
                   "--exit-interval", "4")
-    # What a kill during the next save leaves: a partial model file and tracker.
-    partial = os.path.join(save, "iter_0000006", "mp_rank_00", "model_optim_rng.pt.tmp")
+    # What a kill during the next save leaves: a partial iteration folder and tracker.
+    partial = os.path.join(save, "iter_0000010", "__0_0.distcp")
     os.makedirs(os.path.dirname(partial))
     for path in (partial, os.path.join(save, "latest_checkpointed_iteration.txt.tmp")):
         with open(path, "wb") as f:
@@ -37,3 +37,7 @@ def test_stale_tmp_files_are_removed_and_the_run_resumes(tiny_data, tmp_path):
     assert len(first) == 4 and len(rest) == 6
     leftovers = [name for _, _, files in os.walk(save) for name in files if name.endswith(".tmp")]
     assert leftovers == []
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read() == "10"
+    with open(partial, "rb") as f:
+        assert f.read() != b"half a checkpoint"

@@ -1,0 +1,183 @@
+"""`--load`: read back a checkpoint of this trainer or of Megatron-LM's, resharding it.
+
+One job: find the latest checkpoint under --load (or --pretrained-checkpoint when --load has
+none), detect its format (torch_dist: `metadata.json` in the iteration folder; torch:
+`mp_rank_*` files), check that it holds this model (a clear error names the flag that
+differs instead of a shape error deep inside dist_checkpointing), and load the model, the
+optimizer and LR schedule, the RNG states and the sample counters into this run. torch_dist
+checkpoints reshard: megatron-core maps every global tensor onto this run's TP/PP/DP/CP
+layout (the distributed optimizer's state across TP/PP only when it was saved
+"fully_reshardable"); RNG states are skipped when TP/PP changed, as Megatron-LM does.
+--finetune (and --pretrained-checkpoint) loads the weights only and starts at iteration 0.
+
+What it does not do: no conversion between the regular and the distributed optimizer's
+state (pass --no-load-optim to start that state fresh), no torch_dcp/fsdp_dtensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_eod.megatron.imports import import_megatron
+from megatron_eod.training.checkpointing import (TRACKER, _content_metadata, _iter_dir,
+                                                 _legacy_file, _ps, _read_tracker,
+                                                 _set_rng_state, _state, _unwrap)
+
+__all__ = ["load_checkpoint"]
+
+_FULLY_RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space")
+
+
+def _choose_root(args):
+    """--load, or --pretrained-checkpoint when --load has none (then as --finetune)."""
+    if args.load and _read_tracker(args.load) is not None:
+        return args.load, args.finetune
+    if args.pretrained_checkpoint:
+        if _read_tracker(args.pretrained_checkpoint) is None:
+            raise ValueError(f"--pretrained-checkpoint {args.pretrained_checkpoint}: no "
+                             f"{TRACKER} there")
+        return args.pretrained_checkpoint, True
+    return None, False
+
+
+def _groups(ns):
+    heads = getattr(ns, "num_attention_heads", None)
+    if getattr(ns, "group_query_attention", False):
+        return getattr(ns, "num_query_groups", heads)
+    return heads
+
+
+# (what the checkpoint's args say, what ours say, the flag) for everything that shapes weights.
+_SHAPE = [(lambda ns, name=name: getattr(ns, name, None), f"--{name.replace('_', '-')}")
+          for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                       "kv_channels", "swiglu", "add_bias_linear", "qk_layernorm",
+                       "untie_embeddings_and_output_weights", "position_embedding_type")]
+_SHAPE.append((_groups, "--num-query-groups"))
+
+
+def _check_model_args(saved, args, where):
+    differ = []
+    for read, flag in _SHAPE:
+        theirs, ours = read(saved), read(args)
+        if theirs is not None and ours is not None and theirs != ours:
+            differ.append(f"{flag} {theirs} (this run: {ours})")
+    if differ:
+        raise ValueError(f"--load {where} holds another model: it was saved with "
+                         + "; ".join(differ))
+
+
+def _load_torch_dist(args, folder, finetune, model, optimizer, scheduler):
+    dcp = import_megatron("megatron.core.dist_checkpointing")
+    ps = _ps()
+    common = dcp.load_common_state_dict(folder)
+    saved = common.get("args") or argparse.Namespace()
+    _check_model_args(saved, args, folder)
+    same_tp_pp = (getattr(saved, "tensor_model_parallel_size", 1),
+                  getattr(saved, "pipeline_model_parallel_size", 1)) == (
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    content = dcp.load_content_metadata(preloaded_state_dict=common) or {}
+    load_optim = (not finetune and not args.no_load_optim and "opt_param_scheduler" in common)
+    if load_optim:
+        _check_optimizer_state(args, content.get("distrib_optim_sharding_type"), same_tp_pp,
+                               folder)
+        metadata = dict(content)
+    else:
+        metadata = _content_metadata(args)
+    metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
+    load_rng = (same_tp_pp and not finetune and not args.no_load_rng
+                and not getattr(saved, "no_save_rng", False))
+    counters = {"consumed_train_samples": 0, "consumed_valid_samples": 0, "skipped": 0,
+                "nan": 0}
+    request = _state(args, 0, model, optimizer, scheduler, counters, metadata, rng=load_rng,
+                     with_optimizer=load_optim, loading=True)
+    loaded = dcp.load(request, folder)
+    _unwrap(model).load_state_dict(loaded["model"], strict=True)
+    _finish(args, loaded, load_optim, load_rng, optimizer, scheduler)
+    if dist.get_rank() == 0 and not same_tp_pp:
+        print(f" --load {folder}: TP/PP changed, RNG states not loaded", flush=True)
+    return loaded, saved
+
+
+def _check_optimizer_state(args, sharding, same_tp_pp, folder):
+    hint = "or pass --no-load-optim to start the optimizer state fresh"
+    if args.use_distributed_optimizer and sharding is None:
+        raise ValueError(f"--load {folder} holds the regular optimizer's state; this run has "
+                         f"--use-distributed-optimizer: drop it, {hint}")
+    if not args.use_distributed_optimizer and sharding is not None:
+        raise ValueError(f"--load {folder} holds the distributed optimizer's state "
+                         f"({sharding}): add --use-distributed-optimizer, {hint}")
+    if sharding is not None and not same_tp_pp and sharding not in _FULLY_RESHARDABLE:
+        raise ValueError(f"--load {folder}: the distributed optimizer's state was saved "
+                         f"{sharding!r}, which reshards over DP/CP only, and this run changes "
+                         f"TP/PP: save with --dist-ckpt-optim-fully-reshardable, {hint}")
+
+
+def _finish(args, loaded, load_optim, load_rng, optimizer, scheduler):
+    if load_optim:
+        optimizer.load_state_dict(loaded["optimizer"])
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    elif args.bf16 or args.fp16:
+        optimizer.reload_model_params()  # float32 main weights follow the loaded ones
+    if load_rng:
+        _set_rng_state(loaded["rng_state"][0])
+
+
+def _load_torch(args, root, folder, finetune, model, optimizer, scheduler):
+    path = _legacy_file(folder)
+    if not os.path.isfile(path):
+        raise ValueError(f"--load {root}: {path} is missing; a --ckpt-format torch checkpoint "
+                         f"loads only at the --tensor-model-parallel-size and "
+                         f"--pipeline-model-parallel-size it was saved with (save with "
+                         f"--ckpt-format torch_dist to reshard)")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if "sizes" in state and "args" not in state:
+        raise ValueError(f"--load {root}: written by megatron-eod before it used "
+                         f"megatron-core's optimizer and checkpoint formats; it cannot resume "
+                         f"here (start a new run, or load it with the release that wrote it)")
+    saved = state.get("args") or argparse.Namespace()
+    _check_model_args(saved, args, path)
+    load_optim = not finetune and not args.no_load_optim and "optimizer" in state
+    if load_optim and args.use_distributed_optimizer:
+        raise ValueError(f"--load {root}: a --ckpt-format torch checkpoint has no distributed "
+                         f"optimizer state here; pass --no-load-optim")
+    _unwrap(model).load_state_dict(state["model"], strict=True)
+    load_rng = not finetune and not args.no_load_rng and "rng_state" in state
+    _finish(args, state, load_optim, load_rng, optimizer, scheduler)
+    return state, saved
+
+
+def load_checkpoint(args, model, optimizer, scheduler):
+    """-> (iteration, counters) of the latest checkpoint under --load (or
+    --pretrained-checkpoint), or (0, {}) when there is none. Collective."""
+    root, finetune = _choose_root(args)
+    if root is None:
+        if dist.get_rank() == 0 and args.load:
+            print(f" no checkpoint under --load {args.load}; starting from scratch", flush=True)
+        return 0, {}
+    iteration = _read_tracker(root)
+    finetune = finetune or iteration == "release"
+    folder = os.path.join(root, "release") if iteration == "release" else _iter_dir(
+        root, iteration)
+    if os.path.isfile(os.path.join(folder, "metadata.json")):
+        loaded, saved = _load_torch_dist(args, folder, finetune, model, optimizer, scheduler)
+    elif os.path.isdir(folder) and any(n.startswith("mp_rank_") for n in os.listdir(folder)):
+        loaded, saved = _load_torch(args, root, folder, finetune, model, optimizer, scheduler)
+    else:
+        raise ValueError(f"--load {root}: {TRACKER} names iteration {iteration} but {folder} "
+                         f"holds no complete checkpoint (no metadata.json, no mp_rank_*)")
+    dist.barrier()
+    if finetune:
+        if dist.get_rank() == 0:
+            print(f" loaded the weights of {folder} (--finetune: iteration 0, fresh optimizer)",
+                  flush=True)
+        return 0, {}
+    counters = {"consumed_train_samples": getattr(saved, "consumed_train_samples", 0),
+                "consumed_valid_samples": getattr(saved, "consumed_valid_samples", 0),
+                **loaded.get("eod_counters", {})}
+    if dist.get_rank() == 0:
+        print(f" loaded checkpoint from {root} at iteration {loaded['iteration']}", flush=True)
+    return loaded["iteration"], counters
