@@ -20,10 +20,11 @@ GOLDEN = os.path.join(os.path.dirname(__file__), "golden_cpu_losses.json")
 TOL = 1e-5
 
 
-def train(world, data, *extra):
+def train(world, data, *extra, drop=()):
+    """Per-iteration losses of the tiny config plus `extra` flags, minus `drop`."""
     # Not daemonic: megatron-core's torch_dist checkpoint writer starts processes.
-    return losses_of(run_ranks(train_rank, world, tiny_flags(data, *extra), timeout=200,
-                               daemon=False))
+    return losses_of(run_ranks(train_rank, world, tiny_flags(data, *extra, drop=drop),
+                               timeout=200, daemon=False))
 
 
 def assert_same(losses, reference, tol=TOL):

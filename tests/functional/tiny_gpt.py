@@ -10,7 +10,18 @@ from megatron_eod.training.pretrain import pretrain
 ITERS = 10
 
 
-def tiny_flags(data_path, *extra):
+def tiny_flags(data_path, *extra, drop=()):
+    """The tiny config's flags plus `extra`; `drop` removes some of ours (with their values)."""
+    flags = _tiny_flags(data_path)
+    kept = []
+    for i, token in enumerate(flags):
+        dropped = token in drop or (not token.startswith("--") and flags[i - 1] in drop)
+        if not dropped:
+            kept.append(token)
+    return kept + list(extra)
+
+
+def _tiny_flags(data_path):
     return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--num-query-groups", "2", "--seq-length", "128", "--micro-batch-size", "2",
             "--global-batch-size", "4", "--train-iters", str(ITERS), "--lr", "2e-3",
@@ -18,7 +29,7 @@ def tiny_flags(data_path, *extra):
             "--hidden-dropout", "0", "--data-path", data_path, "--split", "90,8,2",
             "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
             "--eval-interval", "5", "--eval-iters", "1", "--log-interval", "100",
-            "--seed", "1234", *extra]
+            "--seed", "1234"]
 
 
 def train_rank(rank, world_size, argv):

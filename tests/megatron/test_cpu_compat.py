@@ -126,8 +126,9 @@ def test_rng_tracker_forks_a_separate_stream():
 
 
 def test_megatron_lm_scope_is_applied_only_when_asked_and_fully_removed():
-    """The "megatron-lm" rows (Megatron-LM's trainer on CPU) touch torch itself
-    (Tensor.cuda, Parameter.type): apply(megatron_lm=True) adds them, remove() restores all."""
+    """The "megatron-lm" rows (Megatron-LM's trainer modules) are added only by
+    apply(megatron_lm=True); the "core" rows touch torch itself (Tensor.cuda, Parameter.type,
+    for megatron-core's optimizers); remove() restores all."""
     from tests.training.megatron_lm_checkout import HAVE_MEGATRON_LM, import_megatron_lm
 
     if not HAVE_MEGATRON_LM:
@@ -136,12 +137,12 @@ def test_megatron_lm_scope_is_applied_only_when_asked_and_fully_removed():
     cuda, param_type = torch.Tensor.cuda, torch.nn.Parameter.type
     try:
         assert cpu_compat.apply(force=True)
-        assert torch.nn.Parameter.type is param_type  # core scope only
+        import megatron.training.training as training
+
+        assert training.torch is torch  # core scope only
         assert cpu_compat.apply(force=True, megatron_lm=True)
         p = torch.nn.Parameter(torch.zeros(1))
         assert p.type() == "torch.cuda.FloatTensor" and p.cuda() is p
-        import megatron.training.training as training
-
         assert training.torch.zeros(1, device="cuda").device.type == "cpu"
     finally:
         cpu_compat.remove()

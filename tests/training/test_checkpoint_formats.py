@@ -1,0 +1,67 @@
+"""The lean trainer's checkpoints are megatron-core's (torch_dist by default, Megatron-LM's
+legacy torch on request) and reshard on --load:
+
+- saved at TP=2 x CP=2 with the distributed optimizer ("fully_reshardable"), loaded at
+  TP=1 x CP=4: iterations 5..10 continue the CP=1 losses (1e-5);
+- the distributed optimizer's default "dp_reshardable" state refuses a TP change, naming the
+  flag that saves it reshardable;
+- --ckpt-format torch writes Megatron-LM's mp_rank_XX files and resumes bit-identically;
+- --finetune loads the weights only (iteration 0, fresh optimizer and data position);
+- a checkpoint of another model is refused by flag name, not by a shape error.
+"""
+
+import os
+
+import pytest
+
+from tests.functional.test_cpu_training import assert_same, cp1, train  # noqa: F401
+
+pytestmark = pytest.mark.timeout(300)
+
+DISTOPT = ("--use-distributed-optimizer",)
+
+
+def test_tp2_cp2_checkpoint_continues_at_tp1_cp4(cp1, tiny_data, tmp_path):  # noqa: F811
+    save = str(tmp_path / "ckpt")
+    first = train(4, tiny_data, "--tensor-model-parallel-size", "2", "--context-parallel-size",
+                  "2", *DISTOPT, "--dist-ckpt-optim-fully-reshardable", "--save", save,
+                  "--exit-interval", "4")
+    assert os.path.isfile(os.path.join(save, "iter_0000004", "metadata.json"))
+    rest = train(4, tiny_data, "--context-parallel-size", "4", *DISTOPT, "--load", save)
+    assert len(first) == 4 and len(rest) == 6
+    assert_same(first + rest, cp1)
+
+
+def test_dp_reshardable_optimizer_state_refuses_a_tp_change(tiny_data, tmp_path):
+    save = str(tmp_path / "ckpt")
+    train(2, tiny_data, "--tensor-model-parallel-size", "2", *DISTOPT, "--save", save,
+          "--exit-interval", "2")
+    with pytest.raises(AssertionError, match="--dist-ckpt-optim-fully-reshardable"):
+        train(2, tiny_data, "--context-parallel-size", "2", *DISTOPT, "--load", save)
+
+
+def test_legacy_torch_format_resumes_bit_identically(tiny_data, tmp_path):
+    save = str(tmp_path / "ckpt")
+    first = train(2, tiny_data, "--context-parallel-size", "2", "--ckpt-format", "torch",
+                  "--save", save, "--exit-interval", "4")
+    assert os.listdir(os.path.join(save, "iter_0000004")) == ["mp_rank_00"]
+    rest = train(2, tiny_data, "--context-parallel-size", "2", "--load", save)
+    full = train(2, tiny_data, "--context-parallel-size", "2")
+    assert first + rest == full
+
+
+def test_finetune_loads_weights_only(cp1, tiny_data, tmp_path):  # noqa: F811
+    save = str(tmp_path / "ckpt")
+    train(1, tiny_data, "--save", save, "--exit-interval", "4")
+    tuned = train(1, tiny_data, "--load", save, "--finetune")
+    assert len(tuned) == 10  # from iteration 0
+    assert tuned[0] < cp1[0] - 0.1  # the first batch again, on trained weights
+    again = train(1, tiny_data, "--pretrained-checkpoint", save)  # --load absent: the same
+    assert again == tuned
+
+
+def test_another_model_is_refused_by_flag_name(tiny_data, tmp_path):
+    save = str(tmp_path / "ckpt")
+    train(1, tiny_data, "--save", save, "--exit-interval", "2")
+    with pytest.raises(AssertionError, match=r"--ffn-hidden-size 256 \(this run: 128\)"):
+        train(1, tiny_data, "--load", save, "--ffn-hidden-size", "128")
