@@ -116,8 +116,23 @@ def _load_state_dict_with_own_steps():
     return load_state_dict
 
 
-def _no_grad_copy():
-    return torch.no_grad()(_originals[(_DIST_OPT, "_set_main_param_and_optimizer_states")])
+def _set_states_without_step():
+    """The original copies every state of the destination, "step" included, from a source
+    that never has one (the fully_reshardable load drops it); and copies into leaf views with
+    grad enabled. Copy what the source has, without grad; steps come from load_state_dict."""
+    original = _originals[(_DIST_OPT, "_set_main_param_and_optimizer_states")]
+
+    @torch.no_grad()
+    def set_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        destination = {"param": main_param, **self.optimizer.state[main_param]}
+        for key, value in tensors.items():
+            destination[key].copy_(value)
+
+    return set_states
 
 
 _BATCH_INVARIANT = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
@@ -167,7 +182,7 @@ PATCHES: List[Tuple[str, str, Callable[[], object], str]] = [
     ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32",
      lambda: stand_ins.clip_grad_by_total_norm_fp32, "core"),
     (_DIST_OPT, "sharded_state_dict", _sharded_state_dict_with_state, "core"),
-    (_DIST_OPT, "_set_main_param_and_optimizer_states", _no_grad_copy, "core"),
+    (_DIST_OPT, "_set_main_param_and_optimizer_states", _set_states_without_step, "core"),
     (_DIST_OPT, "load_state_dict", _load_state_dict_with_own_steps, "core"),
     ("sys:modules", _BATCH_INVARIANT, _batch_invariant_kernels, "megatron-lm"),
     ("megatron.training.initialize", "torch",

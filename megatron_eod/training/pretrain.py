@@ -110,7 +110,7 @@ class _Trainer:
         self.gathers_params = a.use_distributed_optimizer and a.overlap_param_gather
         self.hooks_on = self.gathers_params  # DDP registers them when it is built
         self.iteration, counters = 0, {}
-        if a.load:
+        if a.load or a.pretrained_checkpoint:
             self.iteration, counters = load_checkpoint(a, self.model, self.optimizer,
                                                        self.scheduler)
         self.counters = {"consumed_train_samples": 0, "consumed_valid_samples": 0,

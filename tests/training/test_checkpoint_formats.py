@@ -23,9 +23,10 @@ DISTOPT = ("--use-distributed-optimizer",)
 
 def test_tp2_cp2_checkpoint_continues_at_tp1_cp4(cp1, tiny_data, tmp_path):  # noqa: F811
     save = str(tmp_path / "ckpt")
+    # Vocabulary padding is a multiple of divisible-by x TP: 64 x 2 keeps TP=1's 384 rows.
     first = train(4, tiny_data, "--tensor-model-parallel-size", "2", "--context-parallel-size",
-                  "2", *DISTOPT, "--dist-ckpt-optim-fully-reshardable", "--save", save,
-                  "--exit-interval", "4")
+                  "2", "--make-vocab-size-divisible-by", "64", *DISTOPT,
+                  "--dist-ckpt-optim-fully-reshardable", "--save", save, "--exit-interval", "4")
     assert os.path.isfile(os.path.join(save, "iter_0000004", "metadata.json"))
     rest = train(4, tiny_data, "--context-parallel-size", "4", *DISTOPT, "--load", save)
     assert len(first) == 4 and len(rest) == 6

@@ -52,11 +52,11 @@ def test_sample_based_run_is_the_iteration_based_run(cp1, tiny_data, tmp_path): 
 
 
 def test_rampup_batch_size_ramps_the_global_batch(tiny_data, tmp_path):
-    # Start at 2, +2 per 8 ramp samples, up to 4: 2, 2, 2, 2 (8 samples), then 4 until 40.
+    # Start at 2, +2 per 8 ramp samples, up to 4: 2, 2, 2, 2 (8 samples), then 4 up to 40.
     _, records = run(tmp_path, "ramp", 1, tiny_data, *SAMPLES, "--rampup-batch-size", "2",
                      "2", "8", drop=ITER_BASED)
     batches = [r["tokens"] // 128 for r in records]
-    assert batches == [2, 2, 2, 2] + [4] * 7 and sum(batches) == 36
+    assert batches == [2, 2, 2, 2] + [4] * 8 and sum(batches) == 40
 
 
 def test_wsd_holds_then_anneals(tiny_data, tmp_path):
