@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import queue
 from typing import Callable, Dict, List, Tuple
 
 import torch
@@ -119,7 +120,7 @@ def _load_state_dict_with_own_steps():
 def _set_states_without_step():
     """The original copies every state of the destination, "step" included, from a source
     that never has one (the fully_reshardable load drops it); and copies into leaf views with
-    grad enabled. Copy what the source has, without grad; steps come from load_state_dict."""
+    grad enabled. Copy the states both have, without grad; steps come from load_state_dict."""
     original = _originals[(_DIST_OPT, "_set_main_param_and_optimizer_states")]
 
     @torch.no_grad()
@@ -129,10 +130,21 @@ def _set_states_without_step():
         group_index, group_order = self.model_param_group_index_map[model_param]
         main_param = self.optimizer.param_groups[group_index]["params"][group_order]
         destination = {"param": main_param, **self.optimizer.state[main_param]}
-        for key, value in tensors.items():
-            destination[key].copy_(value)
+        for key, tensor in destination.items():
+            if key in tensors:
+                tensor.copy_(tensors[key])
 
     return set_states
+
+
+_RESULTS_QUEUE = queue.Queue()
+
+
+def _in_process_results_queue():
+    """A synchronous torch_dist save gathers its write results in the saving process itself;
+    the original starts a spawned multiprocessing Manager per process for them (~270 MB and
+    seconds each, and it outlives forked test ranks)."""
+    return lambda: _RESULTS_QUEUE
 
 
 _BATCH_INVARIANT = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
@@ -184,6 +196,8 @@ PATCHES: List[Tuple[str, str, Callable[[], object], str]] = [
     (_DIST_OPT, "sharded_state_dict", _sharded_state_dict_with_state, "core"),
     (_DIST_OPT, "_set_main_param_and_optimizer_states", _set_states_without_step, "core"),
     (_DIST_OPT, "load_state_dict", _load_state_dict_with_own_steps, "core"),
+    ("megatron.core.dist_checkpointing.strategies.filesystem_async",
+     "_get_write_results_queue", _in_process_results_queue, "core"),
     ("sys:modules", _BATCH_INVARIANT, _batch_invariant_kernels, "megatron-lm"),
     ("megatron.training.initialize", "torch",
      lambda: stand_ins.TorchOnCpu(claims_device=True), "megatron-lm"),
