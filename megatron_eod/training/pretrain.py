@@ -119,7 +119,8 @@ class _Trainer:
         train, valid, test = build_datasets(a, tokenizer)
         dp_rank, dp = ps.get_data_parallel_rank(), a.data_parallel_size
         make = lambda ds, consumed, name: None if ds is None else MicroBatches(  # noqa: E731
-            ds, a.micro_batch_size, dp_rank, dp, consumed, name, cyclic=name != "train")
+            ds, a.micro_batch_size, dp_rank, dp, consumed, name, cyclic=name != "train",
+            num_workers=a.num_workers)
         self.train_iter = make(train, self.counters["consumed_train_samples"], "train")
         self.valid_iter = make(valid, self.counters["consumed_valid_samples"], "valid")
         self.test_ds = test
