@@ -24,10 +24,15 @@ def get_args(argv=None):
                    help="skip and count malformed lines instead of stopping at the first")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", default="ByteTokenizer", choices=TOKENIZER_TYPES)
-    g.add_argument("--tokenizer-model", default=None, help="HuggingFace dir or tokenizer.json")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="HuggingFace dir or tokenizer.json, SentencePiece .model, TikToken .json")
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="for NullTokenizer (and TikTokenizer: default 131072)")
+    g.add_argument("--tiktoken-pattern", choices=("v1", "v2"), default="v2")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
+    g.add_argument("--tiktoken-special-tokens", nargs="+", default=None)
     g.add_argument("--append-eod", action="store_true", help="append the EoD id to each document")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
@@ -48,7 +53,9 @@ def main(argv=None) -> int:
     args = get_args(argv)
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
-                                    args.merge_file, args.vocab_size)
+                                    args.merge_file, args.vocab_size, args.tiktoken_pattern,
+                                    args.tiktoken_num_special_tokens,
+                                    args.tiktoken_special_tokens)
         stats = preprocess_jsonl(args.input, args.output_prefix, tokenizer,
                                  json_keys=args.json_keys, append_eod=args.append_eod,
                                  workers=args.workers, log_interval=args.log_interval,

@@ -11,19 +11,29 @@ into the `.bin` files is the one `build_doc_layout` looks for.
 * `NullTokenizer` (`--vocab-size V`): Megatron's semantics, wrapping megatron-core's own class:
   text is space-separated integer ids, EoD is V, `vocab_size` is V + 1; no pad id.
 * `HuggingFaceTokenizer` (`--tokenizer-model DIR_OR_tokenizer.json`) and `GPT2BPETokenizer`
-  (`--vocab-file --merge-file`): loaded from local files with the `tokenizers` package (or
-  `transformers` for a model directory without tokenizer.json); imported lazily, never fetched.
+  (`--vocab-file --merge-file`): a tokenizer.json is read with the `tokenizers` package, its
+  EoD is the eos token its tokenizer_config.json / special_tokens_map.json name (as
+  transformers' eos_token_id; only a bare tokenizer.json falls back to well-known names); a
+  model directory without tokenizer.json goes through megatron-core's HuggingFaceTokenizer
+  (`transformers`). Imported lazily, never fetched.
+* `SentencePieceTokenizer` / `GPTSentencePieceTokenizer` / `Llama2Tokenizer`
+  (`--tokenizer-model tok.model`) and `TikTokenizer` (`--tokenizer-model vocab.json`,
+  `--tiktoken-pattern`, `--tiktoken-num-special-tokens`, `--tiktoken-special-tokens`):
+  megatron-core's own libraries (core_tokenizers.py), EoD = their eos id.
 
 What it does not do: no sentence splitting, no downloading.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections import OrderedDict
 from typing import List, Optional, Sequence
 
 import numpy
+
+from megatron_eod.data import core_tokenizers
 
 __all__ = [
     "TOKENIZER_TYPES",
@@ -34,7 +44,9 @@ __all__ = [
     "padded_vocab_size",
 ]
 
-TOKENIZER_TYPES = ("ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+TOKENIZER_TYPES = ("ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
+                   *SENTENCEPIECE_TYPES, "TikTokenizer")
 
 
 class ByteTokenizer:
@@ -105,35 +117,29 @@ class NullTokenizer:
 
 
 class HuggingFaceTokenizer:
-    """A local HuggingFace tokenizer; EoD is its eos token (or `<|endoftext|>`)."""
+    """A local tokenizer.json (or GPT-2 vocab + merges) read with the `tokenizers` package; EoD
+    is the eos token its config names (a bare tokenizer.json: `<|endoftext|>`, `</s>`, ...)."""
 
-    def __init__(self, tokenizer_json: Optional[str] = None, *, model_dir: Optional[str] = None,
+    def __init__(self, tokenizer_json: Optional[str] = None, *,
                  vocab_file: Optional[str] = None, merge_file: Optional[str] = None):
-        self._source = tokenizer_json or model_dir or vocab_file
-        self._encode = None
-        if tokenizer_json or (vocab_file and merge_file):
-            tokenizers = _import_or_explain("tokenizers")
-            if tokenizer_json:
-                tok = tokenizers.Tokenizer.from_file(tokenizer_json)
-            else:
-                model = tokenizers.models.BPE.from_file(vocab_file, merge_file)
-                tok = tokenizers.Tokenizer(model)
-                tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-                tok.decoder = tokenizers.decoders.ByteLevel()
-            self._tok = tok
-            self._encode = lambda text: tok.encode(text, add_special_tokens=False).ids
-            self._decode = lambda ids: tok.decode(list(ids))
-            vocab = tok.get_vocab(with_added_tokens=True)
-            self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
-            eod = _first_present(vocab, ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>"))
-            pad = _first_present(vocab, ("<pad>", "<|pad|>", "[PAD]"))
+        self._source = tokenizer_json or vocab_file
+        tokenizers = _import_or_explain("tokenizers")
+        if tokenizer_json:
+            tok = tokenizers.Tokenizer.from_file(tokenizer_json)
         else:
-            transformers = _import_or_explain("transformers")
-            tok = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-            self._encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]
-            self._decode = lambda ids: tok.decode(list(ids))
-            self.vocab_size = len(tok)
-            eod, pad = tok.eos_token_id, tok.pad_token_id
+            model = tokenizers.models.BPE.from_file(vocab_file, merge_file)
+            tok = tokenizers.Tokenizer(model)
+            tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+            tok.decoder = tokenizers.decoders.ByteLevel()
+        self._tok = tok
+        self._encode = lambda text: tok.encode(text, add_special_tokens=False).ids
+        self._decode = lambda ids: tok.decode(list(ids))
+        vocab = tok.get_vocab(with_added_tokens=True)
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        named = _configured_tokens(tokenizer_json) if tokenizer_json else {}
+        eod = _token_id(vocab, named, "eos_token", self._source,
+                        ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>"))
+        pad = _token_id(vocab, named, "pad_token", self._source, ("<pad>", "<|pad|>", "[PAD]"))
         if eod is None:
             raise ValueError(
                 f"tokenizer {self._source} has no end-of-document token (eos / <|endoftext|>)"
@@ -161,6 +167,36 @@ def _first_present(vocab: dict, names: Sequence[str]) -> Optional[int]:
     return None
 
 
+def _configured_tokens(tokenizer_json: str) -> dict:
+    """The special tokens tokenizer_config.json / special_tokens_map.json beside a
+    tokenizer.json name ({"eos_token": "</s>", ...}); {} when neither file is there."""
+    folder = os.path.dirname(os.path.abspath(tokenizer_json))
+    named = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                config = json.load(f)
+            for key in ("eos_token", "pad_token"):
+                value = config.get(key)
+                if isinstance(value, dict):
+                    value = value.get("content")
+                if isinstance(value, str):
+                    named[key] = value
+    return named
+
+
+def _token_id(vocab: dict, named: dict, key: str, source: str, fallback: Sequence[str]):
+    """The id of the token the config names for `key`; without a config, the first
+    well-known name present."""
+    if key in named:
+        if named[key] not in vocab:
+            raise ValueError(f"tokenizer {source}: its config names {key} {named[key]!r}, "
+                             f"which is not in its vocabulary")
+        return vocab[named[key]]
+    return _first_present(vocab, fallback)
+
+
 def _import_or_explain(module: str):
     try:
         return __import__(module)
@@ -173,7 +209,9 @@ def _import_or_explain(module: str):
 
 def build_tokenizer(tokenizer_type: str = "ByteTokenizer", tokenizer_model: Optional[str] = None,
                     vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
-                    vocab_size: Optional[int] = None):
+                    vocab_size: Optional[int] = None, tiktoken_pattern: str = "v2",
+                    tiktoken_num_special_tokens: int = 1000,
+                    tiktoken_special_tokens: Optional[List[str]] = None):
     """Build a tokenizer from Megatron-style flag values; errors name the flag."""
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(
@@ -184,6 +222,12 @@ def build_tokenizer(tokenizer_type: str = "ByteTokenizer", tokenizer_model: Opti
         return ByteTokenizer()
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
+    if tokenizer_type in SENTENCEPIECE_TYPES:
+        return core_tokenizers.sentencepiece_tokenizer(tokenizer_model, tokenizer_type)
+    if tokenizer_type == "TikTokenizer":
+        return core_tokenizers.tiktoken_tokenizer(tokenizer_model, tiktoken_pattern, vocab_size,
+                                                  tiktoken_num_special_tokens,
+                                                  tiktoken_special_tokens)
     if tokenizer_type == "GPT2BPETokenizer":
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
             if not path or not os.path.isfile(path):
@@ -200,7 +244,7 @@ def build_tokenizer(tokenizer_type: str = "ByteTokenizer", tokenizer_model: Opti
         json_path = os.path.join(tokenizer_model, "tokenizer.json")
     if os.path.isfile(json_path):
         return HuggingFaceTokenizer(json_path)
-    return HuggingFaceTokenizer(model_dir=tokenizer_model)
+    return core_tokenizers.huggingface_tokenizer(tokenizer_model)
 
 
 def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,

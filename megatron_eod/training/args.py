@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_eod.attention.backends import has_transformer_engine
-from megatron_eod.data.tokenizers import TOKENIZER_TYPES
+from megatron_eod.data.tokenizers import SENTENCEPIECE_TYPES, TOKENIZER_TYPES
 from megatron_eod.training import args_optim as optim
 from megatron_eod.training.cp_flags import CP_ALGO_ALIASES, FlagError, check_context_parallel
 
@@ -102,7 +102,11 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="ByteTokenizer")
     _typed(g, str, ("--tokenizer-model", None), ("--vocab-file", None), ("--merge-file", None),
            ("--data-cache-path", None))
-    _typed(g, int, ("--vocab-size", None), ("--num-workers", 0))
+    _typed(g, int, ("--vocab-size", None), ("--num-workers", 0),
+           ("--tiktoken-num-special-tokens", 1000))
+    g.add_argument("--tiktoken-pattern", choices=("v1", "v2"), default=None,
+                   help="TikTokenizer's split pattern (required with it)")
+    g.add_argument("--tiktoken-special-tokens", nargs="+", default=None)
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
@@ -317,7 +321,10 @@ def _check_data(args) -> None:
              "--data-path PREFIX ... is required (or pass --mock-data)")
     needs = {"HuggingFaceTokenizer": ("tokenizer_model",),
              "GPT2BPETokenizer": ("vocab_file", "merge_file"),
-             "NullTokenizer": ("vocab_size",)}.get(args.tokenizer_type, ())
+             "NullTokenizer": ("vocab_size",),
+             "TikTokenizer": ("tokenizer_model", "tiktoken_pattern"),
+             **{name: ("tokenizer_model",) for name in SENTENCEPIECE_TYPES}}.get(
+        args.tokenizer_type, ())
     for dest in needs:
         _require(getattr(args, dest) is not None,
                  f"--tokenizer-type {args.tokenizer_type} needs {_flag(dest)}")

@@ -82,7 +82,9 @@ class MicroBatches:
 def build_tokenizer_from_args(args):
     return build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                            vocab_file=args.vocab_file, merge_file=args.merge_file,
-                           vocab_size=args.vocab_size)
+                           vocab_size=args.vocab_size, tiktoken_pattern=args.tiktoken_pattern,
+                           tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+                           tiktoken_special_tokens=args.tiktoken_special_tokens)
 
 
 def dataset_sizes(args):
