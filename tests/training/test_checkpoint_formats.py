@@ -66,3 +66,14 @@ def test_another_model_is_refused_by_flag_name(tiny_data, tmp_path):
     train(1, tiny_data, "--save", save, "--exit-interval", "2")
     with pytest.raises(AssertionError, match=r"--ffn-hidden-size 256 \(this run: 128\)"):
         train(1, tiny_data, "--load", save, "--ffn-hidden-size", "128")
+
+
+def test_pp2_checkpoint_continues_at_pp1_with_dp2(tiny_data, tmp_path):
+    """Pipeline stages merge on --load (layer offsets are global in the sharded state), and the
+    data position carries over to a new DP size."""
+    save = str(tmp_path / "ckpt")
+    first = train(2, tiny_data, "--pipeline-model-parallel-size", "2", "--save", save,
+                  "--exit-interval", "4")
+    rest = train(2, tiny_data, "--load", save)  # PP=1 x DP=2
+    full = train(2, tiny_data, "--pipeline-model-parallel-size", "2")
+    assert_same(first + rest, full)
