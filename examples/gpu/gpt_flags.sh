@@ -32,6 +32,9 @@ GPT_FLAGS=(
   --micro-batch-size "${MBS:-1}" --global-batch-size "${GBS:-64}"
   --train-iters "${TRAIN_ITERS:-1000}" --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 100
   --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 --bf16
+  --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+  --dist-ckpt-optim-fully-reshardable  # a checkpoint that also loads at another TP/PP
+  --num-workers 2
   --tensor-model-parallel-size "${TP_SIZE:-1}" --pipeline-model-parallel-size "${PP_SIZE:-1}"
   --context-parallel-size "$CP_SIZE" --context-parallel-algo "$ALGO"
   --reset-attention-mask --reset-position-ids --eod-mask-loss
