@@ -16,7 +16,7 @@ import pytest
 from tests.functional.tiny_gpt import train_rank
 from tests.harness import run_ranks
 from tests.training.megatron_lm_checkout import needs_megatron_lm
-from tests.training.test_megatron_lm_pretrain import ITERS, baseline, flags  # noqa: F401
+from tests.training.test_megatron_lm_pretrain import baseline, flags  # noqa: F401
 from tests.training.test_megatron_lm_pretrain import train as megatron_lm_train
 
 pytestmark = [needs_megatron_lm, pytest.mark.timeout(300)]
