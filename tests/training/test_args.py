@@ -151,7 +151,10 @@ def test_flash_attn_missing(monkeypatch):
 def test_tokenizer_types_accepted(name):
     extra = {"HuggingFaceTokenizer": ["--tokenizer-model", "tok.json"],
              "GPT2BPETokenizer": ["--vocab-file", "v.json", "--merge-file", "m.txt"],
-             "NullTokenizer": ["--vocab-size", 1000]}.get(name, [])
+             "NullTokenizer": ["--vocab-size", 1000],
+             "TikTokenizer": ["--tokenizer-model", "v.json", "--tiktoken-pattern", "v2"]}.get(
+        name, ["--tokenizer-model", "tok.model"] if "SentencePiece" in name or "Llama" in name
+        else [])
     assert parse("--tokenizer-type", name, *extra).tokenizer_type == name
 
 
@@ -367,6 +370,10 @@ BAD = [
     (["--tokenizer-type", "NullTokenizer"], 1, False,
      r"--tokenizer-type NullTokenizer needs --vocab-size"),
     (["--num-workers", -1], 1, False, r"--num-workers must be >= 0"),
+    (["--tokenizer-type", "TikTokenizer", "--tokenizer-model", "v.json"], 1, False,
+     r"--tokenizer-type TikTokenizer needs --tiktoken-pattern"),
+    (["--tokenizer-type", "Llama2Tokenizer"], 1, False,
+     r"--tokenizer-type Llama2Tokenizer needs --tokenizer-model"),
     # EoD, logging, checkpoints
     (["--reset-attention-mask", "--attention-mask-type", "causal"], 1, False,
      r"--attention-mask-type causal contradicts --reset-attention-mask"),
