@@ -51,7 +51,10 @@ def transformer_config(args):
         # Megatron-LM's defaults on GPUs; its gelu fusion needs the bias it fuses.
         bias_activation_fusion=gpu and (args.swiglu or args.add_bias_linear),
         bias_dropout_fusion=gpu, masked_softmax_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        # TE's linear layers add weight gradients straight into DDP's main_grad (as Megatron-LM
+        # does with TE); the local layers would need Apex's fused kernel, absent here.
+        apply_rope_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=uses_transformer_engine(args),
         cross_entropy_loss_fusion=False,
         batch_p2p_sync=gpu)  # the sync after batched p2p is torch.cuda.synchronize()
 
