@@ -7,26 +7,47 @@ plan, so a skipped send always meets a skipped receive). NCCL allows a batched p
 only some ranks of a group only after the group's first collective: `warm_up(group)` runs one
 (an all-reduce of one element) the first time a group is used, on every rank of it.
 
+Host staging (tests only): gloo moves CPU tensors only, so the multi-process CUDA tests, which
+run several processes on ONE GPU over gloo, stage every transfer through host memory
+(`host_staging()`, or MEGATRON_EOD_HOST_STAGING=1 in a launched process). Production runs
+use NCCL, which moves device memory directly; nothing stages there.
+
 What it does not do: no attention math, no global process-group state.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Exchange", "exchange", "all_to_all_equal", "warm_up"]
+__all__ = ["Exchange", "exchange", "all_to_all_equal", "warm_up", "host_staging"]
 
 _WARM = []  # groups that have run a collective (kept alive, compared by identity)
+_STAGING = [os.environ.get("MEGATRON_EOD_HOST_STAGING") == "1"]
+
+
+@contextlib.contextmanager
+def host_staging(enabled: bool = True):
+    """Tests only: stage transfers through host memory (see the module docstring)."""
+    before = _STAGING[0]
+    _STAGING[0] = enabled
+    try:
+        yield
+    finally:
+        _STAGING[0] = before
 
 
 class Exchange:
     """A started send-to-one-peer / receive-from-another; `wait()` returns the received tensor."""
 
-    def __init__(self, works: List, received: Optional[torch.Tensor], what: str = "", group=None):
+    def __init__(self, works: List, received: Optional[torch.Tensor], what: str = "", group=None,
+                 device=None):
         self._works, self._received, self._what, self._group = works, received, what, group
+        self._device = device  # host staging: where the received tensor goes after the wait
 
     def wait(self) -> Optional[torch.Tensor]:
         try:
@@ -36,6 +57,8 @@ class Exchange:
             raise RuntimeError(f"{error} [{self._what} in CP group of global ranks "
                                f"{_ranks(self._group)}]") from error
         self._works = []
+        if self._device is not None and self._received is not None:
+            self._received, self._device = self._received.to(self._device), None
         return self._received
 
 
@@ -52,17 +75,20 @@ def exchange(send: Optional[torch.Tensor], send_to: int, recv_shape, recv_from: 
     `recv_from` (either side may be empty: then it is skipped)."""
     ops = []
     received = None
+    staged_for = device if _STAGING[0] else None
     if send is not None and send.numel():
+        send = send.to("cpu") if staged_for is not None else send
         ops.append(dist.P2POp(dist.isend, send.contiguous(),
                               dist.get_global_rank(group, send_to), group, tag))
     if recv_shape is not None and recv_shape[0] > 0:
-        received = torch.empty(recv_shape, dtype=dtype, device=device)
+        received = torch.empty(recv_shape, dtype=dtype,
+                               device="cpu" if staged_for is not None else device)
         ops.append(dist.P2POp(dist.irecv, received, dist.get_global_rank(group, recv_from),
                               group, tag))
     works = dist.batch_isend_irecv(ops) if ops else []
     what = (f"p2p tag {tag}: send to group rank {send_to}, receive from group rank "
             f"{recv_from}")
-    return Exchange(works, received, what, group)
+    return Exchange(works, received, what, group, staged_for)
 
 
 def warm_up(group, device) -> None:
@@ -71,17 +97,18 @@ def warm_up(group, device) -> None:
     involve only the ranks with something to move."""
     if group is None or any(g is group for g in _WARM):
         return
-    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    dist.all_reduce(torch.zeros(1, device="cpu" if _STAGING[0] else device), group=group)
     _WARM.append(group)
 
 
 def all_to_all_equal(x: torch.Tensor, group) -> torch.Tensor:
     """x: [world, ...] with chunk j going to group rank j -> [world, ...] with chunk j from j."""
-    x = x.contiguous()
+    device = x.device
+    x = x.to("cpu").contiguous() if _STAGING[0] else x.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, unlike empty_like
     try:
         dist.all_to_all_single(out, x, group=group)
     except RuntimeError as error:
         raise RuntimeError(f"{error} [Ulysses all-to-all in group of global ranks "
                            f"{_ranks(group)}]") from error
-    return out
+    return out.to(device)

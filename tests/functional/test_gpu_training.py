@@ -42,15 +42,17 @@ def free_port():
         return s.getsockname()[1]
 
 
-def train_on_gpus(nproc, data, tmp_path, *extra):
-    """Run pretrain_gpt.py under torchrun on `nproc` GPUs; the per-iteration lm losses."""
+def train_on_gpus(nproc, data, tmp_path, *extra, env=None):
+    """Run pretrain_gpt.py under torchrun on `nproc` GPUs (processes sharing GPUs when there
+    are fewer); the per-iteration lm losses."""
     metrics = tmp_path / f"metrics_{nproc}_{'_'.join(extra) or 'cp1'}.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            os.path.join(REPO, "pretrain_gpt.py"), "--trainer", "lean",
            *tiny_flags(data, "--bf16", "--use-cpu-initialization", "--metrics-file",
                        str(metrics), *extra)]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, **(env or {})))
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     losses = [r["lm_loss"] for r in records if r.get("kind", "train") == "train"]
@@ -90,4 +92,20 @@ def test_bf16_cp_losses_match_cp1(gpu_cp1, tiny_data, tmp_path, cp, algo):
         pytest.skip(f"needs {cp} GPUs, found {gpus()}")
     losses = train_on_gpus(cp, tiny_data, tmp_path, "--context-parallel-size", str(cp),
                            "--context-parallel-algo", *algo)
+    assert_close(losses, gpu_cp1, CP_TOL)
+
+
+SHARED_RUNS = [(2, ["ring"]), (4, ["hybrid", "--ulysses-degree-in-cp", "2"]), (2, ["ulysses"])]
+
+
+@pytest.mark.parametrize("cp,algo", SHARED_RUNS,
+                         ids=[f"{a[0]}{cp}" for cp, a in SHARED_RUNS])
+def test_bf16_cp_processes_sharing_one_gpu_match_cp1(gpu_cp1, tiny_data, tmp_path, cp, algo):
+    """Issue 11 item 4: CP ranks as processes on ONE GPU (every LOCAL_RANK maps to device 0),
+    gloo for the collectives, the attention's transfers staged through host memory
+    (MEGATRON_EOD_HOST_STAGING=1, a test-only transport): the same CUDA code as multi-GPU
+    runs, minus NCCL."""
+    losses = train_on_gpus(cp, tiny_data, tmp_path, "--context-parallel-size", str(cp),
+                           "--context-parallel-algo", *algo, "--distributed-backend", "gloo",
+                           env={"MEGATRON_EOD_HOST_STAGING": "1"})
     assert_close(losses, gpu_cp1, CP_TOL)
