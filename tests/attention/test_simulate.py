@@ -76,6 +76,7 @@ def test_ring_steps_make_no_host_syncs_on_gpu(algo, cp, degree):
                         dtype=torch.bfloat16)
     plan = plan_context_parallel(cu, cp, algo, degree)
     simulated = SimulatedPlan(plan, *tensors, TorchVarlenBackend(), 0.125)
+    simulated.run_group(0)  # compiles the fused merge (compiling may sync; running must not)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

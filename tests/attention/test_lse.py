@@ -1,0 +1,56 @@
+"""The log-sum-exp merge: the fused (torch.compile) path gives the eager result, keeps rows
+without keys at out 0 / lse -inf, and falls back to eager with a warning when compiling
+fails. (On CUDA the fused path is the default; here it is forced on the CPU.)"""
+
+import pytest
+import torch
+
+from megatron_eod.attention import lse as lse_module
+from megatron_eod.attention.lse import merge_into
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _accumulators(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.randn(12, 3, 8, generator=gen, dtype=dtype)
+    lse = torch.randn(12, 3, generator=gen, dtype=dtype)
+    out[:2], lse[:2] = 0.0, float("-inf")  # rows 0, 1: no key seen yet
+    rows = torch.tensor([0, 1, 3, 7, 11])
+    part = torch.randn(5, 3, 8, generator=gen, dtype=dtype)
+    part_lse = torch.randn(5, 3, generator=gen, dtype=dtype)
+    part_lse[0] = float("-inf")  # row 0 gets no key from this part either
+    part[0] = 0.0
+    return out, lse, rows, part, part_lse
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+def test_fused_merge_equals_eager(dtype, tol):
+    eager = _accumulators(dtype)
+    fused = tuple(t.clone() for t in eager)
+    merge_into(*eager, fused=False)
+    for size in (5, 3):  # a second row count: dynamic shapes, no recompilation error
+        merge_into(*fused[:2], fused[2][:size], fused[3][:size], fused[4][:size], fused=True)
+        if size == 5:
+            assert (fused[0] - eager[0]).abs().max() < tol
+            assert torch.equal(torch.isinf(fused[1]), torch.isinf(eager[1]))
+            finite = torch.isfinite(eager[1])
+            assert (fused[1][finite] - eager[1][finite]).abs().max() < tol
+    assert torch.equal(eager[0][0], torch.zeros_like(eager[0][0]))
+    assert torch.isinf(eager[1][0]).all() and torch.isfinite(eager[1][1]).all()
+    assert not torch.isnan(fused[0]).any()
+
+
+def test_compile_failure_falls_back_to_eager(monkeypatch):
+    def broken(fn, dynamic):
+        def fail(*args):
+            raise RuntimeError("no triton")
+        return fail
+
+    monkeypatch.setattr(lse_module, "_FUSED", {"fn": None, "failed": False})
+    monkeypatch.setattr(torch, "compile", broken)
+    got, want = _accumulators(torch.float64), _accumulators(torch.float64)
+    with pytest.warns(UserWarning, match="fused log-sum-exp merge unavailable"):
+        merge_into(*got, fused=True)
+    merge_into(*want, fused=False)
+    assert torch.equal(got[0], want[0]) and lse_module._FUSED["failed"]
