@@ -118,7 +118,14 @@ def _check_optimizer_state(args, sharding, same_tp_pp, folder):
 
 def _finish(args, loaded, load_optim, load_rng, optimizer, scheduler):
     if load_optim:
+        flag_lrs = [(g.get("max_lr"), g.get("min_lr")) for g in optimizer.param_groups]
         optimizer.load_state_dict(loaded["optimizer"])
+        if args.override_opt_param_scheduler:
+            # The loaded param groups carry the checkpoint's per-group max/min LR, which the
+            # scheduler reads before its own: the flags' values must win here too (megatron-
+            # core 0.16.1 alone would keep the checkpoint's, unlike the flag's documentation).
+            for group, (max_lr, min_lr) in zip(optimizer.param_groups, flag_lrs):
+                group["max_lr"], group["min_lr"] = max_lr, min_lr
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     elif args.bf16 or args.fp16:
         optimizer.reload_model_params()  # float32 main weights follow the loaded ones

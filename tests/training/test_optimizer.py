@@ -80,3 +80,55 @@ def test_inverse_square_root_decay(tiny_data, tmp_path):
     for i, lr in enumerate(lrs[3:], start=3):
         assert lr == pytest.approx(2e-3 * math.sqrt(warmup / (4 * i)))
     assert len(lrs) == ITERS
+
+
+def test_scaler_and_optimizer_flags_reach_megatron_core():
+    """fp16 needs a GPU to run; its grad-scaler flags must still land in the OptimizerConfig
+    megatron-core builds the scaler from (Megatron-LM's field mapping)."""
+    from megatron_eod.training.args import parse_args
+    from megatron_eod.training.optimizer import optimizer_config
+
+    args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                       "--seq-length", "128", "--train-iters", "10", "--lr", "1e-3",
+                       "--mock-data", "--fp16", "--initial-loss-scale", "65536",
+                       "--min-loss-scale", "2", "--loss-scale-window", "50", "--hysteresis",
+                       "4", "--use-distributed-optimizer", "--overlap-param-gather",
+                       "--adam-beta2", "0.95", "--clip-grad", "0.5"],
+                      world_size=1, cuda_available=True)
+    config = optimizer_config(args)
+    assert (config.fp16, config.initial_loss_scale, config.min_loss_scale) == (True, 65536, 2)
+    assert (config.loss_scale_window, config.hysteresis, config.loss_scale) == (50, 4, None)
+    assert config.use_distributed_optimizer and config.overlap_param_gather
+    assert (config.adam_beta2, config.clip_grad, config.optimizer) == (0.95, 0.5, "adam")
+    sgd = optimizer_config(parse_args(["--num-layers", "2", "--hidden-size", "64",
+                                       "--num-attention-heads", "4", "--seq-length", "128",
+                                       "--train-iters", "10", "--lr", "1e-3", "--mock-data",
+                                       "--optimizer", "sgd", "--sgd-momentum", "0.5"],
+                                      world_size=1, cuda_available=False))
+    assert (type(sgd).__name__, sgd.sgd_momentum) == ("SGDOptimizerConfig", 0.5)
+
+
+def test_resuming_with_another_lr_needs_a_scheduler_choice(tiny_data, tmp_path):
+    """Megatron's rule: the checkpoint's schedule and the flags must agree, unless
+    --override-opt_param-scheduler (the flags win) or --use-checkpoint-opt_param-scheduler
+    (the checkpoint wins)."""
+    save = str(tmp_path / "ckpt")
+    train(1, tiny_data, "--save", save, "--exit-interval", "4")
+    with pytest.raises(AssertionError, match="learning rate do not match"):
+        train(1, tiny_data, "--load", save, "--lr", "1e-3", drop=("--lr",))
+    _, flags_win = run(tmp_path, "override", 1, tiny_data, "--load", save, "--lr", "1e-3",
+                       "--override-opt_param-scheduler", drop=("--lr",))
+    _, ckpt_wins = run(tmp_path, "checkpoint", 1, tiny_data, "--load", save, "--lr", "1e-3",
+                       "--use-checkpoint-opt_param-scheduler", drop=("--lr",))
+    assert flags_win[0]["iteration"] == ckpt_wins[0]["iteration"] == 5
+    assert flags_win[0]["lr"] < 1e-3 < ckpt_wins[0]["lr"] <= 2e-3
+
+
+def test_no_save_optim_resumes_with_a_fresh_optimizer(tiny_data, tmp_path):
+    save, full = str(tmp_path / "ckpt"), None
+    first = train(1, tiny_data, "--save", save, "--exit-interval", "4", "--no-save-optim")
+    rest = train(1, tiny_data, "--load", save)
+    full = train(1, tiny_data)
+    assert first == full[:4] and len(rest) == 6
+    assert rest[0] == pytest.approx(full[4], rel=1e-6)  # same weights and data ...
+    assert rest[1] != pytest.approx(full[5], rel=1e-4)  # ... then Adam restarts from zero
