@@ -1,12 +1,13 @@
 """Run megatron-core 0.16 (and Megatron-LM's own trainer) on CPUs with gloo: one table of
-patches, applied by `apply()` only on a machine without CUDA.
+patches, applied by `apply()` only on a machine without CUDA, plus the "torch-adamw" fixes
+that megatron-core's distributed optimizer needs on any device where it uses torch's AdamW.
 
 One job: let the unmodified megatron-core GPT stack (parallel_state, tensor-parallel layers,
 RNG tracker, GPTModel, RoPE, DDP, optimizers, dist_checkpointing) and, with
 `apply(megatron_lm=True)`, Megatron-LM's `pretrain()` run without a GPU, for tests and the
 CPU quickstart. On GPUs both run as shipped. The stand-ins live in cpu_stand_ins.py.
 
-Scope "core" (every CPU run):
+Scope "core" (every CPU run, both trainers):
 
 | target                                           | why it breaks on CPU                      |
 |--------------------------------------------------|-------------------------------------------|
@@ -20,29 +21,37 @@ Scope "core" (every CPU run):
 | its by-name import in `fusions.fused_softmax`)   |                                           |
 | `rope_utils.get_pos_emb_on_this_cp_rank` (and    | pin_memory() + .cuda() on the CP index    |
 | its by-name import in `rotary_pos_embedding`)    |                                           |
-| module `torch` of `pipeline_parallel.schedules`  | `torch.zeros(..., device="cuda")`         |
+| module `torch` of core's schedules, timers,      | `device="cuda"` tensors (random ones from |
+| utils, optimizer, clip_grads, DDP and its        | their own generator, as a GPU draws from  |
+| buffers, rerun state machine, dist_checkpointing | its own), synchronize, streams, memory    |
+| strategies                                       | reports, CUDA RNG state                   |
+| `torch.nn.Parameter.type`                        | optimizers group params by CUDA type name |
+| `clip_grad_by_total_norm_fp32` (clip_grads and   | asserts torch.cuda.FloatTensor gradients  |
+| its by-name import in optimizer.optimizer)       |                                           |
+| `filesystem_async._get_write_results_queue`      | spawns a Manager process per rank (~270 MB|
+|                                                  | each, outlives forked ranks); a sync save |
+|                                                  | needs an in-process queue only            |
+
+Scope "torch-adamw" (with "core" on CPU; `apply_torch_adamw_fixes()` on ANY device where
+megatron-core falls back to torch's AdamW, i.e. neither TransformerEngine nor Apex):
+
+| target                                           | why it breaks                             |
+|--------------------------------------------------|-------------------------------------------|
+| `DistributedOptimizer.sharded_state_dict`        | loading a torch_dist checkpoint asserts   |
+|                                                  | on the empty state of an unstepped AdamW  |
+| `..._set_main_param_and_optimizer_states`        | copies into leaf views with grad on, and  |
+|                                                  | copies "step" from sources that have none |
+| `DistributedOptimizer.load_state_dict`           | all params end up sharing ONE "step"      |
+|                                                  | tensor (AdamW then counts it N times)     |
 
 Scope "megatron-lm" (`apply(megatron_lm=True)`: Megatron-LM's trainer on CPU):
 
 | target                                           | why it breaks on CPU                      |
 |--------------------------------------------------|-------------------------------------------|
 | `sys.modules[...batch_invariant_kernels]`        | imports Triton (absent from CPU torch)    |
-| module `torch` of Megatron-LM's initialize,      | `device="cuda"` tensors (random ones from |
-| training, utils, checkpointing and of core's     | their own generator, as on a GPU: the JIT |
-| timers, utils, optimizer, clip_grads, DDP, rerun | warm-up must not move the CPU one),       |
-| state machine, dist_checkpointing strategies     | synchronize, streams, memory reports, CUDA|
-|                                                  | RNG state, device properties; initialize  |
-|                                                  | asserts CUDA, seeds if device_count() > 0 |
+| module `torch` of Megatron-LM's initialize,      | as in "core"; initialize also asserts     |
+| training, utils, checkpointing                   | CUDA and seeds only if device_count() > 0 |
 | `megatron.legacy.fused_kernels.load`             | probes nvcc (no fused kernels are used)   |
-| `torch.nn.Parameter.type`                        | optimizers group params by CUDA type name |
-| `clip_grad_by_total_norm_fp32` (clip_grads and   | asserts torch.cuda.FloatTensor gradients  |
-| its by-name import in optimizer.optimizer)       |                                           |
-| `DistributedOptimizer.sharded_state_dict`        | with torch's AdamW (no TE/Apex) and fp32  |
-| `..._set_main_param_and_optimizer_states`        | params, i.e. every CPU run, loading a     |
-| `DistributedOptimizer.load_state_dict`           | torch_dist checkpoint fails on empty state|
-|                                                  | and on in-place copies into leaf views,   |
-|                                                  | and all params end up sharing ONE "step"  |
-|                                                  | tensor (AdamW then counts it N times)     |
 
 What it does not do: nothing at import time, no walking of loaded modules, no patches for
 features the CPU path does not use (TransformerEngine, fused kernels, CUDA graphs, fp16/bf16).
@@ -60,7 +69,8 @@ import torch
 
 from megatron_eod.megatron import cpu_stand_ins as stand_ins
 
-__all__ = ["apply", "remove", "is_applied", "PATCHES"]
+__all__ = ["apply", "apply_torch_adamw_fixes", "uses_torch_adamw", "remove", "is_applied",
+           "PATCHES"]
 
 _MISSING = object()
 
@@ -193,9 +203,10 @@ PATCHES: List[Tuple[str, str, Callable[[], object], str]] = [
      lambda: stand_ins.clip_grad_by_total_norm_fp32, "core"),
     ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32",
      lambda: stand_ins.clip_grad_by_total_norm_fp32, "core"),
-    (_DIST_OPT, "sharded_state_dict", _sharded_state_dict_with_state, "core"),
-    (_DIST_OPT, "_set_main_param_and_optimizer_states", _set_states_without_step, "core"),
-    (_DIST_OPT, "load_state_dict", _load_state_dict_with_own_steps, "core"),
+    (_DIST_OPT, "sharded_state_dict", _sharded_state_dict_with_state, "torch-adamw"),
+    (_DIST_OPT, "_set_main_param_and_optimizer_states", _set_states_without_step,
+     "torch-adamw"),
+    (_DIST_OPT, "load_state_dict", _load_state_dict_with_own_steps, "torch-adamw"),
     ("megatron.core.dist_checkpointing.strategies.filesystem_async",
      "_get_write_results_queue", _in_process_results_queue, "core"),
     ("sys:modules", _BATCH_INVARIANT, _batch_invariant_kernels, "megatron-lm"),
@@ -241,13 +252,39 @@ def is_applied() -> bool:
     return bool(_scopes)
 
 
+def uses_torch_adamw() -> bool:
+    """Whether megatron-core's optimizers fall back to torch's Adam/AdamW (neither
+    TransformerEngine's nor Apex's fused Adam imports): the "torch-adamw" rows are needed."""
+    return bool(importlib.import_module("megatron.core.optimizer").USING_PYTORCH_OPTIMIZER)
+
+
+def apply_torch_adamw_fixes() -> bool:
+    """On ANY device: the "torch-adamw" rows (megatron-core 0.16.1's distributed optimizer with
+    torch's AdamW cannot resume a torch_dist checkpoint without them), when that fallback is
+    in use. Idempotent; True when they are in effect."""
+    if not uses_torch_adamw():
+        return False
+    _apply_scopes(["torch-adamw"])
+    return True
+
+
 def apply(force: bool = False, megatron_lm: bool = False) -> bool:
-    """Apply the "core" patches once (idempotent), and the "megatron-lm" ones too when asked
-    (they import Megatron-LM's `megatron.training`). Returns True when the patches are in
-    effect. Without `force`, does nothing on a machine where CUDA is available."""
+    """Apply the "core" patches once (idempotent), the "torch-adamw" ones where megatron-core
+    uses torch's AdamW, and the "megatron-lm" ones too when asked (they import Megatron-LM's
+    `megatron.training`). Returns True when the patches are in effect. Without `force`, does
+    nothing on a machine where CUDA is available (call apply_torch_adamw_fixes there)."""
     if torch.cuda.is_available() and not force:
         return False
-    wanted = ["core"] + (["megatron-lm"] if megatron_lm else [])
+    _apply_scopes(["core"] + (["torch-adamw"] if uses_torch_adamw() else [])
+                  + (["megatron-lm"] if megatron_lm else []))
+    from megatron.core.tensor_parallel import random as mc_random
+
+    # A tracker built before apply() is a CUDA one; the next seeding must build ours.
+    mc_random.initialize_rng_tracker(force_reset=True)
+    return True
+
+
+def _apply_scopes(wanted) -> None:
     for scope in wanted:
         if scope in _scopes:
             continue
@@ -261,11 +298,6 @@ def apply(force: bool = False, megatron_lm: bool = False) -> bool:
             if name != "sys:modules":
                 _set(name, attr, make())
         _scopes.append(scope)
-    from megatron.core.tensor_parallel import random as mc_random
-
-    # A tracker built before apply() is a CUDA one; the next seeding must build ours.
-    mc_random.initialize_rng_tracker(force_reset=True)
-    return True
 
 
 def remove() -> None:

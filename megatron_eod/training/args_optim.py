@@ -95,6 +95,9 @@ def check_optimizer(args) -> None:
              or args.start_weight_decay == args.end_weight_decay,
              f"--start-weight-decay {args.start_weight_decay} and --end-weight-decay "
              f"{args.end_weight_decay} differ: pass --weight-decay-incr-style linear or cosine")
+    _require(args.end_weight_decay >= args.start_weight_decay,
+             f"--end-weight-decay {args.end_weight_decay} must be >= --start-weight-decay "
+             f"{args.start_weight_decay} (megatron-core's schedule only increases it)")
     for dest in ("adam_beta1", "adam_beta2"):
         _require(0.0 <= getattr(args, dest) < 1.0,
                  f"--{dest.replace('_', '-')} must be in [0, 1), got {getattr(args, dest)}")
@@ -144,8 +147,9 @@ def check_schedule(args) -> None:
                                             f"{args.lr}]")
     _require(0.0 <= args.lr_warmup_init <= args.lr,
              f"--lr-warmup-init {args.lr_warmup_init} must be in [0, --lr {args.lr}]")
-    _require(args.lr_warmup_fraction is None or 0.0 <= args.lr_warmup_fraction <= 1.0,
-             f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
+    _require(args.lr_warmup_fraction is None or 0.0 <= args.lr_warmup_fraction < 1.0,
+             f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction} (the "
+             f"warmup must end before the decay does)")
     unit, other = ("iters", "samples") if args.train_iters is not None else ("samples", "iters")
     for name in ("lr_decay", "lr_wsd_decay"):
         _require(getattr(args, f"{name}_{other}") is None,
@@ -170,8 +174,9 @@ def check_schedule(args) -> None:
         args.lr_decay_iters = args.train_iters
     decay = getattr(args, f"lr_decay_{unit}")
     warmup = getattr(args, f"lr_warmup_{unit}")
-    _require(0 <= warmup <= decay, f"--lr-warmup-{unit} {warmup} must be in [0, "
-                                   f"--lr-decay-{unit} {decay}]")
+    _require(0 <= warmup < decay, f"--lr-warmup-{unit} {warmup} must be in [0, "
+                                  f"--lr-decay-{unit} {decay}) (the warmup must end before "
+                                  f"the decay does)")
     wsd = getattr(args, f"lr_wsd_decay_{unit}")
     _require(args.lr_decay_style != "WSD" or wsd is not None,
              f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} (the length of its annealing "
@@ -203,9 +208,9 @@ def check_batch_sizes(args) -> None:
     if args.rampup_batch_size is None:
         return
     start, increment, samples = args.rampup_batch_size
-    _require(start > 0 and increment > 0 and samples >= 0,
-             f"--rampup-batch-size {start} {increment} {samples}: start and increment must be "
-             f"positive, samples >= 0")
+    _require(start > 0 and increment > 0 and samples > 0,
+             f"--rampup-batch-size {start} {increment} {samples}: start, increment and "
+             f"samples must be positive")
     _require(start < gbs and (gbs - start) % increment == 0,
              f"--rampup-batch-size start {start} must be below --global-batch-size {gbs} and "
              f"reach it in steps of {increment}")

@@ -147,6 +147,14 @@ def _load_torch(args, root, folder, finetune, model, optimizer, scheduler):
                          f"here (start a new run, or load it with the release that wrote it)")
     saved = state.get("args") or argparse.Namespace()
     _check_model_args(saved, args, path)
+    sizes = {flag: (getattr(saved, dest, None), getattr(args, dest)) for flag, dest in (
+        ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
+        ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"))}
+    for flag, (theirs, ours) in sizes.items():
+        if theirs is not None and theirs != ours:
+            raise ValueError(f"--load {root}: a --ckpt-format torch checkpoint saved at {flag} "
+                             f"{theirs} loads only at that size (this run: {ours}); save with "
+                             f"--ckpt-format torch_dist to reshard")
     load_optim = not finetune and not args.no_load_optim and "optimizer" in state
     if load_optim and args.use_distributed_optimizer:
         raise ValueError(f"--load {root}: a --ckpt-format torch checkpoint has no distributed "

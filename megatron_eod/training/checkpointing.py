@@ -155,17 +155,16 @@ def _read_tracker(root):
         raise ValueError(f"--load {root}: {path} holds {text!r}, not an iteration") from None
 
 
-def _clear_partial(root, iteration) -> bool:
-    """Rank 0, before a save: remove what a killed save of `iteration` (or of our old
-    legacy layout) left. False when `iteration` is already the complete latest checkpoint
-    (a resumed run that made no step): nothing to write."""
+def _clear_partial(root, iteration) -> None:
+    """Rank 0, before a save: remove what a killed save of `iteration` left (or another
+    run's checkpoint of that iteration in --save, which this save replaces)."""
     if _read_tracker(root) == iteration:
-        return False
+        print(f" --save {root}: replacing the checkpoint of iteration {iteration} there",
+              flush=True)
     shutil.rmtree(_iter_dir(root, iteration), ignore_errors=True)
     tmp = os.path.join(root, TRACKER + ".tmp")
     if os.path.exists(tmp):
         os.remove(tmp)
-    return True
 
 
 def _prune(root, keep: int, newest: int) -> None:
@@ -178,16 +177,14 @@ def _prune(root, keep: int, newest: int) -> None:
 
 
 def save_checkpoint(args, iteration, model, optimizer, scheduler, counters):
-    """Collective: every rank calls it."""
+    """Collective: every rank calls it. (The trainer does not call it for the iteration it
+    just loaded from this very directory: that checkpoint is already there.)"""
     dcp = import_megatron("megatron.core.dist_checkpointing")
     ps, root = _ps(), args.save
-    write = torch.tensor([1], device="cuda" if torch.cuda.is_available() else "cpu")
     if dist.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
-        write.fill_(int(_clear_partial(root, iteration)))
-    dist.broadcast(write, 0)
-    if not write.item():
-        return
+        _clear_partial(root, iteration)
+    dist.barrier()  # nobody writes before rank 0 cleared the folder
     metadata = _content_metadata(args)
     state = _state(args, iteration, model, optimizer, scheduler, counters,
                    {**metadata, "dp_cp_group": ps.get_data_parallel_group(

@@ -37,6 +37,7 @@ def initialize(args):
     global _OWNS_PROCESS_GROUP
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        cpu_compat.apply_torch_adamw_fixes()  # only where megatron-core uses torch's AdamW
     else:
         cpu_compat.apply()
     if launched_by_torchrun():

@@ -14,7 +14,8 @@ providers, on any Megatron-LM from core_v0.16 to 0.19:
   the loss is the iteration's own, not its log-interval average) and per evaluation;
 * megatron-core wheels ship the dataset helpers prebuilt and no Makefile: Megatron-LM's
   start-up `make` is skipped when the built module imports;
-* without CUDA: `cpu_compat.apply(megatron_lm=True)` and CUDA_DEVICE_MAX_CONNECTIONS=1
+* without CUDA: `cpu_compat.apply(megatron_lm=True)` and CUDA_DEVICE_MAX_CONNECTIONS=1; with
+  CUDA, `cpu_compat.apply_torch_adamw_fixes()` where megatron-core uses torch's AdamW
   (Megatron-LM asserts it for TP/CP; meaningless on a CPU).
 
 What it does not do: no flag parsing of its own (Megatron-LM's parser with add_eod_args).
@@ -62,6 +63,8 @@ def run(argv=None):
     if not torch.cuda.is_available():
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         cpu_compat.apply(megatron_lm=True)
+    else:
+        cpu_compat.apply_torch_adamw_fixes()  # only where megatron-core uses torch's AdamW
     training = importlib.import_module("megatron.training.training")
     _use_prebuilt_dataset_helpers()
     _check_after_validate()

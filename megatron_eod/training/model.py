@@ -14,6 +14,8 @@ fusions are on with CUDA (as Megatron-LM's defaults) and off on CPU (see cpu_com
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from megatron_eod.attention.backends import has_transformer_engine
@@ -51,12 +53,17 @@ def transformer_config(args):
         # Megatron-LM's defaults on GPUs; its gelu fusion needs the bias it fuses.
         bias_activation_fusion=gpu and (args.swiglu or args.add_bias_linear),
         bias_dropout_fusion=gpu, masked_softmax_fusion=False,
-        # TE's linear layers add weight gradients straight into DDP's main_grad (as Megatron-LM
-        # does with TE); the local layers would need Apex's fused kernel, absent here.
+        # Weight gradients straight into DDP's main_grad, as Megatron-LM's default, where it
+        # can run: the output layer is always megatron-core's own ColumnParallelLinear, which
+        # needs Apex's fused_weight_gradient_mlp_cuda for it (TE layers alone are not enough).
         apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=uses_transformer_engine(args),
+        gradient_accumulation_fusion=gpu and _has_module("fused_weight_gradient_mlp_cuda"),
         cross_entropy_loss_fusion=False,
         batch_p2p_sync=gpu)  # the sync after batched p2p is torch.cuda.synchronize()
+
+
+def _has_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
 
 
 def build_model(args, registry, vocab_size: int):

@@ -113,6 +113,10 @@ class _Trainer:
         if a.load or a.pretrained_checkpoint:
             self.iteration, counters = load_checkpoint(a, self.model, self.optimizer,
                                                        self.scheduler)
+        # A checkpoint this run would write again unchanged: the one it resumed from, when
+        # --load and --save are one directory and no step was made since.
+        self.resumed_here = (self.iteration if self.iteration and a.load and a.save and
+                             os.path.realpath(a.load) == os.path.realpath(a.save) else None)
         self.counters = {"consumed_train_samples": 0, "consumed_valid_samples": 0,
                          "skipped": 0, "nan": 0, **counters}
         # Collective (megatron-core's builder has barriers); None where no data is read.
@@ -240,6 +244,8 @@ class _Trainer:
         self.hooks_on = enable
 
     def _save(self):
+        if self.iteration == self.resumed_here:
+            return
         if self.gathers_params:  # the saved weights must be this step's
             self.model.start_param_sync(force_sync=True)
         save_checkpoint(self.args, self.iteration, self.model, self.optimizer, self.scheduler,

@@ -148,3 +148,22 @@ def test_megatron_lm_scope_is_applied_only_when_asked_and_fully_removed():
         cpu_compat.remove()
     assert torch.Tensor.cuda is cuda and torch.nn.Parameter.type is param_type
     assert training.torch is torch and not cpu_compat.is_applied()
+
+
+def test_torch_adamw_fixes_apply_on_any_device_only_with_torch_adamw(monkeypatch):
+    """The distributed optimizer's resume fixes are not about the CPU: a GPU run without
+    TransformerEngine/Apex uses torch's AdamW too. apply_torch_adamw_fixes() adds just those
+    rows (CUDA or not), and nothing when megatron-core has a fused Adam."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    original = vars(distrib_optimizer.DistributedOptimizer)["load_state_dict"]
+    monkeypatch.setattr("megatron.core.optimizer.USING_PYTORCH_OPTIMIZER", False)
+    assert not cpu_compat.apply_torch_adamw_fixes() and not cpu_compat.is_applied()
+    monkeypatch.setattr("megatron.core.optimizer.USING_PYTORCH_OPTIMIZER", True)
+    try:
+        assert cpu_compat.apply_torch_adamw_fixes()
+        assert vars(distrib_optimizer.DistributedOptimizer)["load_state_dict"] is not original
+        assert cpu_compat._scopes == ["torch-adamw"]  # no "core" rows
+    finally:
+        cpu_compat.remove()
+    assert vars(distrib_optimizer.DistributedOptimizer)["load_state_dict"] is original

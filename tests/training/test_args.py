@@ -298,9 +298,14 @@ BAD = [
     (["--min-lr", 2e-3], 1, False, r"--min-lr 0.002 must be in \[0, --lr 0.001\]"),
     (["--min-lr", -1e-4], 1, False, r"--min-lr -0.0001 must be in \[0, --lr 0.001\]"),
     (["--lr-warmup-iters", 20], 1, False,
-     r"--lr-warmup-iters 20 must be in \[0, --lr-decay-iters 10\]"),
+     r"--lr-warmup-iters 20 must be in \[0, --lr-decay-iters 10\)"),
+    (["--lr-warmup-iters", 10], 1, False,
+     r"--lr-warmup-iters 10 must be in \[0, --lr-decay-iters 10\) \(the warmup must end"),
+    (["--lr-warmup-fraction", 1.0], 1, False, r"--lr-warmup-fraction must be in \[0, 1\)"),
+    (["--start-weight-decay", 0.1, "--end-weight-decay", 0.01, "--weight-decay-incr-style",
+      "linear"], 1, False, r"--end-weight-decay 0.01 must be >= --start-weight-decay 0.1"),
     (["--lr-warmup-iters", 5, "--lr-decay-iters", 4], 1, False,
-     r"--lr-warmup-iters 5 must be in \[0, --lr-decay-iters 4\]"),
+     r"--lr-warmup-iters 5 must be in \[0, --lr-decay-iters 4\)"),
     (["--lr-warmup-iters", -1], 1, False, r"--lr-warmup-iters -1 must be in"),
     (["--weight-decay", -0.1], 1, False, r"--weight-decay must be >= 0"),
     (["--clip-grad", -1], 1, False, r"--clip-grad must be >= 0"),
@@ -430,7 +435,9 @@ def test_sample_based_runs_derive_their_iterations():
      r"--rampup-batch-size start 2 and increment 2 must be multiples of --micro-batch-size 1 x "
      r"data-parallel size 4"),
     (["--train-samples", 40, "--rampup-batch-size", 0, 1, 10], 1,
-     r"start and increment must be positive"),
+     r"start, increment and samples must be positive"),
+    (["--train-samples", 40, "--global-batch-size", 4, "--rampup-batch-size", 2, 2, 0], 1,
+     r"start, increment and samples must be positive"),
 ])
 def test_sample_based_errors(extra, world_size, match):
     with pytest.raises(FlagError, match=match):

@@ -77,3 +77,28 @@ def test_pp2_checkpoint_continues_at_pp1_with_dp2(tiny_data, tmp_path):
     rest = train(2, tiny_data, "--load", save)  # PP=1 x DP=2
     full = train(2, tiny_data, "--pipeline-model-parallel-size", "2")
     assert_same(first + rest, full)
+
+
+def test_another_run_into_the_same_save_dir_replaces_the_checkpoint(tiny_data, tmp_path):
+    """Only the checkpoint a run resumed from (--load == --save, no step since) is not written
+    again; a fresh run reaching the same iteration in that directory replaces it."""
+    save = str(tmp_path / "ckpt")
+    train(1, tiny_data, "--save", save, "--exit-interval", "2")
+    metadata = os.path.join(save, "iter_0000002", "metadata.json")
+    first = os.stat(metadata).st_mtime_ns
+    train(1, tiny_data, "--save", save, "--exit-interval", "2", "--seed", "7")
+    assert os.stat(metadata).st_mtime_ns != first
+    again = os.stat(metadata).st_mtime_ns
+    train(1, tiny_data, "--load", save, "--save", save, "--train-iters", "2",
+          "--lr-decay-iters", "10", "--use-checkpoint-opt_param-scheduler",
+          drop=("--train-iters",))
+    assert os.stat(metadata).st_mtime_ns == again  # resumed at 2, nothing new to write
+
+
+def test_legacy_torch_format_refuses_another_tp_size_by_flag(tiny_data, tmp_path):
+    save = str(tmp_path / "ckpt")
+    train(2, tiny_data, "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by",
+          "64", "--ckpt-format", "torch", "--save", save, "--exit-interval", "2")
+    with pytest.raises(AssertionError, match="saved at --tensor-model-parallel-size 2 loads "
+                                             "only at that size \\(this run: 1\\)"):
+        train(1, tiny_data, "--load", save)
