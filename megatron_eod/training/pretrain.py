@@ -117,6 +117,7 @@ class _Trainer:
         # --load and --save are one directory and no step was made since.
         self.resumed_here = (self.iteration if self.iteration and a.load and a.save and
                              os.path.realpath(a.load) == os.path.realpath(a.save) else None)
+        self.last_saved = None
         self.counters = {"consumed_train_samples": 0, "consumed_valid_samples": 0,
                          "skipped": 0, "nan": 0, **counters}
         # Collective (megatron-core's builder has barriers); None where no data is read.
@@ -244,8 +245,9 @@ class _Trainer:
         self.hooks_on = enable
 
     def _save(self):
-        if self.iteration == self.resumed_here:
+        if self.iteration in (self.resumed_here, self.last_saved):
             return
+        self.last_saved = self.iteration
         if self.gathers_params:  # the saved weights must be this step's
             self.model.start_param_sync(force_sync=True)
         save_checkpoint(self.args, self.iteration, self.model, self.optimizer, self.scheduler,
@@ -258,7 +260,13 @@ class _Trainer:
         # Megatron-LM: the first iteration runs without the gather hooks, so that a bad load
         # or init does not spread through the first all-gather.
         self._param_hooks(False, sync=False)
+        micro_batches = self._micro_batches_now()
         while self.iteration < a.train_iters:
+            # Megatron-LM: a checkpoint whenever the batch ramp-up changes the micro-batch
+            # count, so a restart resumes at a consistent batch size.
+            if self._micro_batches_now() != micro_batches and self.iteration and a.save:
+                self._save()
+            micro_batches = self._micro_batches_now()
             start = time.perf_counter()
             loss, grad_norm, lr, pairs, plan_wait, samples = self._train_step()
             self._param_hooks(True)
@@ -287,6 +295,11 @@ class _Trainer:
         if a.save and not (a.save_interval and self.iteration % a.save_interval == 0):
             self._save()
         return self._finish(losses)
+
+    def _micro_batches_now(self) -> int:
+        self.calculator.update_num_microbatches(self.counters["consumed_train_samples"],
+                                                consistency_check=False)
+        return self.calculator.get_num_microbatches()
 
     def _finish(self, losses):
         self.reporter.close()

@@ -12,6 +12,7 @@ Megatron's flags, and each flag changes what it should:
 
 import json
 import math
+import os
 
 import pytest
 
@@ -57,6 +58,12 @@ def test_rampup_batch_size_ramps_the_global_batch(tiny_data, tmp_path):
                      "2", "8", drop=ITER_BASED)
     batches = [r["tokens"] // 128 for r in records]
     assert batches == [2, 2, 2, 2] + [4] * 8 and sum(batches) == 40
+    # As Megatron-LM: a checkpoint when the micro-batch count changes (1 -> 2, after 4).
+    save = str(tmp_path / "ckpt")
+    train(1, tiny_data, *SAMPLES, "--rampup-batch-size", "2", "2", "8", "--save", save,
+          drop=ITER_BASED)
+    assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == [
+        "iter_0000004", "iter_0000012"]
 
 
 def test_wsd_holds_then_anneals(tiny_data, tmp_path):
