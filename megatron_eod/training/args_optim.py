@@ -42,6 +42,13 @@ def add_optimizer_args(p: argparse.ArgumentParser) -> None:
     for flag in ("--use-distributed-optimizer", "--overlap-grad-reduce",
                  "--overlap-param-gather"):
         g.add_argument(flag, action="store_true")
+    g.add_argument("--no-align-grad-reduce", action="store_false", dest="align_grad_reduce",
+                   help="with PP: each stage starts its gradient reduce when ready instead of "
+                        "all together")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="gradient bucket elements with --overlap-grad-reduce (default: "
+                        "max(40M, 1M x DP x CP))")
+    g.add_argument("--ddp-num-buckets", type=int, default=None)
 
 
 def add_schedule_args(p: argparse.ArgumentParser) -> None:
@@ -110,6 +117,16 @@ def check_optimizer(args) -> None:
              and args.loss_scale_window > 0 and args.hysteresis >= 1,
              "--initial-loss-scale, --min-loss-scale, --loss-scale-window must be positive and "
              "--hysteresis >= 1")
+    _require(args.ddp_bucket_size is None or args.ddp_num_buckets is None,
+             "--ddp-bucket-size and --ddp-num-buckets are exclusive; pass one")
+    for dest in ("ddp_bucket_size", "ddp_num_buckets"):
+        value = getattr(args, dest)
+        _require(value is None or value > 0,
+                 f"--{dest.replace('_', '-')} must be positive, got {value}")
+    if args.fp16 and args.loss_scale is None:
+        # As Megatron-LM: with dynamic loss scaling an overflow is the scaler's signal (the
+        # step is skipped and the scale lowered), not a reason to stop.
+        args.check_for_nan_in_loss_and_grad = False
     _require(not args.overlap_param_gather or args.use_distributed_optimizer,
              "--overlap-param-gather needs --use-distributed-optimizer (it overlaps the "
              "distributed optimizer's parameter all-gather)")

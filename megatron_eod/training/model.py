@@ -5,7 +5,8 @@ One job: turn validated flags into a `TransformerConfig`, build this pipeline st
 TransformerEngine's; default TransformerEngine where it is installed and a GPU is present) and
 wrap it in megatron-core's DistributedDataParallel as Megatron-LM configures it (gradients
 accumulate in float32 buffers and are summed over DP x CP by `finalize_model_grads`,
-per-token loss mode; --overlap-grad-reduce buckets of max(40M, 1M x DP x CP) elements,
+per-token loss mode; --overlap-grad-reduce buckets of max(40M, 1M x DP x CP) elements, or
+--ddp-bucket-size / --ddp-num-buckets,
 --use-distributed-optimizer / --overlap-param-gather shard and gather the parameters).
 
 What it does not do: no optimizer, no data. Megatron's bias/activation and bias/dropout
@@ -82,7 +83,8 @@ def build_model(args, registry, vocab_size: int):
         model.cuda(torch.cuda.current_device())
     if args.fp16 or args.bf16:
         model = import_megatron("megatron.core.transformer.module").Float16Module(config, model)
-    model = ddp.DistributedDataParallel(config, ddp_config(args), model)
+    parameters = sum(p.numel() for p in model.parameters())
+    model = ddp.DistributedDataParallel(config, ddp_config(args, parameters), model)
     return model, config
 
 
@@ -92,14 +94,18 @@ def uses_transformer_engine(args) -> bool:
     return args.transformer_impl == "transformer_engine"
 
 
-def ddp_config(args):
-    """Megatron-LM's DDP configuration for these flags."""
+def ddp_config(args, parameters: int):
+    """Megatron-LM's DDP configuration for these flags (`parameters`: this stage's count)."""
     ddp = import_megatron("megatron.core.distributed")
     ps = import_megatron("megatron.core.parallel_state")
     bucket = None  # one bucket: nothing to overlap with
     if args.overlap_grad_reduce:
-        bucket = max(40_000_000, 1_000_000 * ps.get_data_parallel_world_size(
-            with_context_parallel=True))
+        if args.ddp_num_buckets is not None:
+            bucket = max(1, parameters // args.ddp_num_buckets)
+        else:
+            bucket = args.ddp_bucket_size or max(
+                40_000_000, 1_000_000 * ps.get_data_parallel_world_size(
+                    with_context_parallel=True))
     return ddp.DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,

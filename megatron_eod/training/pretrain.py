@@ -102,7 +102,7 @@ class _Trainer:
         self.model, config = build_model(a, self.registry, vocab)
         self.optimizer, self.scheduler = build_optimizer(self.model, a)
         config.no_sync_func = self.model.no_sync
-        if a.overlap_grad_reduce:  # Megatron-LM's default --align-grad-reduce
+        if a.overlap_grad_reduce and a.align_grad_reduce:  # as Megatron-LM
             config.grad_sync_func = self.model.start_grad_sync
         config.finalize_model_grads_func = finalize
         config.grad_scale_func = self.optimizer.scale_loss

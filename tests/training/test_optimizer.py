@@ -30,9 +30,11 @@ def run(tmp_path, name, world, data, *extra, drop=()):
     return losses, [r for r in records if "kind" not in r]
 
 
-def test_distributed_optimizer_with_overlap_equals_cp1(cp1, tiny_data):  # noqa: F811
+@pytest.mark.parametrize("buckets", [[], ["--ddp-bucket-size", "20000"]],
+                         ids=["one-bucket", "several-buckets"])
+def test_distributed_optimizer_with_overlap_equals_cp1(cp1, tiny_data, buckets):  # noqa: F811
     losses = train(4, tiny_data, "--context-parallel-size", "2", "--use-distributed-optimizer",
-                   "--overlap-grad-reduce", "--overlap-param-gather")
+                   "--overlap-grad-reduce", "--overlap-param-gather", *buckets)
     assert_same(losses, cp1)
 
 
@@ -139,3 +141,30 @@ def test_no_save_optim_resumes_with_a_fresh_optimizer(tiny_data, tmp_path):
     assert first == full[:4] and len(rest) == 6
     assert rest[0] == pytest.approx(full[4], rel=1e-6)  # same weights and data ...
     assert rest[1] != pytest.approx(full[5], rel=1e-4)  # ... then Adam restarts from zero
+
+
+def _parsed(*extra, cuda=False):
+    from megatron_eod.training.args import parse_args
+
+    return parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                       "--seq-length", "128", "--train-iters", "10", "--lr", "1e-3",
+                       "--mock-data", *extra], world_size=1, cuda_available=cuda)
+
+
+def test_ddp_bucket_flags():
+    from megatron_eod.training.model import ddp_config
+
+    assert ddp_config(_parsed(), 1000).bucket_size is None  # no overlap: one bucket
+    assert ddp_config(_parsed("--overlap-grad-reduce", "--ddp-bucket-size", "300"),
+                      1000).bucket_size == 300
+    assert ddp_config(_parsed("--overlap-grad-reduce", "--ddp-num-buckets", "4"),
+                      1000).bucket_size == 250
+    assert not _parsed("--no-align-grad-reduce").align_grad_reduce
+
+
+def test_fp16_dynamic_loss_scaling_turns_the_nan_stop_off():
+    """As Megatron-LM: with a dynamic scale, an overflow skips the step; a fixed
+    --loss-scale keeps the stop."""
+    assert not _parsed("--fp16", cuda=True).check_for_nan_in_loss_and_grad
+    assert _parsed("--fp16", "--loss-scale", "1024", cuda=True).check_for_nan_in_loss_and_grad
+    assert _parsed("--bf16", cuda=True).check_for_nan_in_loss_and_grad
