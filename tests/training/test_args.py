@@ -311,40 +311,6 @@ BAD = [
     (["--clip-grad", -1], 1, False, r"--clip-grad must be >= 0"),
     (["--adam-beta2", 1.0], 1, False, r"--adam-beta2 must be in \[0, 1\)"),
     (["--adam-eps", 0], 1, False, r"--adam-eps must be positive"),
-    (["--train-samples", 40], 1, False, r"pass exactly one of --train-iters .* and "
-     r"--train-samples"),
-    (["--lr-decay-samples", 40], 1, False, r"--lr-decay-samples needs a --train-samples run; "
-     r"this run counts in iters \(use --lr-decay-iters\)"),
-    (["--lr-warmup-samples", 8], 1, False, r"--lr-warmup-samples needs a --train-samples run"),
-    (["--global-batch-size", 4, "--rampup-batch-size", 2, 2, 10], 1, False,
-     r"--rampup-batch-size needs a sample-based run: pass --train-samples"),
-    (["--lr-warmup-fraction", 0.1, "--lr-warmup-iters", 2], 1, False,
-     r"--lr-warmup-fraction and --lr-warmup-iters are exclusive"),
-    (["--lr-decay-style", "WSD"], 1, False,
-     r"--lr-decay-style WSD needs --lr-wsd-decay-iters"),
-    (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", 20], 1, False,
-     r"--lr-wsd-decay-iters 20 must be <= --lr-decay-iters 10"),
-    (["--lr-warmup-init", 1.0], 1, False, r"--lr-warmup-init 1.0 must be in \[0, --lr 0.001\]"),
-    (["--start-weight-decay", 0.1, "--end-weight-decay", 0.2], 1, False,
-     r"--start-weight-decay 0.1 and --end-weight-decay 0.2 differ: pass "
-     r"--weight-decay-incr-style linear or cosine"),
-    (["--override-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"], 1, False,
-     r"are exclusive"),
-    (["--sgd-momentum", 1.0], 1, False, r"--sgd-momentum must be in \[0, 1\)"),
-    (["--loss-scale", 0], 1, False, r"--loss-scale must be positive"),
-    (["--hysteresis", 0], 1, False, r"--hysteresis >= 1"),
-    (["--ddp-bucket-size", 10, "--ddp-num-buckets", 2], 1, False,
-     r"--ddp-bucket-size and --ddp-num-buckets are exclusive"),
-    (["--ddp-num-buckets", 0], 1, False, r"--ddp-num-buckets must be positive"),
-    (["--overlap-param-gather"], 1, False,
-     r"--overlap-param-gather needs --use-distributed-optimizer"),
-    (["--dist-ckpt-optim-fully-reshardable"], 1, False,
-     r"--dist-ckpt-optim-fully-reshardable needs --use-distributed-optimizer"),
-    (["--ckpt-format", "torch", "--use-distributed-optimizer"], 1, False,
-     r"--ckpt-format torch with --use-distributed-optimizer: .* pass --ckpt-format torch_dist"),
-    (["--finetune"], 1, False, r"--finetune needs --load DIR or --pretrained-checkpoint DIR"),
-    (["--transformer-impl", "transformer_engine"], 1, False,
-     r"--transformer-impl transformer_engine needs CUDA; pass --transformer-impl local"),
     # recompute
     (["--recompute-method", "uniform"], 1, False,
      r"--recompute-method needs --recompute-granularity full"),
@@ -395,62 +361,6 @@ def test_invalid_combinations(extra, world_size, cuda, match):
     with pytest.raises(FlagError, match=match):
         parse(*extra, world_size=world_size, cuda=cuda)
 
-
-def parse_samples(*extra, world_size=1):
-    """A sample-based run: MODEL without --train-iters."""
-    model = MODEL[:MODEL.index("--train-iters")] + MODEL[MODEL.index("--train-iters") + 2:]
-    return parse_args(model + ["--mock-data"] + [str(x) for x in extra], world_size=world_size,
-                      cuda_available=False)
-
-
-def test_megatron_optimizer_and_schedule_defaults():
-    args = parse()
-    assert (args.optimizer, args.initial_loss_scale, args.hysteresis) == ("adam", 2.0 ** 32, 2)
-    assert args.loss_scale is None and args.loss_scale_window == 1000
-    assert args.start_weight_decay == args.end_weight_decay == args.weight_decay == 0.01
-    assert args.ckpt_format == "torch_dist" and not args.use_distributed_optimizer
-    assert args.train_samples is None and args.lr_warmup_init == 0.0
-    assert args.lr_wsd_decay_style == "exponential" and args.transformer_impl is None
-
-
-def test_sample_based_runs_derive_their_iterations():
-    args = parse_samples("--train-samples", 100, "--global-batch-size", 4)
-    assert (args.train_iters, args.lr_decay_samples) == (25, 100)
-    # Ramp 2 -> 4 (+2 after 8 samples): 2, 2, 2, 2, then 4 from sample 8: 4 + (100 - 12) // 4
-    args = parse_samples("--train-samples", 100, "--global-batch-size", 4,
-                         "--rampup-batch-size", 2, 2, 8)
-    assert args.train_iters == 5 + 22
-
-
-@pytest.mark.parametrize("extra,world_size,match", [
-    (["--train-samples", 3, "--global-batch-size", 4], 1, r"--train-samples 3 is less than one "
-     r"global batch \(4\)"),
-    (["--train-samples", 40, "--lr-decay-iters", 5], 1, r"--lr-decay-iters needs a "
-     r"--train-iters run; this run counts in samples"),
-    (["--train-samples", 40, "--lr-warmup-iters", 2], 1, r"--lr-warmup-iters needs a "
-     r"--train-iters run"),
-    (["--train-samples", 40, "--global-batch-size", 8, "--rampup-batch-size", 2, 4, 10], 1,
-     r"--rampup-batch-size start 2 must be below --global-batch-size 8 and reach it in steps "
-     r"of 4"),
-    (["--train-samples", 40, "--global-batch-size", 8, "--rampup-batch-size", 8, 2, 10], 1,
-     r"start 8 must be below --global-batch-size 8"),
-    (["--train-samples", 40, "--global-batch-size", 8, "--rampup-batch-size", 2, 2, 10], 4,
-     r"--rampup-batch-size start 2 and increment 2 must be multiples of --micro-batch-size 1 x "
-     r"data-parallel size 4"),
-    (["--train-samples", 40, "--rampup-batch-size", 0, 1, 10], 1,
-     r"start, increment and samples must be positive"),
-    (["--train-samples", 40, "--global-batch-size", 4, "--rampup-batch-size", 2, 2, 0], 1,
-     r"start, increment and samples must be positive"),
-])
-def test_sample_based_errors(extra, world_size, match):
-    with pytest.raises(FlagError, match=match):
-        parse_samples(*extra, world_size=world_size)
-
-
-def test_decrease_batch_size_if_needed_relaxes_divisibility():
-    args = parse("--global-batch-size", 6, "--micro-batch-size", 4,
-                 "--decrease-batch-size-if-needed")
-    assert args.num_micro_batches == 1
 
 
 @pytest.mark.parametrize("data,match", [
