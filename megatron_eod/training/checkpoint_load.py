@@ -51,7 +51,7 @@ def _groups(ns):
     return heads
 
 
-# (what the checkpoint's args say, what ours say, the flag) for everything that shapes weights.
+# (how to read a value from args, its flag) for everything that shapes the weights.
 _SHAPE = [(lambda ns, name=name: getattr(ns, name, None), f"--{name.replace('_', '-')}")
           for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                        "kv_channels", "swiglu", "add_bias_linear", "qk_layernorm",

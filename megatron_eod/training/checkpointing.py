@@ -116,7 +116,6 @@ def _saved_args(args, counters):
     saved.consumed_valid_samples = counters["consumed_valid_samples"]
     saved.skipped_train_samples = 0
     saved.add_position_embedding = True  # Megatron-LM compares it, default True
-    saved.ckpt_format_eod = args.ckpt_format
     return saved
 
 

@@ -264,9 +264,10 @@ class _Trainer:
         while self.iteration < a.train_iters:
             # Megatron-LM: a checkpoint whenever the batch ramp-up changes the micro-batch
             # count, so a restart resumes at a consistent batch size.
-            if self._micro_batches_now() != micro_batches and self.iteration and a.save:
+            now = self._micro_batches_now()
+            if now != micro_batches and self.iteration and a.save:
                 self._save()
-            micro_batches = self._micro_batches_now()
+            micro_batches = now
             start = time.perf_counter()
             loss, grad_norm, lr, pairs, plan_wait, samples = self._train_step()
             self._param_hooks(True)
