@@ -1,12 +1,14 @@
 """The log-sum-exp merge: the fused (torch.compile) path gives the eager result, keeps rows
 without keys at out 0 / lse -inf, and falls back to eager with a warning when compiling
-fails. (On CUDA the fused path is the default; here it is forced on the CPU.)"""
+fails. (On CUDA the fused path is the default; here it is forced on the CPU, in a child
+process.)"""
 
 import pytest
 import torch
 
 from megatron_eod.attention import lse as lse_module
 from megatron_eod.attention.lse import merge_into
+from tests.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,6 +28,13 @@ def _accumulators(dtype, seed=0):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
 def test_fused_merge_equals_eager(dtype, tol):
+    # In a child process: torch.compile leaves compile workers and threads in the process
+    # that ran it, and later tests fork training ranks from this one (a lock held at fork
+    # time deadlocks the children: Megatron-LM's jit_fuser compiles there too).
+    run_ranks(_fused_merge_equals_eager, 1, dtype, tol, daemon=False, timeout=240)
+
+
+def _fused_merge_equals_eager(rank, world, dtype, tol):
     eager = _accumulators(dtype)
     fused = tuple(t.clone() for t in eager)
     merge_into(*eager, fused=False)
@@ -39,6 +48,7 @@ def test_fused_merge_equals_eager(dtype, tol):
     assert torch.equal(eager[0][0], torch.zeros_like(eager[0][0]))
     assert torch.isinf(eager[1][0]).all() and torch.isfinite(eager[1][1]).all()
     assert not torch.isnan(fused[0]).any()
+    assert not lse_module._FUSED["failed"]  # it really compiled (no eager fallback)
 
 
 def test_compile_failure_falls_back_to_eager(monkeypatch):
