@@ -45,17 +45,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+TINY_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures",
+                           "tiny_corpus.jsonl.gz")
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
-    """A small indexed dataset made once per session from the offline sample corpus (byte
-    tokens, EoD appended): the data of the tiny GPT runs."""
+    """A small indexed dataset made once per session (byte tokens, EoD appended): the data of
+    the tiny GPT runs. Its corpus is committed (fixtures/tiny_corpus.jsonl.gz: what
+    `write_sample_corpus(max_bytes=300_000, seed=1234)` wrote from CPython 3.11's standard
+    library, PSF License) rather than written here, because another Python's stdlib gives
+    another corpus: the GPU machine (Python 3.12) must train on the data of the CPU golden
+    losses."""
+    import gzip
+    import shutil
+
     from megatron_eod.data.preprocess import preprocess_jsonl
-    from megatron_eod.data.sample_corpus import write_sample_corpus
     from megatron_eod.data.tokenizers import ByteTokenizer
 
     root = tmp_path_factory.mktemp("tiny_data")
     corpus = os.path.join(root, "stdlib.jsonl")
-    write_sample_corpus(corpus, max_bytes=300_000, seed=1234)
+    with gzip.open(TINY_CORPUS, "rb") as src, open(corpus, "wb") as dst:
+        shutil.copyfileobj(src, dst)
     prefix = os.path.join(root, "stdlib")
     preprocess_jsonl(corpus, prefix, ByteTokenizer(), append_eod=True, log=lambda msg: None)
     return prefix + "_text_document"

@@ -54,5 +54,6 @@ def test_processes_sharing_one_gpu(tmp_path, algo, world, degree):
             for key, value in record.items():
                 if key != "layout":
                     worst[key] = max(worst.get(key, 0.0), value)
-    print(f"{algo} x{world}: worst relative errors {worst}")  # the figures for BENCHMARKS.md
+    print(f"[figure] attention {algo}, {world} processes sharing one GPU, bf16: worst relative "
+          f"errors {worst}")  # collected by scripts/gpu_checks.sh for docs/BENCHMARKS.md
     assert max(worst.values()) < BF16_TOL, worst

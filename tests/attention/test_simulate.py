@@ -63,6 +63,8 @@ def test_simulation_on_gpu_in_bf16(algo, cp, degree):
     for name, mine, single, exact in zip(("out", "dq", "dk", "dv"), got, one, ref):
         err = (mine.cpu().double() - exact).abs().max().item()
         base = (single.cpu().double() - exact).abs().max().item()
+        print(f"[figure] simulated {algo} cp={cp} bf16 {name}: max error vs float64 {err:.2e}, "
+              f"CP=1's {base:.2e}")
         assert err <= 2 * base + 1e-3, (name, err, base)
 
 

@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# Usage: bash scripts/gpu_checks.sh [--list] [STAGE ...]
+# The GPU checks and benchmarks, stage by stage, each under a time limit with its own log, and
+# a summary of the figures docs/BENCHMARKS.md records. Made for a GPU machine that may have no
+# package index and limited time (the GPU machine lent to our sessions: 10 minutes a command):
+# it uses the Python it finds (which must have CUDA torch) and, when the wheels of
+# scripts/fetch_offline_wheels.sh are beside the repository (.device/), installs them first with
+# pip --no-index. Stages (no STAGE: all, in this order, until the budget runs out):
+#   env           versions, the GPU, the attention backend, the imports the others need
+#   kernels       every `gpu`-marked test except the two below: kernels vs float64, simulated
+#                 CP in bf16, no host syncs in ring/hybrid steps, CUDA layouts
+#   multiprocess  2-4 processes sharing the GPU run the real context_parallel_attention
+#                 (bf16 vs float64 and vs CP=1: sets BF16_TOL)
+#   training      pretrain_gpt.py in bf16: CP=1 vs the CPU golden losses, CP=N on N GPUs,
+#                 CP=2/4 processes sharing one GPU vs CP=1 (sets CP_TOL and GOLDEN_TOL)
+#   bench-cp      tools/bench_cp_gpu.py: busiest CP rank vs ideal, ring and hybrid
+#   e2e           tools/bench_e2e.py --preset 1b: EoD reset vs causal tokens/s, ~1.2B GPT, 32k
+# --list prints each stage and its command, runs nothing.
+#   GPU_CHECKS_OUT     logs and summary.md (default: $OUT when set, else <repo>/runs/gpu_checks)
+#   GPU_CHECKS_BUDGET  seconds for all stages together (default: 560); a stage runs under what
+#                      is left (or its own limit, if smaller) and is not started with < 30 s
+#   OFFLINE_DIR        wheels/ and megatron-lm/ to use (default: <repo>/.device)
+#   PYTHON             the interpreter (default: python3)
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+OFFLINE_DIR="${OFFLINE_DIR:-$ROOT/.device}"
+WORK="${TMPDIR:-/tmp}/megatron-eod-gpu-checks"
+PYTEST="$PYTHON -m pytest -q -rs -s -m gpu"
+
+ORDER=(env kernels multiprocess training bench-cp e2e)
+declare -A COMMAND LIMIT
+COMMAND[env]="$PYTHON tools/gpu_env_report.py"
+COMMAND[kernels]="$PYTEST tests --ignore=tests/attention/test_multiprocess_gpu.py --ignore=tests/functional/test_gpu_training.py"
+COMMAND[multiprocess]="$PYTEST tests/attention/test_multiprocess_gpu.py"
+COMMAND[training]="$PYTEST tests/functional/test_gpu_training.py"
+COMMAND[bench-cp]="$PYTHON tools/bench_cp_gpu.py"
+COMMAND[e2e]="$PYTHON tools/bench_e2e.py --preset 1b --work-dir $WORK/bench_e2e"
+LIMIT=([env]=120 [kernels]=300 [multiprocess]=420 [training]=540 [bench-cp]=480 [e2e]=540)
+
+if [ "${1:-}" = "--list" ]; then
+  for stage in "${ORDER[@]}"; do printf '%s\t%s\n' "$stage" "${COMMAND[$stage]}"; done
+  exit 0
+fi
+STAGES=("$@")
+[ ${#STAGES[@]} -gt 0 ] || STAGES=("${ORDER[@]}")
+for stage in "${STAGES[@]}"; do
+  [ -n "${COMMAND[$stage]:-}" ] || {
+    echo "[gpu-checks] unknown stage '$stage'; stages: ${ORDER[*]}" >&2
+    exit 2
+  }
+done
+
+OUT_DIR="${GPU_CHECKS_OUT:-${OUT:-$ROOT/runs/gpu_checks}}"
+mkdir -p "$OUT_DIR" "$WORK"
+SUMMARY="$OUT_DIR/summary.md"
+START=$SECONDS
+BUDGET="${GPU_CHECKS_BUDGET:-560}"
+
+# Offline wheels: into a private target folder put first on PYTHONPATH (the machine's own
+# torch stays), then Megatron-LM's trainer checkout for the tests that drive it.
+if compgen -G "$OFFLINE_DIR/wheels/*.whl" >/dev/null; then
+  SITE="$WORK/site"
+  echo "[gpu-checks] installing $(ls "$OFFLINE_DIR"/wheels/*.whl | wc -l) wheels from $OFFLINE_DIR/wheels"
+  "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-index --no-deps \
+    --no-compile --no-cache-dir --upgrade --target "$SITE" "$OFFLINE_DIR"/wheels/*.whl || {
+    echo "[gpu-checks] offline install failed (wheels for another Python? re-run" \
+         "scripts/fetch_offline_wheels.sh with OFFLINE_PYTHON_VERSION)" >&2
+    exit 1
+  }
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+if [ -z "${MEGATRON_LM_PATH:-}" ] && [ -d "$OFFLINE_DIR/megatron-lm/megatron/training" ]; then
+  export MEGATRON_LM_PATH="$OFFLINE_DIR/megatron-lm"
+fi
+export PYTHONUNBUFFERED=1
+cd "$ROOT"
+
+# summary.md = the table of stages, then each stage's figures; rewritten after every stage so
+# that a run cut off from outside still leaves the finished stages' figures.
+TABLE="$WORK/table.md"
+FIGURES="$WORK/figures.md"
+{
+  echo "# GPU checks, $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo
+  echo "| stage | result | seconds |"
+  echo "|---|---|---|"
+} > "$TABLE"
+: > "$FIGURES"
+write_summary() { cat "$TABLE" "$FIGURES" > "$SUMMARY"; }
+status=0
+env_failed=0
+for stage in "${STAGES[@]}"; do
+  left=$((BUDGET - (SECONDS - START)))
+  limit=$(( left < LIMIT[$stage] ? left : LIMIT[$stage] ))
+  if [ "$env_failed" = 1 ] || [ "$limit" -lt 30 ]; then
+    why="${left}s of the budget left"
+    [ "$env_failed" = 1 ] && why="the env stage failed"
+    echo "| $stage | not started: $why | 0 |" >> "$TABLE"
+    write_summary
+    status=1
+    continue
+  fi
+  log="$OUT_DIR/$stage.log"
+  echo "[gpu-checks] $stage (limit ${limit}s): ${COMMAND[$stage]}"
+  began=$SECONDS
+  # timeout signals the stage's whole process group (torchrun's workers too).
+  timeout --kill-after=10 "$limit" bash -c "${COMMAND[$stage]}" > "$log" 2>&1
+  rc=$?
+  took=$((SECONDS - began))
+  case $rc in
+    0) result=passed ;;
+    124|137) result="TIMED OUT after ${limit}s"; status=1 ;;
+    *) result="FAILED (exit $rc)"; status=1 ;;
+  esac
+  [ "$stage" = env ] && [ "$rc" != 0 ] && env_failed=1
+  echo "[gpu-checks] $stage: $result in ${took}s (log: $log)"
+  echo "| $stage | $result | $took |" >> "$TABLE"
+  {
+    echo
+    echo "## $stage"
+    echo
+    case $stage in
+      env|bench-cp) cat "$log" ;;
+      e2e) tail -n 5 "$log" ;;
+      *) grep -o '\[figure\].*' "$log" | sed 's/^\[figure\] /- /'
+         grep -E '^(FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed|skipped|error)' "$log" | tail -n 20 ;;
+    esac
+  } >> "$FIGURES"
+  write_summary
+done
+write_summary
+echo "[gpu-checks] summary: $SUMMARY ($((SECONDS - START))s)"
+cat "$SUMMARY"
+exit $status

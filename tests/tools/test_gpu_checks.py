@@ -1,0 +1,107 @@
+"""The GPU session kit on CPU: scripts/gpu_checks.sh's stages still point at tests and tools
+that exist and select tests, its budget and failure handling, tools/gpu_env_report.py, and the
+offline wheel list's pins (the GPU runs it prepares cannot be run here)."""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(REPO, "scripts", "gpu_checks.sh")
+
+
+def checks(*args, env=None, tmp_path=None):
+    env = dict(os.environ, PYTHON=sys.executable, **(env or {}))
+    if tmp_path is not None:  # no offline wheels, logs in the test's folder
+        env.update(OFFLINE_DIR=str(tmp_path / "offline"), GPU_CHECKS_OUT=str(tmp_path / "out"),
+                   TMPDIR=str(tmp_path))
+    return subprocess.run(["bash", SCRIPT, *args], cwd=REPO, capture_output=True, text=True,
+                          env=env, timeout=240)
+
+
+def stages():
+    listed = checks("--list")
+    assert listed.returncode == 0, listed.stderr
+    return dict(line.split("\t", 1) for line in listed.stdout.splitlines())
+
+
+def test_every_stage_runs_a_file_that_exists_and_pytest_stages_select_gpu_tests():
+    found = stages()
+    assert list(found) == ["env", "kernels", "multiprocess", "training", "bench-cp", "e2e"]
+    for stage, command in found.items():
+        words = shlex.split(command)
+        paths = [w.split("=", 1)[-1] for w in words[1:]
+                 if w.startswith(("tests", "tools", "--ignore=tests"))]
+        assert paths, (stage, command)
+        for path in paths:
+            assert os.path.exists(os.path.join(REPO, path)), (stage, path)
+        if "pytest" in words:
+            start = words.index("pytest") + 1
+            collect = subprocess.run(
+                [sys.executable, "-m", "pytest", "--collect-only",
+                 *[w for w in words[start:] if w not in ("-s", "-rs")]],
+                cwd=REPO, capture_output=True, text=True, timeout=120)
+            selected = re.search(r"(\d+)(?:/\d+)? tests? (?:collected|selected)",
+                                 collect.stdout)
+            assert collect.returncode == 0 and selected and int(selected.group(1)) > 0, (
+                stage, collect.stdout[-2000:])
+
+
+def test_an_unknown_stage_is_refused_naming_the_stages(tmp_path):
+    result = checks("kernel", tmp_path=tmp_path)
+    assert result.returncode == 2
+    assert "unknown stage 'kernel'" in result.stderr and "multiprocess" in result.stderr
+
+
+def test_a_spent_budget_starts_nothing_and_says_so(tmp_path):
+    result = checks("kernels", "e2e", env={"GPU_CHECKS_BUDGET": "20"}, tmp_path=tmp_path)
+    assert result.returncode == 1
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "| kernels | not started: 20s of the budget left | 0 |" in summary
+    assert "| e2e | not started" in summary
+
+
+def test_without_a_gpu_the_env_stage_fails_and_stops_the_rest(tmp_path):
+    result = checks("env", "kernels", tmp_path=tmp_path)
+    assert result.returncode == 1
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "| env | FAILED (exit 1) |" in summary
+    assert "| kernels | not started: the env stage failed | 0 |" in summary
+    assert "sees no CUDA device" in (tmp_path / "out" / "env.log").read_text()
+
+
+def test_env_report_runs_its_kernel_check_on_cpu():
+    result = subprocess.run([sys.executable, os.path.join(REPO, "tools", "gpu_env_report.py"),
+                             "--cpu"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "megatron.core" in result.stdout
+    assert "one varlen forward+backward on cpu: out (356, 4, 64), finite: True" in result.stdout
+
+
+def _pins(name):
+    pins = {}
+    with open(os.path.join(REPO, "requirements", name)) as f:
+        for line in f:
+            line = line.split("#")[0].strip()
+            if line:
+                package, version = line.split("==")
+                pins[package.lower().replace("_", "-")] = version
+    return pins
+
+
+@pytest.mark.parametrize("package", sorted(_pins("offline_gpu.txt")))
+def test_offline_wheels_pin_what_the_cpu_environment_pins(package):
+    """The GPU machine runs the versions CI tests (each offline wheel pinned in cpu.txt, or,
+    for typing-extensions alone, in what cpu.txt's pydantic resolved to)."""
+    cpu = _pins("cpu.txt")
+    offline = _pins("offline_gpu.txt")
+    if package == "typing-extensions":
+        import typing_extensions  # noqa: F401 - present in the CPU venv through pydantic
+        from importlib.metadata import version
+        assert version("typing_extensions") == offline[package]
+    else:
+        assert cpu.get(package) == offline[package], (package, cpu.get(package))
