@@ -18,6 +18,7 @@ What it does not do: no attention math, no global process-group state.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import List, Optional
 
@@ -72,7 +73,7 @@ def _ranks(group):
 def exchange(send: Optional[torch.Tensor], send_to: int, recv_shape, recv_from: int, group,
              dtype: torch.dtype, device, tag: int = 0) -> Exchange:
     """Start sending `send` to group rank `send_to` and receiving `recv_shape` from
-    `recv_from` (either side may be empty: then it is skipped)."""
+    `recv_from` (either side may be empty, no elements: then it is skipped)."""
     ops = []
     received = None
     staged_for = device if _STAGING[0] else None
@@ -80,7 +81,7 @@ def exchange(send: Optional[torch.Tensor], send_to: int, recv_shape, recv_from: 
         send = send.to("cpu") if staged_for is not None else send
         ops.append(dist.P2POp(dist.isend, send.contiguous(),
                               dist.get_global_rank(group, send_to), group, tag))
-    if recv_shape is not None and recv_shape[0] > 0:
+    if recv_shape is not None and math.prod(recv_shape) > 0:
         received = torch.empty(recv_shape, dtype=dtype,
                                device="cpu" if staged_for is not None else device)
         ops.append(dist.P2POp(dist.irecv, received, dist.get_global_rank(group, recv_from),

@@ -5,10 +5,12 @@ over more keys, produce the result over all keys:
     lse = log(exp(lse) + exp(lse_i)),  out = out * exp(lse_prev - lse) + out_i * exp(lse_i - lse)
 A row that has seen no key yet has lse = -inf and out = 0 and stays so (never NaN, never +inf).
 
-On CUDA the arithmetic runs as one fused kernel (`torch.compile` of `merged`, dynamic shapes:
-the row count changes every ring step) instead of ~10 elementwise launches; set
+The merge updates the rows in place: by index (gather, arithmetic, scatter) or, when the
+rows are one run known at planning time (`span`), on slices (no gather, no scatter). On CUDA
+each runs as one `torch.compile`d function (dynamic shapes: the row count changes every ring
+step), so gather, arithmetic and scatter fuse instead of ~15 launches; set
 MEGATRON_EOD_FUSED_MERGE=0 to run it eagerly. If compiling fails (no Triton, an old driver)
-it falls back to eager once, with a warning. The gather and scatter of the rows stay indexing.
+it falls back to eager once, with a warning.
 
 Shape key: T = query rows, H = heads, D = head dim. lse is [T, H], out is [T, H, D].
 """
@@ -20,7 +22,7 @@ import torch
 
 __all__ = ["merge_into", "merged"]
 
-_FUSED = {"fn": None, "failed": False}
+_FUSED = {"rows": None, "span": None, "failed": False}
 
 
 def merged(out_TH, lse_TH, part_TH, part_lse_TH):
@@ -33,28 +35,47 @@ def merged(out_TH, lse_TH, part_TH, part_lse_TH):
     return out_TH * w_old + part_TH.to(out_TH.dtype) * w_new, new_lse
 
 
-def _fused_merged():
-    if _FUSED["fn"] is None:
-        _FUSED["fn"] = torch.compile(merged, dynamic=True)
-    return _FUSED["fn"]
+def _merge_rows(out_TH, lse_TH, rows, part_TH, part_lse_TH):
+    new_out, new_lse = merged(out_TH[rows], lse_TH[rows], part_TH, part_lse_TH)
+    out_TH[rows] = new_out
+    lse_TH[rows] = new_lse
+
+
+def _merge_span(out_TH, lse_TH, part_TH, part_lse_TH):
+    """out_TH, lse_TH: slices (views) of the accumulators, updated in place."""
+    new_out, new_lse = merged(out_TH, lse_TH, part_TH, part_lse_TH)
+    out_TH.copy_(new_out)
+    lse_TH.copy_(new_lse)
+
+
+_EAGER = {"rows": _merge_rows, "span": _merge_span}
+
+
+def _fused(kind):
+    if _FUSED[kind] is None:
+        _FUSED[kind] = torch.compile(_EAGER[kind], dynamic=True)
+    return _FUSED[kind]
 
 
 def merge_into(out_TH: torch.Tensor, lse_TH: torch.Tensor, rows: torch.Tensor,
-               part_TH: torch.Tensor, part_lse_TH: torch.Tensor, fused=None) -> None:
-    """In place: fold the partial result of `rows` into the accumulators out/lse. `fused`:
-    None = on CUDA unless MEGATRON_EOD_FUSED_MERGE=0."""
+               part_TH: torch.Tensor, part_lse_TH: torch.Tensor, span=None,
+               fused=None) -> None:
+    """In place: fold the partial result of `rows` into the accumulators out/lse. `span`:
+    (start, stop) when rows is that run. `fused`: None = on CUDA unless
+    MEGATRON_EOD_FUSED_MERGE=0."""
     if fused is None:
         fused = out_TH.is_cuda and os.environ.get("MEGATRON_EOD_FUSED_MERGE", "1") != "0"
-    args = (out_TH[rows], lse_TH[rows], part_TH, part_lse_TH)
-    new_out, new_lse = None, None
+    if span is not None:
+        kind, args = "span", (out_TH[span[0]:span[1]], lse_TH[span[0]:span[1]], part_TH,
+                              part_lse_TH)
+    else:
+        kind, args = "rows", (out_TH, lse_TH, rows, part_TH, part_lse_TH)
     if fused and not _FUSED["failed"]:
         try:
-            new_out, new_lse = _fused_merged()(*args)
+            _fused(kind)(*args)
+            return
         except Exception as error:  # noqa: BLE001 - any compiler failure: run eagerly
             _FUSED["failed"] = True
             warnings.warn(f"fused log-sum-exp merge unavailable ({type(error).__name__}: "
                           f"{error}); merging eagerly")
-    if new_out is None:
-        new_out, new_lse = merged(*args)
-    out_TH[rows] = new_out
-    lse_TH[rows] = new_lse
+    _EAGER[kind](*args)

@@ -15,7 +15,8 @@ device, so single-GPU checks and benchmarks exercise this very code.
 
 With a schedule of one group (Ulysses) this is plain local varlen attention.
 
-Shape key: T = local rows, H = query heads, G = key/value heads, D = head dim, N = received rows.
+Shape key: T = local rows, H = query heads, G = key/value heads, D = head dim, N = received rows;
+2 = keys and values stacked first, so that k and v of a received run are contiguous views.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from megatron_eod.attention.backends import accumulation_dtype
 from megatron_eod.attention.comm import exchange, warm_up
 from megatron_eod.attention.lse import merge_into
 
-__all__ = ["ring_attention", "ring_forward", "ring_backward", "GroupTransport"]
+__all__ = ["ring_attention", "ring_forward", "ring_backward", "stack_kv", "GroupTransport"]
 
 
 # Every rank walks ALL ring steps in the same order, even those where it sends and receives
@@ -41,24 +42,47 @@ class GroupTransport:
     def __init__(self, group):
         self.group = group
 
-    def start_kv(self, step, kv_T2GD):
-        send = kv_T2GD[step.send_index] if step.send_index.numel() else None
-        shape = (step.recv_count,) + tuple(kv_T2GD.shape[1:])
-        return exchange(send, step.send_to, shape, step.recv_from, self.group, kv_T2GD.dtype,
-                        kv_T2GD.device, tag=step.step)
+    def start_kv(self, step, kv_2TGD):
+        send = kv_2TGD[:, step.send_index] if step.send_index.numel() else None
+        shape = (2, step.recv_count) + tuple(kv_2TGD.shape[2:])
+        return exchange(send, step.send_to, shape, step.recv_from, self.group, kv_2TGD.dtype,
+                        kv_2TGD.device, tag=step.step)
 
-    def start_grad(self, step, grad_N2GD, row_shape, dtype, device):
+    def start_grad(self, step, grad_2NGD, row_shape, dtype, device):
         """Send the gradients of rows received at `step` back; receive those of rows sent."""
-        shape = (step.send_index.numel(),) + tuple(row_shape)
-        return exchange(grad_N2GD, step.recv_from, shape, step.send_to, self.group, dtype,
+        shape = (2, step.send_index.numel()) + tuple(row_shape)
+        return exchange(grad_2NGD, step.recv_from, shape, step.send_to, self.group, dtype,
                         device, tag=_GRAD_TAG + step.step)
 
 
-def ring_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale):
-    """-> (out [T, H, D] in q's dtype, lse [T, H] float32/float64)."""
+def _rows(x, index, span):
+    """Rows `index` of x: a slice (a view, no copy) when they are the run `span`."""
+    return x[span[0]:span[1]] if span is not None else x[index]
+
+
+def _keys(kv_2NGD, call):
+    """(k, v) of a call's key rows: contiguous views of the received buffer when they are one
+    run (most ring steps), else one gather for both."""
+    if call.k_span is not None:
+        start, stop = call.k_span
+        return kv_2NGD[0, start:stop], kv_2NGD[1, start:stop]
+    kv = kv_2NGD[:, call.k_index]  # [2, n, G, D], contiguous
+    return kv[0], kv[1]
+
+
+def stack_kv(k_TGD, v_TGD, schedule):
+    """[2, T, G, D]: what ring steps send (k and v in one message), made once per call and
+    kept for the backward; None when the schedule has no steps."""
+    return torch.stack([k_TGD, v_TGD]) if schedule.steps else None
+
+
+def ring_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale, kv_2TGD=None):
+    """-> (out [T, H, D] in q's dtype, lse [T, H] float32/float64). kv_2TGD: stack_kv(k, v),
+    when the caller has it."""
     steps = schedule.steps
-    kv_T2GD = torch.stack([k_TGD, v_TGD], dim=1) if steps else None
-    pending = transport.start_kv(steps[0], kv_T2GD) if steps else None
+    if kv_2TGD is None:
+        kv_2TGD = stack_kv(k_TGD, v_TGD, schedule)
+    pending = transport.start_kv(steps[0], kv_2TGD) if steps else None
     local = schedule.local  # over the local rows in order: no gather
     out_THD, lse_TH = backend.forward(q_THD, k_TGD, v_TGD, local.cu_seqlens_q,
                                       local.cu_seqlens_k, local.max_seqlen_q,
@@ -68,21 +92,21 @@ def ring_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale):
     if any(step.call is not None for step in steps):
         out_THD = out_THD.to(acc)
     for i, step in enumerate(steps):
-        kv_N2GD = pending.wait()
-        pending = transport.start_kv(steps[i + 1], kv_T2GD) if i + 1 < len(steps) else None
+        kv_2NGD = pending.wait()
+        pending = transport.start_kv(steps[i + 1], kv_2TGD) if i + 1 < len(steps) else None
         call = step.call
         if call is None:
             continue
-        o, lse = backend.forward(q_THD[call.q_index], kv_N2GD[call.k_index, 0],
-                                 kv_N2GD[call.k_index, 1], call.cu_seqlens_q,
-                                 call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k,
-                                 call.causal, scale)
-        merge_into(out_THD, lse_TH, call.q_index, o, lse.to(acc))
+        k, v = _keys(kv_2NGD, call)
+        o, lse = backend.forward(_rows(q_THD, call.q_index, call.q_span), k, v,
+                                 call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q,
+                                 call.max_seqlen_k, call.causal, scale)
+        merge_into(out_THD, lse_TH, call.q_index, o, lse.to(acc), span=call.q_span)
     return out_THD.to(q_THD.dtype), lse_TH
 
 
 def ring_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, transport,
-                  backend, scale):
+                  backend, scale, kv_2TGD=None):
     """-> (dq, dk, dv) in the dtypes of q, k, v."""
     steps = schedule.steps
     acc = accumulation_dtype(q_THD.dtype)
@@ -92,47 +116,71 @@ def ring_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tran
                                   local.max_seqlen_k, local.causal, scale)
     if not steps:
         return dq, dk, dv
-    kv_T2GD = torch.stack([k_TGD, v_TGD], dim=1)
-    pending = transport.start_kv(steps[0], kv_T2GD)
+    if kv_2TGD is None:
+        kv_2TGD = stack_kv(k_TGD, v_TGD, schedule)
+    pending = transport.start_kv(steps[0], kv_2TGD)
     if any(step.call is not None for step in steps):
         dq = dq.to(acc)
     sends = any(step.send_index.numel() for step in steps)
-    dkv_T2GD = torch.stack([dk, dv], dim=1).to(acc) if sends else None
-    returning = []  # (pending gradient exchange, send_index)
+    dkv_2TGD = torch.stack([dk, dv]).to(acc) if sends else None
+    returning = []  # (pending gradient exchange, the step)
     for i, step in enumerate(steps):
-        kv_N2GD = pending.wait()
-        pending = transport.start_kv(steps[i + 1], kv_T2GD) if i + 1 < len(steps) else None
-        grad_N2GD = None
+        kv_2NGD = pending.wait()
+        pending = transport.start_kv(steps[i + 1], kv_2TGD) if i + 1 < len(steps) else None
+        grad_2NGD = None
         call = step.call
         if call is not None:
-            rows = call.q_index
-            gq, gk, gv = backend.backward(dout_THD[rows], q_THD[rows], kv_N2GD[call.k_index, 0],
-                                          kv_N2GD[call.k_index, 1], out_THD[rows], lse_TH[rows],
-                                          call.cu_seqlens_q, call.cu_seqlens_k,
-                                          call.max_seqlen_q, call.max_seqlen_k, call.causal,
-                                          scale)
-            dq.index_add_(0, rows, gq.to(acc))
-            grad_N2GD = torch.zeros((step.recv_count,) + tuple(kv_N2GD.shape[1:]), dtype=acc,
-                                    device=q_THD.device)
-            grad_N2GD[:, 0].index_add_(0, call.k_index, gk.to(acc))
-            grad_N2GD[:, 1].index_add_(0, call.k_index, gv.to(acc))
+            rows, span = call.q_index, call.q_span
+            k, v = _keys(kv_2NGD, call)
+            gq, gk, gv = backend.backward(_rows(dout_THD, rows, span), _rows(q_THD, rows, span),
+                                          k, v, _rows(out_THD, rows, span),
+                                          _rows(lse_TH, rows, span), call.cu_seqlens_q,
+                                          call.cu_seqlens_k, call.max_seqlen_q,
+                                          call.max_seqlen_k, call.causal, scale)
+            if span is not None:
+                dq[span[0]:span[1]].add_(gq)
+            else:
+                dq.index_add_(0, rows, gq.to(acc))
+            grad_2NGD = _key_grads(gk, gv, call, step.recv_count, acc)
         # Gradients travel back the way the keys came: to recv_from, from send_to.
-        returning.append((transport.start_grad(step, grad_N2GD, kv_T2GD.shape[1:], acc,
-                                               q_THD.device), step.send_index))
+        returning.append((transport.start_grad(step, grad_2NGD, kv_2TGD.shape[2:], acc,
+                                               q_THD.device), step))
         if len(returning) > 1:  # keep at most one step's gradients in flight
-            _land(returning.pop(0), dkv_T2GD)
+            _land(returning.pop(0), dkv_2TGD)
     for item in returning:
-        _land(item, dkv_T2GD)
-    if dkv_T2GD is not None:
-        dk, dv = dkv_T2GD[:, 0], dkv_T2GD[:, 1]
+        _land(item, dkv_2TGD)
+    if dkv_2TGD is not None:
+        dkv_2TGD = dkv_2TGD.to(k_TGD.dtype)  # one cast for both
+        dk, dv = dkv_2TGD[0], dkv_2TGD[1]
     return dq.to(q_THD.dtype), dk.to(k_TGD.dtype), dv.to(v_TGD.dtype)
 
 
-def _land(item, dkv_T2GD):
-    pending, send_index = item
+def _key_grads(gk_NGD, gv_NGD, call, recv_count, acc):
+    """[2, recv_count, G, D] gradients of the received key/value rows, in `acc`."""
+    shape = (2, recv_count) + tuple(gk_NGD.shape[1:])
+    span = call.k_span
+    if span is None:  # some key rows repeat or skip: sum them by index
+        grad = torch.zeros(shape, dtype=acc, device=gk_NGD.device)
+        grad.index_add_(1, call.k_index, torch.stack([gk_NGD, gv_NGD]).to(acc))
+        return grad
+    if span == (0, recv_count):  # every received row once, in order (most steps)
+        grad = torch.empty(shape, dtype=acc, device=gk_NGD.device)
+    else:
+        grad = torch.zeros(shape, dtype=acc, device=gk_NGD.device)
+    grad[0, span[0]:span[1]].copy_(gk_NGD)
+    grad[1, span[0]:span[1]].copy_(gv_NGD)
+    return grad
+
+
+def _land(item, dkv_2TGD):
+    pending, step = item
     received = pending.wait()
     if received is not None:
-        dkv_T2GD.index_add_(0, send_index, received)
+        span = step.send_span
+        if span is not None:
+            dkv_2TGD[:, span[0]:span[1]].add_(received)
+        else:
+            dkv_2TGD.index_add_(1, step.send_index, received)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -140,16 +188,23 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q_THD, k_TGD, v_TGD, schedule, group, backend, scale):
         warm_up(group, q_THD.device)  # before the group's first batched p2p call (NCCL rule)
         transport = GroupTransport(group)
-        out_THD, lse_TH = ring_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale)
-        ctx.save_for_backward(q_THD, k_TGD, v_TGD, out_THD, lse_TH)
+        kv_2TGD = stack_kv(k_TGD, v_TGD, schedule)
+        out_THD, lse_TH = ring_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale,
+                                       kv_2TGD)
+        # The stacked copy replaces k and v (same memory; the backward needs no re-stacking).
+        kv = (k_TGD, v_TGD) if kv_2TGD is None else (kv_2TGD,)
+        ctx.save_for_backward(q_THD, out_THD, lse_TH, *kv)
         ctx.schedule, ctx.transport, ctx.backend, ctx.scale = schedule, transport, backend, scale
         return out_THD
 
     @staticmethod
     def backward(ctx, dout_THD):
-        q_THD, k_TGD, v_TGD, out_THD, lse_TH = ctx.saved_tensors
+        q_THD, out_THD, lse_TH, *kv = ctx.saved_tensors
+        kv_2TGD = kv[0] if len(kv) == 1 else None
+        k_TGD, v_TGD = (kv_2TGD[0], kv_2TGD[1]) if kv_2TGD is not None else kv
         dq, dk, dv = ring_backward(dout_THD.contiguous(), q_THD, k_TGD, v_TGD, out_THD, lse_TH,
-                                   ctx.schedule, ctx.transport, ctx.backend, ctx.scale)
+                                   ctx.schedule, ctx.transport, ctx.backend, ctx.scale,
+                                   kv_2TGD)
         return dq, dk, dv, None, None, None, None
 
 

@@ -26,7 +26,7 @@ from typing import List, Tuple
 import torch
 
 from megatron_eod.attention.backends import accumulation_dtype, default_scale, get_backend
-from megatron_eod.attention.ring import ring_backward, ring_forward
+from megatron_eod.attention.ring import ring_backward, ring_forward, stack_kv
 
 __all__ = ["SimulatedPlan", "GroupResult"]
 
@@ -38,7 +38,7 @@ class GroupResult:
     dq: torch.Tensor  # [T, H, D]
     dk: torch.Tensor  # [T, G, D], local rows only
     dv: torch.Tensor
-    returned: List[Tuple[torch.Tensor, torch.Tensor]]  # (stream rows, dkv [N, 2, G, D])
+    returned: List[Tuple[torch.Tensor, torch.Tensor]]  # (stream rows, dkv [2, N, G, D])
 
 
 class _Ready:
@@ -55,12 +55,12 @@ class _InProcessTransport:
     def __init__(self, received, received_rows):
         self.received, self.received_rows, self.returned = received, received_rows, []
 
-    def start_kv(self, step, kv_T2GD):
+    def start_kv(self, step, kv_2TGD):
         return _Ready(self.received[step.step - 1])
 
-    def start_grad(self, step, grad_N2GD, row_shape, dtype, device):
-        if grad_N2GD is not None:
-            self.returned.append((self.received_rows[step.step - 1], grad_N2GD))
+    def start_grad(self, step, grad_2NGD, row_shape, dtype, device):
+        if grad_2NGD is not None:
+            self.returned.append((self.received_rows[step.step - 1], grad_2NGD))
         return _Ready(None)  # gradients of rows this group sent are landed by run()
 
 
@@ -73,7 +73,7 @@ class SimulatedPlan:
         self.schedules = [s.to(device) for s in plan.schedules]
         self.rows = [torch.from_numpy(plan.pieces.token_index(g)).to(device)
                      for g in range(plan.ring_size)]
-        kv_N2GD = torch.stack([k_NGD, v_NGD], dim=1)
+        kv_2NGD = torch.stack([k_NGD, v_NGD])
         self.inputs = []
         for g, schedule in enumerate(self.schedules):
             rows = self.rows[g]
@@ -83,7 +83,7 @@ class SimulatedPlan:
                 if sender.send_to != g:
                     raise AssertionError("plan schedules disagree on who sends to whom")
                 stream_rows = self.rows[step.recv_from][sender.send_index]
-                received.append(kv_N2GD[stream_rows] if stream_rows.numel() else None)
+                received.append(kv_2NGD[:, stream_rows] if stream_rows.numel() else None)
                 received_rows.append(stream_rows)
             self.inputs.append((q_NHD[rows], k_NGD[rows], v_NGD[rows], dout_NHD[rows],
                                 received, received_rows))
@@ -93,9 +93,10 @@ class SimulatedPlan:
         q, k, v, dout, received, received_rows = self.inputs[g]
         transport = _InProcessTransport(received, received_rows)
         schedule = self.schedules[g]
-        out, lse = ring_forward(q, k, v, schedule, transport, self.backend, self.scale)
+        kv = stack_kv(k, v, schedule)  # once per group, as ring_attention does
+        out, lse = ring_forward(q, k, v, schedule, transport, self.backend, self.scale, kv)
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, schedule, transport, self.backend,
-                                   self.scale)
+                                   self.scale, kv)
         return GroupResult(self.rows[g], out, dq, dk, dv, transport.returned)
 
     def run(self):
@@ -111,6 +112,6 @@ class SimulatedPlan:
             out[result.rows], dq[result.rows] = result.out, result.dq
             dkv[:, 0].index_add_(0, result.rows, result.dk.to(acc))
             dkv[:, 1].index_add_(0, result.rows, result.dv.to(acc))
-            for rows, grad in result.returned:
-                dkv.index_add_(0, rows, grad.to(acc))
+            for rows, grad_2NGD in result.returned:
+                dkv.index_add_(0, rows, grad_2NGD.transpose(0, 1).to(acc))
         return out, dq, dkv[:, 0].to(dtype), dkv[:, 1].to(dtype)

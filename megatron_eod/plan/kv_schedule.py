@@ -37,7 +37,9 @@ __all__ = ["KernelCall", "RingStep", "GroupSchedule", "SplitDocuments", "build_s
 @dataclass(frozen=True)
 class KernelCall:
     """One varlen attention call: sequence i has queries q_index[cu_q[i]:cu_q[i+1]] and keys
-    k_index[cu_k[i]:cu_k[i+1]] (rows of the local or the received tensor)."""
+    k_index[cu_k[i]:cu_k[i+1]] (rows of the local or the received tensor). q_span/k_span:
+    (start, stop) when the index is the run start, start+1, .., stop-1 (known on the host at
+    planning time), so the attention takes a slice, a view, instead of gathering a copy."""
 
     q_index: torch.Tensor  # int64 [tq]
     k_index: torch.Tensor  # int64 [tk]
@@ -47,12 +49,14 @@ class KernelCall:
     max_seqlen_k: int
     causal: bool
     pairs: int  # query-key pairs this call evaluates (per head)
+    q_span: Optional[Tuple[int, int]] = None
+    k_span: Optional[Tuple[int, int]] = None
 
     def to(self, device) -> "KernelCall":
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return KernelCall(move(self.q_index), move(self.k_index), move(self.cu_seqlens_q),
                           move(self.cu_seqlens_k), self.max_seqlen_q, self.max_seqlen_k,
-                          self.causal, self.pairs)
+                          self.causal, self.pairs, self.q_span, self.k_span)
 
 
 @dataclass(frozen=True)
@@ -65,11 +69,12 @@ class RingStep:
     send_index: torch.Tensor  # int64 [n_send], local rows sent to send_to
     recv_count: int
     call: Optional[KernelCall]  # None when nothing is received
+    send_span: Optional[Tuple[int, int]] = None  # (start, stop) when send_index is that run
 
     def to(self, device) -> "RingStep":
         return RingStep(self.step, self.send_to, self.recv_from,
                         self.send_index.to(device, non_blocking=True), self.recv_count,
-                        None if self.call is None else self.call.to(device))
+                        None if self.call is None else self.call.to(device), self.send_span)
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,18 @@ def _call(q_lengths, k_lengths, q_index, k_index, causal: bool) -> KernelCall:
         pairs = int((lq * lk).sum())
     return KernelCall(torch.from_numpy(q_index), torch.from_numpy(k_index), _offsets(lq),
                       _offsets(lk), int(lq.max()) if lq.size else 0,
-                      int(lk.max()) if lk.size else 0, causal, pairs)
+                      int(lk.max()) if lk.size else 0, causal, pairs, _span(q_index),
+                      _span(k_index))
+
+
+def _span(index: np.ndarray) -> Optional[Tuple[int, int]]:
+    """(start, stop) when `index` is start, start+1, .., stop-1; else None."""
+    if index.size == 0:
+        return None
+    start = int(index[0])
+    if int(index[-1]) - start != index.size - 1 or np.any(np.diff(index) != 1):
+        return None
+    return start, start + int(index.size)
 
 
 def call_from_rows(q_rows: List[np.ndarray], k_rows: List[np.ndarray],
@@ -212,7 +228,9 @@ def build_schedule(split: SplitDocuments, group: int) -> GroupSchedule:
                          causal=False)
         # Sent: what dst needs from this group (dst computes the same set as its `received`).
         sent = np.unique(given_k[to_order[to_bounds[dst]:to_bounds[dst + 1]]])
-        send_index = torch.from_numpy(rows(sent)) if sent.size else nothing
-        steps.append(RingStep(t, dst, src, send_index, int(length[received].sum()), call))
+        sent_rows = rows(sent) if sent.size else None
+        send_index = torch.from_numpy(sent_rows) if sent.size else nothing
+        steps.append(RingStep(t, dst, src, send_index, int(length[received].sum()), call,
+                              None if sent_rows is None else _span(sent_rows)))
     lo, hi = p.group_offsets[[group, group + 1]]
     return GroupSchedule(group, int(length[lo:hi].sum()), local_call(p, group), tuple(steps))

@@ -1,6 +1,6 @@
-"""The log-sum-exp merge: the fused (torch.compile) path gives the eager result, keeps rows
-without keys at out 0 / lse -inf, and falls back to eager with a warning when compiling
-fails. (On CUDA the fused path is the default; here it is forced on the CPU, in a child
+"""The log-sum-exp merge: the fused (torch.compile) path gives the eager result, by index and
+on a run of rows, keeps rows without keys at out 0 / lse -inf, leaves other rows untouched,
+and falls back to eager with a warning when compiling fails. (On CUDA the fused path is the default; here it is forced on the CPU, in a child
 process.)"""
 
 import pytest
@@ -35,19 +35,30 @@ def test_fused_merge_equals_eager(dtype, tol):
 
 
 def _fused_merge_equals_eager(rank, world, dtype, tol):
-    eager = _accumulators(dtype)
-    fused = tuple(t.clone() for t in eager)
-    merge_into(*eager, fused=False)
-    for size in (5, 3):  # a second row count: dynamic shapes, no recompilation error
-        merge_into(*fused[:2], fused[2][:size], fused[3][:size], fused[4][:size], fused=True)
-        if size == 5:
+    # Both forms: rows by index (gather, merge, scatter in one compiled function) and a run of
+    # rows as slices updated in place (rows 0.., with the rows that saw no key); two row
+    # counts each (dynamic shapes).
+    for span in (False, True):
+        for size in (5, 3):
+            eager = _accumulators(dtype)
+            rows = torch.arange(size) if span else eager[2][:size]
+            eager = (eager[0], eager[1], rows, eager[3][:size], eager[4][:size])
+            fused = tuple(t.clone() for t in eager)
+            cut = (0, size) if span else None
+            merge_into(*eager, span=cut, fused=False)
+            merge_into(*fused, span=cut, fused=True)
             assert (fused[0] - eager[0]).abs().max() < tol
             assert torch.equal(torch.isinf(fused[1]), torch.isinf(eager[1]))
             finite = torch.isfinite(eager[1])
             assert (fused[1][finite] - eager[1][finite]).abs().max() < tol
+            assert not torch.isnan(fused[0]).any()
+            untouched = torch.ones(12, dtype=torch.bool)
+            untouched[rows] = False  # rows not merged keep their values exactly
+            assert torch.equal(fused[0][untouched], _accumulators(dtype)[0][untouched])
+    eager = _accumulators(dtype)
+    merge_into(*eager, fused=False)
     assert torch.equal(eager[0][0], torch.zeros_like(eager[0][0]))
     assert torch.isinf(eager[1][0]).all() and torch.isfinite(eager[1][1]).all()
-    assert not torch.isnan(fused[0]).any()
     assert not lse_module._FUSED["failed"]  # it really compiled (no eager fallback)
 
 
@@ -57,7 +68,7 @@ def test_compile_failure_falls_back_to_eager(monkeypatch):
             raise RuntimeError("no triton")
         return fail
 
-    monkeypatch.setattr(lse_module, "_FUSED", {"fn": None, "failed": False})
+    monkeypatch.setattr(lse_module, "_FUSED", {"rows": None, "span": None, "failed": False})
     monkeypatch.setattr(torch, "compile", broken)
     got, want = _accumulators(torch.float64), _accumulators(torch.float64)
     with pytest.warns(UserWarning, match="fused log-sum-exp merge unavailable"):

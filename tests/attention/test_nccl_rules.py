@@ -11,6 +11,8 @@ A checker that cannot fail proves nothing: it is also run on logs with a swapped
 messages and with a p2p before the warm-up, and must flag both.
 """
 
+import math
+
 import pytest
 import torch.distributed as dist
 
@@ -30,10 +32,8 @@ def _recorded(rank, world, algo, degree, kind, b, s, seed):
         me, ranks = dist.get_rank(), ranks_of(group)
         if send is not None and send.numel():
             log.append(("send", ranks, me, ranks[send_to], send.numel(), str(send.dtype)))
-        if recv_shape is not None and recv_shape[0] > 0:
-            numel = 1
-            for size in recv_shape:
-                numel *= size
+        numel = math.prod(recv_shape) if recv_shape is not None else 0
+        if numel:  # exchange posts a receive exactly when it has elements
             log.append(("recv", ranks, ranks[recv_from], me, numel, str(dtype)))
         return real_exchange(send, send_to, recv_shape, recv_from, group, dtype, device, tag)
 

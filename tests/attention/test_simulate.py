@@ -7,6 +7,8 @@ stream (both against float64): bf16 rounding is the only difference, so a planni
 merging bug (errors of order 1) fails it while kernel rounding (order 1e-2) passes.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -86,3 +88,40 @@ def test_ring_steps_make_no_host_syncs_on_gpu(algo, cp, degree):
             simulated.run_group(g)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def _without_spans(schedule):
+    """The same schedule with every row run forgotten: all rows by index (gathers)."""
+    strip = lambda call: dataclasses.replace(call, q_span=None, k_span=None)  # noqa: E731
+    return dataclasses.replace(schedule, steps=tuple(
+        dataclasses.replace(step, send_span=None,
+                            call=None if step.call is None else strip(step.call))
+        for step in schedule.steps))
+
+
+def test_row_runs_as_slices_equal_gathers_and_the_reference():
+    """Ring steps take a run of rows as a slice (a view) and other rows by index. Over these
+    layouts both kinds occur for queries, keys and sent rows; each result equals the same plan
+    computed with every row by index, and the oracle."""
+    seen = set()
+    for algo, cp, degree, kind, seed in (("ring", 4, None, "mixed", 1),
+                                         ("ring", 8, None, "spanning", 2),
+                                         ("hybrid", 8, 2, "mixed", 3),
+                                         ("ring", 4, None, "short", 4)):
+        b = 1 if kind == "spanning" else 3
+        cu, (q, k, v, dout) = _case(kind, b, 96, 4, 2, 8, seed=seed)
+        plan = plan_context_parallel(cu, cp, algo, degree)
+        for schedule in plan.schedules:
+            for step in schedule.steps:
+                seen.add(("send", step.send_span is None)) if step.send_index.numel() else None
+                if step.call is not None:
+                    seen.add(("q", step.call.q_span is None))
+                    seen.add(("k", step.call.k_span is None))
+        spans = SimulatedPlan(plan, q, k, v, dout, softmax_scale=0.3)
+        gathers = SimulatedPlan(plan, q, k, v, dout, softmax_scale=0.3)
+        gathers.schedules = [_without_spans(s) for s in gathers.schedules]
+        oracle = _oracle(q, k, v, dout, cu, 0.3)
+        for mine, other, ref in zip(spans.run(), gathers.run(), oracle):
+            assert (mine - other).abs().max().item() < 1e-12
+            assert (mine - ref).abs().max().item() < 1e-10
+    assert seen == {(what, none) for what in ("send", "q", "k") for none in (True, False)}, seen

@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""Device kernels a CP rank's attention launches besides the attention kernels themselves.
+
+    python tools/count_launches.py [--samples 3] [--configs 32768:4,131072:8]
+
+At small per-rank sizes the glue around the attention kernels (gathers of rows, log-sum-exp
+merges, gradient sums, dtype casts) costs launches of a few microseconds each, which is why
+the busiest rank's time exceeds the ideal on a GPU (docs/BENCHMARKS.md). This counts that
+glue without a GPU: it runs each ring group's forward+backward (simulate.py, float32 on the
+CPU, the attention kernel replaced by a stand-in that launches nothing) under a dispatch mode
+that counts every aten operation that would launch a kernel (views and allocations excluded).
+Each log-sum-exp merge counts as ONE launch, as on CUDA where it runs `torch.compile`d.
+Reports, for the busiest group (most launches) of each mix: attention calls, glue launches,
+and glue launches per attention call, for ring and hybrid (Ulysses degree 2); ideal is one
+attention call and no glue.
+"""
+
+import argparse
+import os
+import sys
+from collections import Counter
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
+
+from bench_cp import pack_rows, stdlib_lengths, web_row  # noqa: E402
+from megatron_eod import plan_context_parallel  # noqa: E402
+from megatron_eod.attention import ring  # noqa: E402
+from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
+
+# Operations that launch no kernel: views, metadata, allocations.
+_FREE = {"select", "slice", "unsqueeze", "squeeze", "view", "_unsafe_view", "transpose", "t",
+         "expand", "as_strided", "alias", "detach", "empty", "empty_like", "empty_strided",
+         "unbind", "split", "narrow", "permute", "reshape", "lift_fresh", "_to_copy_noop"}
+
+
+class _Launches(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in _FREE:
+            self.count[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _StandInKernel:
+    """Shapes of a varlen kernel's results, no work (counted apart: `calls`)."""
+
+    name = "stand-in"
+
+    def __init__(self):
+        self.calls = 0
+
+    def forward(self, q, k, v, *args):
+        self.calls += 1
+        with _disable_current_modes():
+            return torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32)
+
+    def backward(self, dout, q, k, v, *args):
+        self.calls += 1
+        with _disable_current_modes():
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def group_launches(plan, g, tensors):
+    kernel = _StandInKernel()
+    sim = SimulatedPlan(plan, *tensors, kernel, 0.1)
+    real_merge = ring.merge_into
+    mode = _Launches()
+
+    def one_launch_merge(*args, **kwargs):
+        mode.count["fused merge"] += 1
+        with _disable_current_modes():
+            real_merge(*args, **kwargs)
+
+    ring.merge_into = one_launch_merge
+    try:
+        with mode:
+            sim.run_group(g)
+    finally:
+        ring.merge_into = real_merge
+    return kernel.calls, sum(mode.count.values()), mode.count
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--samples", type=int, default=3, help="random rows per configuration")
+    p.add_argument("--configs", default="32768:4,131072:8", help="comma-separated TOKENS:CP")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--verbose", action="store_true", help="print the operations counted")
+    args = p.parse_args(argv)
+    configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
+    std = stdlib_lengths()
+    print("| mix | tokens / CP | layout | attention calls | glue launches | per call |")
+    print("|---|---|---|---|---|---|")
+    for mix in ("stdlib", "web"):
+        for n, cp in configs:
+            rng = np.random.default_rng(0)
+            found = {}
+            for _ in range(args.samples):
+                cu = pack_rows(std, n, rng) if mix == "stdlib" else web_row(n, rng)
+                q = torch.zeros(n, args.heads, 8, dtype=torch.bfloat16)
+                kv = torch.zeros(n, args.kv_heads, 8, dtype=torch.bfloat16)
+                for name, algo, u in (("ring", "ring", None), ("hybrid u=2", "hybrid", 2)):
+                    plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
+                    for g in range(plan.ring_size):
+                        calls, glue, ops = group_launches(plan, g, (q, kv, kv, q))
+                        if glue > found.get(name, (0, -1))[1]:
+                            found[name] = (calls, glue, ops)
+            for name, (calls, glue, ops) in found.items():
+                print(f"| {mix} | {n // 1024}k / {cp} | {name} | {calls} | {glue} | "
+                      f"{glue / calls:.1f} |")
+                if args.verbose:
+                    print(f"  {dict(ops)}")
+
+
+if __name__ == "__main__":
+    main()
