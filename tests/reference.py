@@ -2,12 +2,15 @@
 
 Every multi-rank attention test compares each rank's rows (and their q/k/v gradients) with
 this single-process computation on the full batch. Deliberately naive: a dense [N, N] mask
-from the documents, key/value heads repeated for GQA, softmax in float64.
+from the documents, key/value heads repeated for GQA, softmax in float64. Also the random
+layouts the tests draw, and a plan schedule with its row runs forgotten (every row by index).
 """
+
+import dataclasses
 
 import torch
 
-__all__ = ["dense_document_attention", "random_layout_tokens"]
+__all__ = ["dense_document_attention", "random_layout_tokens", "schedule_without_spans"]
 
 
 def dense_document_attention(q_NHD, k_NGD, v_NGD, cu_seqlens, softmax_scale):
@@ -42,3 +45,12 @@ def random_layout_tokens(kind, b, s, eod, seed):
         if b > 1:
             tokens[b - 1] = torch.randint(0, eod, (s,), generator=gen)  # a row with no EoD
     return tokens
+
+
+def schedule_without_spans(schedule):
+    """The same schedule with every row run forgotten: all rows by index (gathers)."""
+    strip = lambda call: dataclasses.replace(call, q_span=None, k_span=None)  # noqa: E731
+    return dataclasses.replace(schedule, steps=tuple(
+        dataclasses.replace(step, send_span=None,
+                            call=None if step.call is None else strip(step.call))
+        for step in schedule.steps))

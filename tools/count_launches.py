@@ -69,9 +69,13 @@ class _StandInKernel:
             return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def group_launches(plan, g, tensors):
+def group_launches(plan, g, tensors, schedule_map=None):
+    """(attention calls, glue launches, launches by operation) of group g's forward+backward;
+    `schedule_map` rewrites the schedules first (tests compare variants)."""
     kernel = _StandInKernel()
     sim = SimulatedPlan(plan, *tensors, kernel, 0.1)
+    if schedule_map is not None:
+        sim.schedules = [schedule_map(s) for s in sim.schedules]
     real_merge = ring.merge_into
     mode = _Launches()
 

@@ -7,15 +7,14 @@ stream (both against float64): bf16 rounding is the only difference, so a planni
 merging bug (errors of order 1) fails it while kernel rounding (order 1e-2) passes.
 """
 
-import dataclasses
-
 import pytest
 import torch
 
 from megatron_eod import build_doc_layout, plan_context_parallel
 from megatron_eod.attention.backends import TorchVarlenBackend
 from megatron_eod.attention.simulate import SimulatedPlan
-from tests.reference import dense_document_attention, random_layout_tokens
+from tests.reference import (dense_document_attention, random_layout_tokens,
+                             schedule_without_spans)
 
 EOD = 50
 
@@ -90,15 +89,6 @@ def test_ring_steps_make_no_host_syncs_on_gpu(algo, cp, degree):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def _without_spans(schedule):
-    """The same schedule with every row run forgotten: all rows by index (gathers)."""
-    strip = lambda call: dataclasses.replace(call, q_span=None, k_span=None)  # noqa: E731
-    return dataclasses.replace(schedule, steps=tuple(
-        dataclasses.replace(step, send_span=None,
-                            call=None if step.call is None else strip(step.call))
-        for step in schedule.steps))
-
-
 def test_row_runs_as_slices_equal_gathers_and_the_reference():
     """Ring steps take a run of rows as a slice (a view) and other rows by index. Over these
     layouts both kinds occur for queries, keys and sent rows; each result equals the same plan
@@ -119,7 +109,7 @@ def test_row_runs_as_slices_equal_gathers_and_the_reference():
                     seen.add(("k", step.call.k_span is None))
         spans = SimulatedPlan(plan, q, k, v, dout, softmax_scale=0.3)
         gathers = SimulatedPlan(plan, q, k, v, dout, softmax_scale=0.3)
-        gathers.schedules = [_without_spans(s) for s in gathers.schedules]
+        gathers.schedules = [schedule_without_spans(s) for s in gathers.schedules]
         oracle = _oracle(q, k, v, dout, cu, 0.3)
         for mine, other, ref in zip(spans.run(), gathers.run(), oracle):
             assert (mine - other).abs().max().item() < 1e-12
