@@ -79,7 +79,8 @@ def test_ring_steps_make_no_host_syncs_on_gpu(algo, cp, degree):
                         dtype=torch.bfloat16)
     plan = plan_context_parallel(cu, cp, algo, degree)
     simulated = SimulatedPlan(plan, *tensors, TorchVarlenBackend(), 0.125)
-    simulated.run_group(0)  # compiles the fused merge (compiling may sync; running must not)
+    for g in range(plan.ring_size):  # compiles the fused merges, by index and on runs of rows
+        simulated.run_group(g)        # (compiling may sync; running must not)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
