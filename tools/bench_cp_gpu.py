@@ -6,7 +6,7 @@
 For the two document mixes of tools/bench_cp.py at 32k tokens / CP 4 and 128k / CP 8, runs on
 ONE device, group after group (megatron_eod.attention.simulate), the forward+backward kernel
 work each CP rank does, in bf16 through the GPU varlen kernel, and reports the BUSIEST rank's
-time (it sets the step time) for:
+time (it sets the step time), forward, backward (forward+backward minus forward) and both, for:
   ideal        one varlen call over the whole row, divided by cp (perfect balance, no overhead)
   ours ring    our plan: local call + one call per ring step with received keys, lse merges
   ours hybrid  Ulysses degree 2: a group's time over its 2 ranks
@@ -88,14 +88,24 @@ def doc_zigzag_segments(cu, cp):
     return out, int(padded.sum())
 
 
-def run_call(backend, call, q, k, v, dout, scale):
+def run_call(backend, call, q, k, v, dout, scale, backward=True):
     def fn():
         qs, ks, vs = q[call.q_index], k[call.k_index], v[call.k_index]
         o, lse = backend.forward(qs, ks, vs, call.cu_seqlens_q, call.cu_seqlens_k,
                                  call.max_seqlen_q, call.max_seqlen_k, True, scale)
-        backend.backward(dout[call.q_index], qs, ks, vs, o, lse, call.cu_seqlens_q,
-                         call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k, True, scale)
+        if backward:
+            backend.backward(dout[call.q_index], qs, ks, vs, o, lse, call.cu_seqlens_q,
+                             call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k, True,
+                             scale)
     return fn
+
+
+def busiest(fns, repeats, device, share=1):
+    """(forward, forward+backward) seconds of the busiest rank; fns: (forward, both) per rank;
+    `share`: ranks that split one function's work (a hybrid group's u)."""
+    times = [(timed(f, repeats, device), timed(b, repeats, device)) for f, b in fns]
+    worst = max(times, key=lambda t: t[1])
+    return worst[0] / share, worst[1] / share
 
 
 def random_qkv(n, args, device, dtype, gen):
@@ -112,24 +122,25 @@ def bench_row(cu, cp, args, device, dtype, backend):
     times = {}
     docs = [np.arange(a, b) for a, b in zip(cu[:-1], cu[1:])]
     full = to_dev(call_from_rows(docs, docs, causal=True))
-    times["ideal"] = timed(run_call(backend, full, q, k, v, dout, scale), args.repeats,
-                           device) / cp
+    both = lambda c, *t: (run_call(backend, c, *t, scale, False),  # noqa: E731
+                          run_call(backend, c, *t, scale))
+    times["ideal"] = busiest([both(full, q, k, v, dout)], args.repeats, device, cp)
     for name, algo, u in (("ours ring", "ring", None), ("ours hybrid u=2", "hybrid", 2)):
         plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
         sim = SimulatedPlan(plan, q, k, v, dout, backend, scale)
-        times[name] = max(timed(lambda g=g: sim.run_group(g), args.repeats, device)
-                          for g in range(plan.ring_size)) / (u or 1)
+        times[name] = busiest([(lambda g=g: sim.forward_group(g), lambda g=g: sim.run_group(g))
+                               for g in range(plan.ring_size)], args.repeats, device, u or 1)
     calls = [to_dev(c) for c in prefix_calls(cu, contiguous_segments(cu, cp))]
-    times["contiguous"] = max(timed(run_call(backend, c, q, k, v, dout, scale), args.repeats,
-                                    device) for c in calls)
+    times["contiguous"] = busiest([both(c, q, k, v, dout) for c in calls], args.repeats, device)
     segments, padded_n = doc_zigzag_segments(cu, cp)
     pq, pk, pv, pd = random_qkv(padded_n, args, device, dtype, gen)
     calls = [to_dev(c) for c in prefix_calls(cu, segments)]
-    times["doc-zigzag (padded)"] = max(timed(run_call(backend, c, pq, pk, pv, pd, scale),
-                                             args.repeats, device) for c in calls)
+    times["doc-zigzag (padded)"] = busiest([both(c, pq, pk, pv, pd) for c in calls],
+                                           args.repeats, device)
     needed = float(doc_pairs(np.diff(cu)).sum())
     flops = needed * 4 * args.heads * args.head_dim * 3.5
-    return {name: (t, flops / (cp * t) / 1e12) for name, t in times.items()}
+    return {name: (fwd, total, flops / (cp * total) / 1e12)
+            for name, (fwd, total) in times.items()}
 
 
 def main(argv=None):
@@ -165,13 +176,17 @@ def main(argv=None):
                 cu = pack_rows(std, n, rng) if mix == "stdlib" else web_row(n, rng)
                 rows.append(bench_row(cu, cp, args, device, dtype, backend))
             print(f"\n{mix} {n // 1024}k tokens / CP {cp}")
-            print("| layout | busiest rank ms | over ideal | useful TFLOP/s per GPU |")
+            print("| layout | busiest rank ms: fwd / bwd / both | over ideal: fwd / bwd / both "
+                  "| useful TFLOP/s per GPU |")
             print("|---|---|---|---|")
-            ideal = np.mean([r["ideal"][0] for r in rows])
+            mean = lambda layout, i: float(np.mean([r[layout][i] for r in rows]))  # noqa: E731
+            ideal_fwd, ideal = mean("ideal", 0), mean("ideal", 1)
             for layout in rows[0]:
-                t = np.mean([r[layout][0] for r in rows])
-                tf = np.mean([r[layout][1] for r in rows])
-                print(f"| {layout} | {t * 1e3:.3f} | {t / ideal:.2f} | {tf:.1f} |")
+                fwd, t, tf = mean(layout, 0), mean(layout, 1), mean(layout, 2)
+                print(f"| {layout} | {fwd * 1e3:.3f} / {(t - fwd) * 1e3:.3f} / {t * 1e3:.3f} | "
+                      f"{fwd / ideal_fwd:.2f} / {(t - fwd) / (ideal - ideal_fwd):.2f} / "
+                      f"{t / ideal:.2f} | {tf:.1f} |")
+            sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ tensors instead of sent. Used by the GPU tests and by tools/bench_cp_gpu.py.
 
     sim = SimulatedPlan(plan, q_NHD, k_NGD, v_NGD, dout_NHD)   # gathers, outside any timing
     result = sim.run_group(g)        # group g's forward + backward compute only (time this)
+    out, lse = sim.forward_group(g)  # its forward alone
     out, dq, dk, dv = sim.run()      # all groups, scattered back to stream order
 
 The compute is ring.py's own `ring_forward`/`ring_backward` with an in-process transport.
@@ -87,6 +88,14 @@ class SimulatedPlan:
                 received_rows.append(stream_rows)
             self.inputs.append((q_NHD[rows], k_NGD[rows], v_NGD[rows], dout_NHD[rows],
                                 received, received_rows))
+
+    def forward_group(self, g: int):
+        """Group g's forward compute alone: (out, lse), as ring.py's forward makes them."""
+        q, k, v, _, received, received_rows = self.inputs[g]
+        transport = _InProcessTransport(received, received_rows)
+        schedule = self.schedules[g]
+        return ring_forward(q, k, v, schedule, transport, self.backend, self.scale,
+                            stack_kv(k, v, schedule))
 
     def run_group(self, g: int) -> GroupResult:
         """Group g's forward and backward compute, exactly as ring.py runs it."""
