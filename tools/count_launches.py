@@ -9,7 +9,9 @@ the busiest rank's time exceeds the ideal on a GPU (docs/BENCHMARKS.md). This co
 glue without a GPU: it runs each ring group's forward+backward (simulate.py, float32 on the
 CPU, the attention kernel replaced by a stand-in that launches nothing) under a dispatch mode
 that counts every aten operation that would launch a kernel (views and allocations excluded).
-Each log-sum-exp merge counts as ONE launch, as on CUDA where it runs `torch.compile`d.
+Each log-sum-exp merge counts as the loop nests inductor makes of it (MERGE_LAUNCHES, read
+from its CPU output code; on CUDA each nest is expected to be one Triton kernel: a profile on
+a GPU confirms or corrects it).
 Reports, for the busiest group (most launches) of each mix: attention calls, glue launches,
 and glue launches per attention call, for ring and hybrid (Ulysses degree 2); ideal is one
 attention call and no glue.
@@ -31,6 +33,10 @@ from bench_cp import pack_rows, stdlib_lengths, web_row  # noqa: E402
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention import ring  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
+
+# Loop nests of the compiled merge (TORCH_LOGS=output_code, CPU inductor, torch 2.13): a run of
+# rows updates lse then out in two; rows by index gather, compute and scatter in four.
+MERGE_LAUNCHES = {"span": 2, "rows": 4}
 
 # Operations that launch no kernel: views, metadata, allocations.
 _FREE = {"select", "slice", "unsqueeze", "squeeze", "view", "_unsafe_view", "transpose", "t",
@@ -79,12 +85,13 @@ def group_launches(plan, g, tensors, schedule_map=None):
     real_merge = ring.merge_into
     mode = _Launches()
 
-    def one_launch_merge(*args, **kwargs):
-        mode.count["fused merge"] += 1
+    def counted_merge(*args, **kwargs):
+        kind = "span" if kwargs.get("span") is not None else "rows"
+        mode.count[f"fused merge ({kind})"] += MERGE_LAUNCHES[kind]
         with _disable_current_modes():
             real_merge(*args, **kwargs)
 
-    ring.merge_into = one_launch_merge
+    ring.merge_into = counted_merge
     try:
         with mode:
             sim.run_group(g)

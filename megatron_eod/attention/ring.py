@@ -5,9 +5,9 @@ only (query piece, key piece) pairs of the same document. Forward: the local cal
 local rows as they are (no gather; it initialises out and lse), then for each ring step the
 peer's needed key/value rows arrive (the next step's transfer is started before this step's
 compute) and the partial result is merged by log-sum-exp. Backward: the same transfers again
-(nothing but q, k, v, out and lse is saved, so memory stays at one or two steps' buffers),
-block gradients from the final out/lse, and the key/value gradients of received rows go back
-to their owners. Float32 accumulators exist only when some step has data.
+(only q, k and v (stacked when some step sends them), out and lse are saved, so memory stays
+at one or two steps' buffers), block gradients from the final out/lse, and the key/value
+gradients of received rows go back to their owners. Float32 accumulators exist only when some step has data.
 
 `ring_forward`/`ring_backward` take a transport (who moves the step data): `GroupTransport`
 over a process group here, or the in-process one of simulate.py that runs every group on one
@@ -43,7 +43,10 @@ class GroupTransport:
         self.group = group
 
     def start_kv(self, step, kv_2TGD):
-        send = kv_2TGD[:, step.send_index] if step.send_index.numel() else None
+        if step.send_span == (0, kv_2TGD.shape[1]):
+            send = kv_2TGD  # every local row, in order: no copy
+        else:
+            send = kv_2TGD[:, step.send_index] if step.send_index.numel() else None
         shape = (2, step.recv_count) + tuple(kv_2TGD.shape[2:])
         return exchange(send, step.send_to, shape, step.recv_from, self.group, kv_2TGD.dtype,
                         kv_2TGD.device, tag=step.step)
@@ -158,17 +161,15 @@ def ring_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tran
 def _key_grads(gk_NGD, gv_NGD, call, recv_count, acc):
     """[2, recv_count, G, D] gradients of the received key/value rows, in `acc`."""
     shape = (2, recv_count) + tuple(gk_NGD.shape[1:])
-    span = call.k_span
-    if span is None:  # some key rows repeat or skip: sum them by index
-        grad = torch.zeros(shape, dtype=acc, device=gk_NGD.device)
-        grad.index_add_(1, call.k_index, torch.stack([gk_NGD, gv_NGD]).to(acc))
-        return grad
-    if span == (0, recv_count):  # every received row once, in order (most steps)
+    if call.k_span == (0, recv_count):  # every received row once, in order (most steps)
         grad = torch.empty(shape, dtype=acc, device=gk_NGD.device)
-    else:
-        grad = torch.zeros(shape, dtype=acc, device=gk_NGD.device)
-    grad[0, span[0]:span[1]].copy_(gk_NGD)
-    grad[1, span[0]:span[1]].copy_(gv_NGD)
+        grad[0].copy_(gk_NGD)
+        grad[1].copy_(gv_NGD)
+        return grad
+    # Some key rows repeat (several query runs read them): sum by index. (Every received
+    # row is read, so a run of key rows is always the whole buffer.)
+    grad = torch.zeros(shape, dtype=acc, device=gk_NGD.device)
+    grad.index_add_(1, call.k_index, torch.stack([gk_NGD, gv_NGD]).to(acc))
     return grad
 
 
@@ -191,7 +192,7 @@ class _RingAttention(torch.autograd.Function):
         kv_2TGD = stack_kv(k_TGD, v_TGD, schedule)
         out_THD, lse_TH = ring_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale,
                                        kv_2TGD)
-        # The stacked copy replaces k and v (same memory; the backward needs no re-stacking).
+        # The stacked copy is saved instead of k and v: the backward needs no re-stacking.
         kv = (k_TGD, v_TGD) if kv_2TGD is None else (kv_2TGD,)
         ctx.save_for_backward(q_THD, out_THD, lse_TH, *kv)
         ctx.schedule, ctx.transport, ctx.backend, ctx.scale = schedule, transport, backend, scale

@@ -1,7 +1,9 @@
 """The log-sum-exp merge: the fused (torch.compile) path gives the eager result, by index and
-on a run of rows, keeps rows without keys at out 0 / lse -inf, leaves other rows untouched,
-and falls back to eager with a warning when compiling fails. (On CUDA the fused path is the default; here it is forced on the CPU, in a child
-process.)"""
+on a run of rows at any offset and length (1 included), keeps rows without keys at out 0 /
+lse -inf, leaves other rows untouched, compiles every shape it will see before touching real
+accumulators, falls back to eager with a warning when compiling fails, and raises when a
+validated graph fails half-way. (On CUDA the fused path is the default; here it is forced on
+the CPU, in a child process.)"""
 
 import pytest
 import torch
@@ -35,16 +37,24 @@ def test_fused_merge_equals_eager(dtype, tol):
 
 
 def _fused_merge_equals_eager(rank, world, dtype, tol):
+    from torch._dynamo.utils import counters
+
     # Both forms: rows by index (gather, merge, scatter in one compiled function) and a run of
-    # rows as slices updated in place (rows 0.., with the rows that saw no key); two row
-    # counts each (dynamic shapes).
+    # rows updated in place at an offset (rows `start`.., with the rows that saw no key when
+    # start is 0); several row counts and offsets (dynamic shapes; dynamo specialises 1 row
+    # and offset 0).
+    # Parts alternate between views (slices) and plain tensors: both share the graphs.
     for span in (False, True):
-        for size in (5, 3):
+        compiled = None
+        for i, (size, start) in enumerate(((3, 2), (5, 0), (1, 0), (1, 4), (4, 1), (2, 9))):
             eager = _accumulators(dtype)
-            rows = torch.arange(size) if span else eager[2][:size]
-            eager = (eager[0], eager[1], rows, eager[3][:size], eager[4][:size])
+            rows = torch.arange(start, start + size) if span else eager[2][:size]
+            parts = (eager[3][:size], eager[4][:size])
+            if i % 2:
+                parts = tuple(t.clone() for t in parts)
+            eager = (eager[0], eager[1], rows) + parts
             fused = tuple(t.clone() for t in eager)
-            cut = (0, size) if span else None
+            cut = (start, start + size) if span else None
             merge_into(*eager, span=cut, fused=False)
             merge_into(*fused, span=cut, fused=True)
             assert (fused[0] - eager[0]).abs().max() < tol
@@ -55,6 +65,10 @@ def _fused_merge_equals_eager(rank, world, dtype, tol):
             untouched = torch.ones(12, dtype=torch.bool)
             untouched[rows] = False  # rows not merged keep their values exactly
             assert torch.equal(fused[0][untouched], _accumulators(dtype)[0][untouched])
+            assert torch.equal(fused[1][untouched], _accumulators(dtype)[1][untouched])
+            # The first merge of a form compiled every shape it meets later (no recompile).
+            compiled = compiled or counters["stats"]["unique_graphs"]
+            assert counters["stats"]["unique_graphs"] == compiled, ("recompiled", span, i)
     eager = _accumulators(dtype)
     merge_into(*eager, fused=False)
     assert torch.equal(eager[0][0], torch.zeros_like(eager[0][0]))
@@ -62,16 +76,76 @@ def _fused_merge_equals_eager(rank, world, dtype, tol):
     assert not lse_module._FUSED["failed"]  # it really compiled (no eager fallback)
 
 
-def test_compile_failure_falls_back_to_eager(monkeypatch):
-    def broken(fn, dynamic):
-        def fail(*args):
-            raise RuntimeError("no triton")
-        return fail
+def _fake_compile(monkeypatch, fail):
+    """torch.compile -> the eager function, except that `fail(args)` may raise instead."""
+    monkeypatch.setattr(lse_module, "_FUSED", {"rows": None, "span": None, "failed": False,
+                                               "validated": set()})
 
-    monkeypatch.setattr(lse_module, "_FUSED", {"rows": None, "span": None, "failed": False})
-    monkeypatch.setattr(torch, "compile", broken)
+    def compile_(fn, **options):
+        def run(*args):
+            fail(args)
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(torch, "compile", compile_)
+
+
+def test_compile_failure_falls_back_to_eager(monkeypatch):
+    def always(args):
+        raise RuntimeError("no triton")
+
+    _fake_compile(monkeypatch, always)
     got, want = _accumulators(torch.float64), _accumulators(torch.float64)
     with pytest.warns(UserWarning, match="fused log-sum-exp merge unavailable"):
         merge_into(*got, fused=True)
     merge_into(*want, fused=False)
     assert torch.equal(got[0], want[0]) and lse_module._FUSED["failed"]
+
+
+def test_validation_runs_on_copies_so_a_failure_touches_nothing(monkeypatch):
+    """A graph that writes half its result and then fails, on its very first run: the real
+    accumulators are not what it ran on, so the eager fallback gives the exact result."""
+    def half_then_fail(args):
+        args[0][: args[0].shape[0] // 2] += 1.0  # a partial write into what it was given
+        raise RuntimeError("launch failed")
+
+    _fake_compile(monkeypatch, half_then_fail)
+    got, want = _accumulators(torch.float64), _accumulators(torch.float64)
+    with pytest.warns(UserWarning, match="fused log-sum-exp merge unavailable"):
+        merge_into(*got, fused=True)
+    merge_into(*want, fused=False)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_a_failure_after_validation_is_raised_not_merged_again(monkeypatch):
+    real = _accumulators(torch.float64)
+
+    def on_real_tensors(args):
+        if args[0].data_ptr() == real[0].data_ptr():
+            raise RuntimeError("illegal memory access")
+
+    _fake_compile(monkeypatch, on_real_tensors)
+    with pytest.raises(RuntimeError, match="MEGATRON_EOD_FUSED_MERGE=0"):
+        merge_into(*real, fused=True)
+
+
+def test_a_recompile_failure_falls_back_to_eager(monkeypatch):
+    """Dynamo's compile errors surface before the (single, fullgraph) graph runs anything."""
+    real = _accumulators(torch.float64)
+
+    def on_real_tensors(args):
+        if args[0].data_ptr() == real[0].data_ptr():
+            raise torch._dynamo.exc.TorchDynamoException("recompile failed")
+
+    _fake_compile(monkeypatch, on_real_tensors)
+    want = _accumulators(torch.float64)
+    with pytest.warns(UserWarning, match="recompile failed"):
+        merge_into(*real, fused=True)
+    merge_into(*want, fused=False)
+    assert torch.equal(real[0], want[0]) and lse_module._FUSED["failed"]
+
+
+def test_a_span_must_match_the_partial_result():
+    out, lse, rows, part, part_lse = _accumulators(torch.float64)
+    with pytest.raises(ValueError, match=r"span \(0, 4\) holds 4 rows .* has 5"):
+        merge_into(out, lse, None, part, part_lse, span=(0, 4), fused=False)

@@ -1,6 +1,7 @@
 """Schedules against the document mask, pair by pair: every group's local call and ring
 steps, expanded into (query, key) stream positions, cover exactly the causal same-document
-pairs of its queries, each once; what a group sends at step t is what its peer receives."""
+pairs of its queries, each once; what a group sends at step t is what its peer receives; the
+runs of rows marked for slicing (spans) are exactly the index arrays that are runs."""
 
 import numpy as np
 import torch
@@ -23,6 +24,14 @@ def call_pairs(call, q_stream, k_stream):
             visible = k[: row + 1 + k.numel() - q.numel()] if call.causal else k
             out.extend((query, key) for key in visible.tolist())
     return out
+
+
+def _run(index):
+    """(start, stop) when index is start, start+1, .., stop-1; else None."""
+    values = index.tolist()
+    if values and values == list(range(values[0], values[0] + len(values))):
+        return values[0], values[0] + len(values)
+    return None
 
 
 def expected_pairs(cu, queries):
@@ -49,10 +58,16 @@ def test_schedules_cover_exactly_the_document_mask(case):
             assert sender.send_to == g and step.send_to == (g + step.step) % groups
             assert sender.send_index.numel() == step.recv_count
             received = tokens[step.recv_from][sender.send_index]
+            assert step.send_span == _run(step.send_index)
             if step.call is None:
                 assert step.recv_count == 0
             else:
                 pairs += call_pairs(step.call, tokens[g], received)
+                call = step.call
+                assert call.q_span == _run(call.q_index) and call.k_span == _run(call.k_index)
+                # Every received row is read (ring.py: a run of keys is the whole buffer).
+                assert set(call.k_index.tolist()) == set(range(step.recv_count))
+                assert call.k_span in (None, (0, step.recv_count))
         assert len(pairs) == len(set(pairs)), f"group {g} evaluates a pair twice"
         assert set(pairs) == expected_pairs(cu, tokens[g].numpy()), f"group {g}"
         assert len(pairs) == schedule.pairs
