@@ -102,8 +102,7 @@ class CPUExactBackend:
         for qs, ks, mask, has_key in self._blocks(q, k, cu_q, cu_k, causal):
             if qs.stop == qs.start or ks.stop == ks.start:
                 continue
-            l = lse[qs].transpose(0, 1).unsqueeze(0).to(torch.float32 if q.dtype != torch.float64
-                                                        else torch.float64)
+            l = lse[qs].transpose(0, 1).unsqueeze(0).to(accumulation_dtype(q.dtype))
             # Rows without keys contribute nothing; give them a finite lse the kernel accepts.
             l = torch.where(torch.isinf(l), torch.zeros_like(l), l)
             g_q, g_k, g_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
