@@ -10,9 +10,12 @@ from tests.harness import run_ranks
 
 
 def _all_to_all(rank, world_size):
-    # Even list form, then uneven all_to_all_single: rank r sends r+1 values to every peer.
-    even = [torch.empty(2) for _ in range(world_size)]
-    dist.all_to_all(even, [torch.full((2,), float(10 * rank + p)) for p in range(world_size)])
+    # all_to_all_single (what Ulysses uses; gloo has no list-form all_to_all before torch
+    # 2.13, and the GPU machine has 2.11), even, then uneven: rank r sends r+1 values to each.
+    even = torch.empty(2 * world_size)
+    dist.all_to_all_single(even, torch.cat([torch.full((2,), float(10 * rank + p))
+                                            for p in range(world_size)]))
+    even = list(even.split(2))
     send = torch.cat([torch.full((rank + 1,), float(100 * rank + p)) for p in range(world_size)])
     recv = torch.empty(sum(p + 1 for p in range(world_size)))
     dist.all_to_all_single(recv, send, output_split_sizes=[p + 1 for p in range(world_size)],
