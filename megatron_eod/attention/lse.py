@@ -103,6 +103,13 @@ def _validate(kind, args):
         _FUSED["validated"].add(key)
 
 
+def _compile_errors():
+    """Exceptions dynamo raises before a (fullgraph) graph runs: its compile failures and,
+    past torch._dynamo.config.recompile_limit graphs, FailOnRecompileLimitHit."""
+    exc = torch._dynamo.exc
+    return (exc.TorchDynamoException, getattr(exc, "FailOnRecompileLimitHit", exc.Unsupported))
+
+
 def _give_up(error):
     _FUSED["failed"] = True
     warnings.warn(f"fused log-sum-exp merge unavailable ({type(error).__name__}: {error}); "
@@ -134,7 +141,7 @@ def merge_into(out_TH: torch.Tensor, lse_TH: torch.Tensor, rows: torch.Tensor,
             try:
                 _compiled(kind)(*args)
                 return
-            except torch._dynamo.exc.TorchDynamoException as error:  # a recompile failed
+            except _compile_errors() as error:  # a recompile failed: nothing ran
                 _give_up(error)
             except Exception as error:
                 raise RuntimeError(

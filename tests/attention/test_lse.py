@@ -69,6 +69,18 @@ def _fused_merge_equals_eager(rank, world, dtype, tol):
             # The first merge of a form compiled every shape it meets later (no recompile).
             compiled = compiled or counters["stats"]["unique_graphs"]
             assert counters["stats"]["unique_graphs"] == compiled, ("recompiled", span, i)
+    # Random accumulator sizes, offsets and row counts (a training run's variety): no graph
+    # beyond those compiled up front (dynamo's recompile limit would end the fused path).
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(60):
+        t = int(torch.randint(2, 300, (), generator=gen))
+        n = int(torch.randint(1, t + 1, (), generator=gen))
+        start = int(torch.randint(0, t - n + 1, (), generator=gen))
+        out, lse = torch.randn(t, 3, 8, dtype=dtype), torch.randn(t, 3, dtype=dtype)
+        part, part_lse = torch.randn(n, 3, 8, dtype=dtype), torch.randn(n, 3, dtype=dtype)
+        merge_into(out, lse, None, part, part_lse, span=(start, start + n), fused=True)
+        merge_into(out, lse, torch.randperm(t, generator=gen)[:n], part, part_lse, fused=True)
+    assert counters["stats"]["unique_graphs"] == compiled, "random shapes recompiled the merge"
     eager = _accumulators(dtype)
     merge_into(*eager, fused=False)
     assert torch.equal(eager[0][0], torch.zeros_like(eager[0][0]))
@@ -124,13 +136,16 @@ def test_a_failure_after_validation_is_raised_not_merged_again(monkeypatch):
         merge_into(*real, fused=True)
 
 
-def test_a_recompile_failure_falls_back_to_eager(monkeypatch):
-    """Dynamo's compile errors surface before the (single, fullgraph) graph runs anything."""
+@pytest.mark.parametrize("error", [torch._dynamo.exc.TorchDynamoException("recompile failed"),
+                                   torch._dynamo.exc.FailOnRecompileLimitHit("recompile failed")])
+def test_a_recompile_failure_falls_back_to_eager(monkeypatch, error):
+    """Dynamo's compile errors (and its recompile limit, under fullgraph) surface before the
+    graph runs anything: merging eagerly then is exact."""
     real = _accumulators(torch.float64)
 
     def on_real_tensors(args):
         if args[0].data_ptr() == real[0].data_ptr():
-            raise torch._dynamo.exc.TorchDynamoException("recompile failed")
+            raise error
 
     _fake_compile(monkeypatch, on_real_tensors)
     want = _accumulators(torch.float64)
