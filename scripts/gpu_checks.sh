@@ -14,6 +14,8 @@
 #   training      pretrain_gpt.py in bf16: CP=1 vs the CPU golden losses, CP=N on N GPUs,
 #                 CP=2/4 processes sharing one GPU vs CP=1 (sets CP_TOL and GOLDEN_TOL)
 #   bench-cp      tools/bench_cp_gpu.py: busiest CP rank vs ideal, ring and hybrid
+#   profile       tools/profile_cp_step.py: that rank's time split into attention kernels,
+#                 glue kernels and idle device, and its costliest glue kernels
 #   e2e           tools/bench_e2e.py --preset 1b: EoD reset vs causal tokens/s, ~1.2B GPT, 32k
 # --list prints each stage and its command, runs nothing.
 #   GPU_CHECKS_OUT     logs and summary.md (default: $OUT when set, else <repo>/runs/gpu_checks)
@@ -29,15 +31,17 @@ OFFLINE_DIR="${OFFLINE_DIR:-$ROOT/.device}"
 WORK="${TMPDIR:-/tmp}/megatron-eod-gpu-checks"
 PYTEST="$PYTHON -m pytest -q -rs -s -m gpu"
 
-ORDER=(env kernels multiprocess training bench-cp e2e)
+ORDER=(env kernels multiprocess training bench-cp profile e2e)
 declare -A COMMAND LIMIT
 COMMAND[env]="$PYTHON tools/gpu_env_report.py"
 COMMAND[kernels]="$PYTEST tests --ignore=tests/attention/test_multiprocess_gpu.py --ignore=tests/functional/test_gpu_training.py"
 COMMAND[multiprocess]="$PYTEST tests/attention/test_multiprocess_gpu.py"
 COMMAND[training]="$PYTEST tests/functional/test_gpu_training.py"
 COMMAND[bench-cp]="$PYTHON tools/bench_cp_gpu.py"
+COMMAND[profile]="$PYTHON tools/profile_cp_step.py"
 COMMAND[e2e]="$PYTHON tools/bench_e2e.py --preset 1b --work-dir $WORK/bench_e2e"
-LIMIT=([env]=120 [kernels]=300 [multiprocess]=420 [training]=540 [bench-cp]=480 [e2e]=540)
+LIMIT=([env]=120 [kernels]=300 [multiprocess]=420 [training]=540 [bench-cp]=480
+       [profile]=240 [e2e]=540)
 
 if [ "${1:-}" = "--list" ]; then
   for stage in "${ORDER[@]}"; do printf '%s\t%s\n' "$stage" "${COMMAND[$stage]}"; done
@@ -123,7 +127,7 @@ for stage in "${STAGES[@]}"; do
     echo "## $stage"
     echo
     case $stage in
-      env|bench-cp) cat "$log" ;;
+      env|bench-cp|profile) grep -v '^USDT' "$log" ;;
       e2e) tail -n 5 "$log" ;;
       *) grep -o '\[figure\].*' "$log" | sed 's/^\[figure\] /- /'
          grep -E '^(FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed|skipped|error)' "$log" | tail -n 20 ;;

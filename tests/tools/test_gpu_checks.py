@@ -31,7 +31,8 @@ def stages():
 
 def test_every_stage_runs_a_file_that_exists_and_pytest_stages_select_gpu_tests():
     found = stages()
-    assert list(found) == ["env", "kernels", "multiprocess", "training", "bench-cp", "e2e"]
+    assert list(found) == ["env", "kernels", "multiprocess", "training", "bench-cp", "profile",
+                           "e2e"]
     for stage, command in found.items():
         words = shlex.split(command)
         paths = [w.split("=", 1)[-1] for w in words[1:]

@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""Where a CP rank's attention time goes: attention kernels, glue kernels, idle device.
+
+    python tools/profile_cp_step.py [--configs 32768:4,131072:8] [--mixes stdlib,web]
+
+tools/bench_cp_gpu.py says how far the busiest rank is from the ideal; this says why. For
+the busiest group of our ring and hybrid (u=2) plans on the same rows, sizes and kernel, it
+times one forward+backward (best of --repeats, no profiler) and profiles one more with
+torch.profiler, then splits the time:
+  attention  device time in the attention kernels (names with flash / fmha / attention)
+  glue       device time in every other kernel: merges, gathers, casts, gradient sums
+  idle       the rest of the wall time: the device waits for the host to launch work
+             (many small launches, Python overhead)
+and lists the glue kernels that take the most time. Times are per rank (a hybrid group's
+over its u ranks). Busy time is the union of kernel intervals, so overlapping kernels count
+once. On a CPU the same split covers the top-level aten operators of the profiled run (no
+device: "idle" is Python overhead between them), which only smoke-tests the tool.
+"""
+
+import argparse
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from bench_cp import pack_rows, stdlib_lengths, web_row  # noqa: E402
+from bench_cp_gpu import random_qkv, timed  # noqa: E402
+from megatron_eod import plan_context_parallel  # noqa: E402
+from megatron_eod.attention.backends import get_backend  # noqa: E402
+from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
+
+_ATTENTION = re.compile(r"flash|fmha|attention", re.IGNORECASE)
+
+
+def kernel_intervals(prof, device):
+    """[(name, start_us, end_us)] of the work the device ran: CUDA kernels, or on a CPU the
+    top-level aten operators."""
+    if device.type == "cuda":
+        return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.name.startswith("aten::") and not _has_aten_parent(e)]
+
+
+def _has_aten_parent(event):
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def busy_us(intervals):
+    """Length of the union of [start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted((s, e) for _, s, e in intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def split_time(intervals, wall_s):
+    """{attention, glue, idle: seconds} adding up to wall_s (idle >= 0), and the glue
+    kernels' {name: (count, seconds)}."""
+    attention = [i for i in intervals if _ATTENTION.search(i[0])]
+    glue = [i for i in intervals if not _ATTENTION.search(i[0])]
+    att_s, glue_s = busy_us(attention) / 1e6, busy_us(glue) / 1e6
+    by_name = {}
+    for name, start, end in glue:
+        count, seconds = by_name.get(name, (0, 0.0))
+        by_name[name] = (count + 1, seconds + (end - start) / 1e6)
+    return {"attention": att_s, "glue": glue_s,
+            "idle": max(0.0, wall_s - att_s - glue_s), "wall": wall_s}, by_name
+
+
+def profile_group(sim, g, device, repeats):
+    """(split, glue by name, attention kernel count, glue kernel count) of group g."""
+    wall = timed(lambda: sim.run_group(g), repeats, device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                           else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        sim.run_group(g)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        profiled_wall = time.perf_counter() - start
+    if device.type != "cuda":  # operators run on the host: the profiler slows them all
+        wall = profiled_wall
+    intervals = kernel_intervals(prof, device)
+    split, by_name = split_time(intervals, wall)
+    n_att = sum(1 for i in intervals if _ATTENTION.search(i[0]))
+    return split, by_name, n_att, len(intervals) - n_att
+
+
+def profile_row(cu, cp, args, device, dtype, backend):
+    """{layout: (split per rank, glue by name, attention kernels, glue kernels)} for the
+    busiest group of each of our layouts."""
+    n = int(cu[-1])
+    q, k, v, dout = random_qkv(n, args, device, dtype, torch.Generator().manual_seed(0))
+    scale = args.head_dim ** -0.5
+    out = {}
+    for name, algo, u in (("ours ring", "ring", None), ("ours hybrid u=2", "hybrid", 2)):
+        plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
+        sim = SimulatedPlan(plan, q, k, v, dout, backend, scale)
+        g = max(range(plan.ring_size),
+                key=lambda g: timed(lambda: sim.run_group(g), 1, device))
+        split, by_name, n_att, n_glue = profile_group(sim, g, device, args.repeats)
+        share = u or 1
+        out[name] = ({key: s / share for key, s in split.items()}, by_name, n_att, n_glue)
+    return out
+
+
+def report(mix, n, cp, results, top):
+    print(f"\n{mix} {n // 1024}k tokens / CP {cp}: busiest group, per rank")
+    print("| layout | wall ms | attention ms | glue ms | idle ms | kernels: attention / glue |")
+    print("|---|---|---|---|---|---|")
+    for layout, (split, _, n_att, n_glue) in results.items():
+        wall = split["wall"]
+        cells = " | ".join(f"{split[k] * 1e3:.3f} ({100 * split[k] / wall:.0f}%)"
+                           for k in ("attention", "glue", "idle"))
+        print(f"| {layout} | {wall * 1e3:.3f} | {cells} | {n_att} / {n_glue} |")
+    for layout, (_, by_name, _, _) in results.items():
+        ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
+        print(f"\n{layout}: top glue kernels (count, ms)")
+        for name, (count, seconds) in ranked:
+            print(f"  {seconds * 1e3:8.3f} ms  x{count:<4d} {name[:100]}")
+    sys.stdout.flush()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", default="32768:4,131072:8", help="comma-separated TOKENS:CP")
+    p.add_argument("--mixes", default="stdlib,web", help="comma-separated: stdlib, web")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--top", type=int, default=8, help="glue kernels listed per layout")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
+    mixes = args.mixes.split(",")
+    if any(m not in ("stdlib", "web") for m in mixes):
+        p.error(f"--mixes: {args.mixes!r}; each must be stdlib or web")
+    for n, cp in configs:
+        if n % (2 * cp):
+            p.error(f"--configs: tokens {n} must be divisible by 2*cp = {2 * cp}")
+    if args.heads % args.kv_heads:
+        p.error("--heads must be divisible by --kv-heads")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = get_backend(device, dtype)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{name}, backend {backend.name}, {dtype}, heads {args.heads}/{args.kv_heads} x "
+          f"{args.head_dim}, one row per configuration, wall = best of {args.repeats}")
+    std = stdlib_lengths()
+    for mix in mixes:
+        for n, cp in configs:
+            rng = np.random.default_rng(args.seed)
+            cu = pack_rows(std, n, rng) if mix == "stdlib" else web_row(n, rng)
+            report(mix, n, cp, profile_row(cu, cp, args, device, dtype, backend), args.top)
+
+
+if __name__ == "__main__":
+    main()
