@@ -50,7 +50,11 @@ def random_layout_tokens(kind, b, s, eod, seed):
 def schedule_without_spans(schedule):
     """The same schedule with every row run forgotten: all rows by index (gathers)."""
     strip = lambda call: dataclasses.replace(call, q_span=None, k_span=None)  # noqa: E731
-    return dataclasses.replace(schedule, steps=tuple(
+    batched = schedule.batched
+    if batched is not None:
+        batched = dataclasses.replace(batched, send_span=None,
+                                      call=None if batched.call is None else strip(batched.call))
+    return dataclasses.replace(schedule, batched=batched, steps=tuple(
         dataclasses.replace(step, send_span=None,
                             call=None if step.call is None else strip(step.call))
         for step in schedule.steps))

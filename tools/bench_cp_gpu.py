@@ -8,8 +8,11 @@ ONE device, group after group (megatron_eod.attention.simulate), the forward+bac
 work each CP rank does, in bf16 through the GPU varlen kernel, and reports the BUSIEST rank's
 time (it sets the step time), forward, backward (forward+backward minus forward) and both, for:
   ideal        one varlen call over the whole row, divided by cp (perfect balance, no overhead)
-  ours ring    our plan: local call + one call per ring step with received keys, lse merges
-  ours hybrid  Ulysses degree 2: a group's time over its 2 ranks
+  ours ring    our plan, batched ring (the default): local call + ONE call over every
+               received key, one lse merge
+  ours ring (steps)  the same plan, one call and one merge per ring step (--cp-ring-exchange
+               steps)
+  ours hybrid  Ulysses degree 2: a group's time over its 2 ranks (batched, and steps)
   contiguous   row cut in cp pieces; each piece attends to its documents' earlier keys
   doc-zigzag   every document padded to 2*cp and zigzagged (TransformerEngine THD layout);
                computed here as ONE call per rank (generous: TE makes one per ring step)
@@ -35,6 +38,12 @@ from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
 from megatron_eod.plan.cost import doc_pairs  # noqa: E402
 from megatron_eod.plan.kv_schedule import call_from_rows  # noqa: E402
+
+
+# Our layouts: (name, algo, Ulysses degree, ring executor); the other tools report the same.
+OURS = (("ours ring", "ring", None, "batched"), ("ours ring (steps)", "ring", None, "steps"),
+        ("ours hybrid u=2", "hybrid", 2, "batched"),
+        ("ours hybrid u=2 (steps)", "hybrid", 2, "steps"))
 
 
 def timed(fn, repeats, device):
@@ -125,9 +134,9 @@ def bench_row(cu, cp, args, device, dtype, backend):
     both = lambda c, *t: (run_call(backend, c, *t, scale, False),  # noqa: E731
                           run_call(backend, c, *t, scale))
     times["ideal"] = busiest([both(full, q, k, v, dout)], args.repeats, device, cp)
-    for name, algo, u in (("ours ring", "ring", None), ("ours hybrid u=2", "hybrid", 2)):
+    for name, algo, u, exchange in OURS:
         plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
-        sim = SimulatedPlan(plan, q, k, v, dout, backend, scale)
+        sim = SimulatedPlan(plan, q, k, v, dout, backend, scale, exchange)
         times[name] = busiest([(lambda g=g: sim.forward_group(g), lambda g=g: sim.run_group(g))
                                for g in range(plan.ring_size)], args.repeats, device, u or 1)
     calls = [to_dev(c) for c in prefix_calls(cu, contiguous_segments(cu, cp))]

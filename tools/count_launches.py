@@ -13,8 +13,8 @@ Each log-sum-exp merge counts as the loop nests inductor makes of it (MERGE_LAUN
 from its CPU output code; on CUDA each nest is expected to be one Triton kernel: a profile on
 a GPU confirms or corrects it).
 Reports, for the busiest group (most launches) of each mix: attention calls, glue launches,
-and glue launches per attention call, for ring and hybrid (Ulysses degree 2); ideal is one
-attention call and no glue.
+and glue launches per attention call, for ring and hybrid (Ulysses degree 2), each with both
+ring executors (batched, steps); ideal is one attention call and no glue.
 """
 
 import argparse
@@ -30,8 +30,9 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
 from bench_cp import pack_rows, stdlib_lengths, web_row  # noqa: E402
+from bench_cp_gpu import OURS  # noqa: E402
 from megatron_eod import plan_context_parallel  # noqa: E402
-from megatron_eod.attention import ring  # noqa: E402
+from megatron_eod.attention import batched, ring  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
 
 # Loop nests of the compiled merge (TORCH_LOGS=output_code, CPU inductor, torch 2.13): a run of
@@ -75,11 +76,12 @@ class _StandInKernel:
             return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def group_launches(plan, g, tensors, schedule_map=None):
-    """(attention calls, glue launches, launches by operation) of group g's forward+backward;
-    `schedule_map` rewrites the schedules first (tests compare variants)."""
+def group_launches(plan, g, tensors, schedule_map=None, exchange="batched"):
+    """(attention calls, glue launches, launches by operation) of group g's forward+backward
+    with the ring executor `exchange`; `schedule_map` rewrites the schedules first (tests
+    compare variants)."""
     kernel = _StandInKernel()
-    sim = SimulatedPlan(plan, *tensors, kernel, 0.1)
+    sim = SimulatedPlan(plan, *tensors, kernel, 0.1, exchange)
     if schedule_map is not None:
         sim.schedules = [schedule_map(s) for s in sim.schedules]
     real_merge = ring.merge_into
@@ -91,12 +93,12 @@ def group_launches(plan, g, tensors, schedule_map=None):
         with _disable_current_modes():
             real_merge(*args, **kwargs)
 
-    ring.merge_into = counted_merge
+    ring.merge_into = batched.merge_into = counted_merge
     try:
         with mode:
             sim.run_group(g)
     finally:
-        ring.merge_into = real_merge
+        ring.merge_into = batched.merge_into = real_merge
     return kernel.calls, sum(mode.count.values()), mode.count
 
 
@@ -120,10 +122,12 @@ def main(argv=None):
                 cu = pack_rows(std, n, rng) if mix == "stdlib" else web_row(n, rng)
                 q = torch.zeros(n, args.heads, 8, dtype=torch.bfloat16)
                 kv = torch.zeros(n, args.kv_heads, 8, dtype=torch.bfloat16)
-                for name, algo, u in (("ring", "ring", None), ("hybrid u=2", "hybrid", 2)):
+                for name, algo, u, exchange in OURS:
+                    name = name.replace("ours ", "")
                     plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
                     for g in range(plan.ring_size):
-                        calls, glue, ops = group_launches(plan, g, (q, kv, kv, q))
+                        calls, glue, ops = group_launches(plan, g, (q, kv, kv, q),
+                                                          exchange=exchange)
                         if glue > found.get(name, (0, -1))[1]:
                             found[name] = (calls, glue, ops)
             for name, (calls, glue, ops) in found.items():

@@ -4,9 +4,9 @@
     python tools/profile_cp_step.py [--configs 32768:4,131072:8] [--mixes stdlib,web]
 
 tools/bench_cp_gpu.py says how far the busiest rank is from the ideal; this says why. For
-the busiest group of our ring and hybrid (u=2) plans on the same rows, sizes and kernel, it
-times one forward+backward (best of --repeats, no profiler) and profiles one more with
-torch.profiler, then splits the time:
+the busiest group of our ring and hybrid (u=2) plans, with both ring executors, on the same
+rows, sizes and kernel, it times one forward+backward (best of --repeats, no profiler) and
+profiles one more with torch.profiler, then splits the time:
   attention  device time in the attention kernels (names with flash / fmha / attention)
   glue       device time in every other kernel: merges, gathers, casts, gradient sums
   idle       the rest of the wall time: the device waits for the host to launch work
@@ -32,7 +32,7 @@ from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from bench_cp import pack_rows, stdlib_lengths, web_row  # noqa: E402
-from bench_cp_gpu import random_qkv, timed  # noqa: E402
+from bench_cp_gpu import OURS, random_qkv, timed  # noqa: E402
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
@@ -109,9 +109,9 @@ def profile_row(cu, cp, args, device, dtype, backend):
     q, k, v, dout = random_qkv(n, args, device, dtype, torch.Generator().manual_seed(0))
     scale = args.head_dim ** -0.5
     out = {}
-    for name, algo, u in (("ours ring", "ring", None), ("ours hybrid u=2", "hybrid", 2)):
+    for name, algo, u, exchange in OURS:
         plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
-        sim = SimulatedPlan(plan, q, k, v, dout, backend, scale)
+        sim = SimulatedPlan(plan, q, k, v, dout, backend, scale, exchange)
         g = max(range(plan.ring_size),
                 key=lambda g: timed(lambda: sim.run_group(g), 1, device))
         split, by_name, n_att, n_glue = profile_group(sim, g, device, args.repeats)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron_eod.attention.backends import default_scale, get_backend
 from megatron_eod.attention.groups import get_hybrid_groups
-from megatron_eod.attention.ring import ring_attention
+from megatron_eod.attention.ring import RING_EXCHANGES, ring_attention
 from megatron_eod.attention.ulysses import head_to_seq, seq_to_head
 
 __all__ = ["context_parallel_attention"]
@@ -42,14 +42,19 @@ def _check(q, k, v, plan, group_size):
 
 
 def context_parallel_attention(q, k, v, plan, group=None, causal=True, softmax_scale=None,
-                               backend=None):
+                               backend=None, ring_exchange="batched"):
     """Document-masked causal attention of this rank's rows `plan.token_index(rank)`.
 
     q: [n, H, D], k/v: [n, G, D] -> [n, H, D]; differentiable in q, k, v. For algo='hybrid'
     every rank must have called `create_hybrid_groups(group, plan.ulysses_degree)` once.
+    ring_exchange (ring and hybrid): "batched" (all of a ring group's transfers at once, two
+    kernel calls) or "steps" (a transfer, a call and a merge per ring step); see ring.py.
     """
     if not causal:
         raise ValueError("causal=False is not supported: EoD-reset training is causal")
+    if ring_exchange not in RING_EXCHANGES:
+        raise ValueError(f"ring_exchange (--cp-ring-exchange) must be one of "
+                         f"{RING_EXCHANGES}, got {ring_exchange!r}")
     if plan.cp_size == 1 and group is None:
         rank = 0  # no context parallelism: one local varlen call, no process group needed
         _check(q, k, v, plan, 1)
@@ -66,7 +71,7 @@ def context_parallel_attention(q, k, v, plan, group=None, causal=True, softmax_s
     degree, ulysses_group, ring_group = _groups(plan, group)
     if degree > 1:
         q, k, v = seq_to_head(q, k, v, ulysses_group, degree)
-    out = ring_attention(q, k, v, schedule, ring_group, backend, scale)
+    out = ring_attention(q, k, v, schedule, ring_group, backend, scale, ring_exchange)
     return head_to_seq(out, ulysses_group, degree) if degree > 1 else out
 
 

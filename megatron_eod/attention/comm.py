@@ -25,7 +25,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["Exchange", "exchange", "all_to_all_equal", "warm_up", "host_staging"]
+__all__ = ["Exchange", "Transfers", "exchange", "exchange_many", "all_to_all_equal", "warm_up",
+           "host_staging"]
 
 _WARM = []  # groups that have run a collective (kept alive, compared by identity)
 _STAGING = [os.environ.get("MEGATRON_EOD_HOST_STAGING") == "1"]
@@ -90,6 +91,45 @@ def exchange(send: Optional[torch.Tensor], send_to: int, recv_shape, recv_from: 
     what = (f"p2p tag {tag}: send to group rank {send_to}, receive from group rank "
             f"{recv_from}")
     return Exchange(works, received, what, group, staged_for)
+
+
+class Transfers:
+    """Started sends and receives into given buffers; `wait()` returns when all are done."""
+
+    def __init__(self, works: List, staged: List, what: str, group):
+        self._works, self._staged, self._what, self._group = works, staged, what, group
+
+    def wait(self) -> None:
+        Exchange(self._works, None, self._what, self._group).wait()
+        self._works = []
+        for host, target in self._staged:  # host staging: received into host memory first
+            target.copy_(host)
+        self._staged = []
+
+
+def exchange_many(sends, recvs, group, what: str = "") -> Transfers:
+    """Start, in ONE batched p2p call, every send of `sends` [(tensor, group rank, tag)] and
+    every receive of `recvs` [(contiguous buffer it fills, group rank, tag)], in the order
+    given (NCCL matches a pair's messages by order: both sides list them in the same order).
+    Empty tensors are skipped, as in `exchange`."""
+    ops, staged = [], []
+    for tensor, peer, tag in sends:
+        if tensor.numel():
+            tensor = tensor.to("cpu") if _STAGING[0] else tensor.contiguous()
+            ops.append(dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, peer), group,
+                                  tag))
+    for buffer, peer, tag in recvs:
+        if buffer.numel():
+            if not buffer.is_contiguous():
+                raise AssertionError("exchange_many receives into contiguous buffers only")
+            target = buffer
+            if _STAGING[0]:
+                target = torch.empty(buffer.shape, dtype=buffer.dtype, device="cpu")
+                staged.append((target, buffer))
+            ops.append(dist.P2POp(dist.irecv, target, dist.get_global_rank(group, peer), group,
+                                  tag))
+    works = dist.batch_isend_irecv(ops) if ops else []
+    return Transfers(works, staged, what or f"{len(ops)} batched p2p transfers", group)
 
 
 def warm_up(group, device) -> None:

@@ -32,13 +32,16 @@ _FUSED = {"rows": None, "span": None, "failed": False, "validated": set()}
 
 
 def merged(out_TH, lse_TH, part_TH, part_lse_TH):
-    """-> (out, lse) over both key sets, in out's and lse's dtypes."""
+    """-> (out, lse) over both key sets, in out's and lse's dtypes; the arithmetic is in
+    lse's dtype (float32 for half-precision out: one rounding, at the end)."""
     new_lse = torch.logaddexp(lse_TH, part_lse_TH)
     # exp(-inf - -inf) would be NaN: rows still without keys keep weight 0.
     safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
-    w_old = torch.exp(lse_TH - safe).unsqueeze(-1).to(out_TH.dtype)
-    w_new = torch.exp(part_lse_TH - safe).unsqueeze(-1).to(out_TH.dtype)
-    return out_TH * w_old + part_TH.to(out_TH.dtype) * w_new, new_lse
+    w_old = torch.exp(lse_TH - safe).unsqueeze(-1)
+    w_new = torch.exp(part_lse_TH - safe).unsqueeze(-1)
+    acc = lse_TH.dtype
+    new_out = out_TH.to(acc) * w_old + part_TH.to(acc) * w_new
+    return new_out.to(out_TH.dtype), new_lse
 
 
 def _merge_rows(out_TH, lse_TH, rows, part_TH, part_lse_TH):

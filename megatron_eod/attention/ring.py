@@ -1,15 +1,20 @@
 """Document-aware Ring attention: an autograd function over a group's `GroupSchedule`.
 
 One job: exact causal document-masked attention for the rows a ring group holds, computing
-only (query piece, key piece) pairs of the same document. Forward: the local call over the
-local rows as they are (no gather; it initialises out and lse), then for each ring step the
-peer's needed key/value rows arrive (the next step's transfer is started before this step's
-compute) and the partial result is merged by log-sum-exp. Backward: the same transfers again
-(only q, k and v (stacked when some step sends them), out and lse are saved, so memory stays
-at one or two steps' buffers), block gradients from the final out/lse, and the key/value
-gradients of received rows go back to their owners. Float32 accumulators exist only when some step has data.
+only (query piece, key piece) pairs of the same document, with either executor:
+* "batched" (default; batched.py): all of a group's transfers in one batched p2p call while
+  the local call runs, then one call over everything received and one log-sum-exp merge;
+* "steps" (here): the local call over the local rows as they are (no gather; it initialises
+  out and lse), then for each ring step the peer's needed key/value rows arrive (the next
+  step's transfer is started before this step's compute) and the partial result is merged by
+  log-sum-exp. Backward: the same transfers again (only q, k and v (stacked when some step
+  sends them), out and lse are saved, so memory stays at one or two steps' buffers), block
+  gradients from the final out/lse, and the key/value gradients of received rows go back to
+  their owners. Float32 accumulators exist only when some step has data.
+Both compute the same pairs; "steps" holds less received data at once and overlaps every
+transfer with compute, "batched" makes 2 kernel calls per direction instead of up to R.
 
-`ring_forward`/`ring_backward` take a transport (who moves the step data): `GroupTransport`
+The executors take a transport (who moves the step data): `GroupTransport` (transport.py)
 over a process group here, or the in-process one of simulate.py that runs every group on one
 device, so single-GPU checks and benchmarks exercise this very code.
 
@@ -24,43 +29,18 @@ from __future__ import annotations
 import torch
 
 from megatron_eod.attention.backends import accumulation_dtype
-from megatron_eod.attention.comm import exchange, warm_up
+from megatron_eod.attention.batched import (batched_backward, batched_forward, call_backward,
+                                            call_forward)
+from megatron_eod.attention.comm import warm_up
 from megatron_eod.attention.lse import merge_into
+from megatron_eod.attention.transport import GroupTransport
 
-__all__ = ["ring_attention", "ring_forward", "ring_backward", "stack_kv", "GroupTransport"]
+__all__ = ["ring_attention", "ring_forward", "ring_backward", "stack_kv", "RING_EXCHANGES"]
 
-
-# Every rank walks ALL ring steps in the same order, even those where it sends and receives
-# nothing: transfers between a pair of ranks are then started in the same order on both
-# sides, which NCCL needs (it matches point-to-point messages by order, not by tag).
-_GRAD_TAG = 1 << 16  # tags tell key/value transfers from gradient returns (gloo uses them)
-
-
-class GroupTransport:
-    """Ring step transfers over a process group (ranks of `group` are ring groups)."""
-
-    def __init__(self, group):
-        self.group = group
-
-    def start_kv(self, step, kv_2TGD):
-        if step.send_span == (0, kv_2TGD.shape[1]):
-            send = kv_2TGD  # every local row, in order: no copy
-        else:
-            send = kv_2TGD[:, step.send_index] if step.send_index.numel() else None
-        shape = (2, step.recv_count) + tuple(kv_2TGD.shape[2:])
-        return exchange(send, step.send_to, shape, step.recv_from, self.group, kv_2TGD.dtype,
-                        kv_2TGD.device, tag=step.step)
-
-    def start_grad(self, step, grad_2NGD, row_shape, dtype, device):
-        """Send the gradients of rows received at `step` back; receive those of rows sent."""
-        shape = (2, step.send_index.numel()) + tuple(row_shape)
-        return exchange(grad_2NGD, step.recv_from, shape, step.send_to, self.group, dtype,
-                        device, tag=_GRAD_TAG + step.step)
-
-
-def _rows(x, index, span):
-    """Rows `index` of x: a slice (a view, no copy) when they are the run `span`."""
-    return x[span[0]:span[1]] if span is not None else x[index]
+# How a group's ring steps run: "batched" (batched.py: all transfers at once, one call over
+# everything received, one merge) or "steps" (this module: one transfer, call and merge per
+# step, each transfer overlapping the previous step's compute).
+RING_EXCHANGES = ("batched", "steps")
 
 
 def _keys(kv_2NGD, call):
@@ -101,9 +81,7 @@ def ring_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale, kv_2T
         if call is None:
             continue
         k, v = _keys(kv_2NGD, call)
-        o, lse = backend.forward(_rows(q_THD, call.q_index, call.q_span), k, v,
-                                 call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q,
-                                 call.max_seqlen_k, call.causal, scale)
+        o, lse = call_forward(backend, q_THD, k, v, call, scale)
         merge_into(out_THD, lse_TH, call.q_index, o, lse.to(acc), span=call.q_span)
     return out_THD.to(q_THD.dtype), lse_TH
 
@@ -135,11 +113,8 @@ def ring_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tran
         if call is not None:
             rows, span = call.q_index, call.q_span
             k, v = _keys(kv_2NGD, call)
-            gq, gk, gv = backend.backward(_rows(dout_THD, rows, span), _rows(q_THD, rows, span),
-                                          k, v, _rows(out_THD, rows, span),
-                                          _rows(lse_TH, rows, span), call.cu_seqlens_q,
-                                          call.cu_seqlens_k, call.max_seqlen_q,
-                                          call.max_seqlen_k, call.causal, scale)
+            gq, gk, gv = call_backward(backend, dout_THD, q_THD, k, v, out_THD, lse_TH, call,
+                                       scale)
             if span is not None:
                 dq[span[0]:span[1]].add_(gq)
             else:
@@ -186,29 +161,43 @@ def _land(item, dkv_2TGD):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_THD, k_TGD, v_TGD, schedule, group, backend, scale):
+    def forward(ctx, q_THD, k_TGD, v_TGD, schedule, group, backend, scale, exchange):
         warm_up(group, q_THD.device)  # before the group's first batched p2p call (NCCL rule)
         transport = GroupTransport(group)
-        kv_2TGD = stack_kv(k_TGD, v_TGD, schedule)
-        out_THD, lse_TH = ring_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale,
-                                       kv_2TGD)
-        # The stacked copy is saved instead of k and v: the backward needs no re-stacking.
-        kv = (k_TGD, v_TGD) if kv_2TGD is None else (kv_2TGD,)
+        if exchange == "batched":
+            out_THD, lse_TH = batched_forward(q_THD, k_TGD, v_TGD, schedule, transport,
+                                              backend, scale)
+            kv = (k_TGD, v_TGD)  # the backward stacks only the rows it sends
+        else:
+            kv_2TGD = stack_kv(k_TGD, v_TGD, schedule)
+            out_THD, lse_TH = ring_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend,
+                                           scale, kv_2TGD)
+            # The stacked copy is saved instead of k and v: the backward needs no re-stacking.
+            kv = (k_TGD, v_TGD) if kv_2TGD is None else (kv_2TGD,)
         ctx.save_for_backward(q_THD, out_THD, lse_TH, *kv)
         ctx.schedule, ctx.transport, ctx.backend, ctx.scale = schedule, transport, backend, scale
+        ctx.exchange = exchange
         return out_THD
 
     @staticmethod
     def backward(ctx, dout_THD):
         q_THD, out_THD, lse_TH, *kv = ctx.saved_tensors
+        dout_THD = dout_THD.contiguous()
+        if ctx.exchange == "batched":
+            dq, dk, dv = batched_backward(dout_THD, q_THD, *kv, out_THD, lse_TH, ctx.schedule,
+                                          ctx.transport, ctx.backend, ctx.scale)
+            return dq, dk, dv, None, None, None, None, None
         kv_2TGD = kv[0] if len(kv) == 1 else None
         k_TGD, v_TGD = (kv_2TGD[0], kv_2TGD[1]) if kv_2TGD is not None else kv
-        dq, dk, dv = ring_backward(dout_THD.contiguous(), q_THD, k_TGD, v_TGD, out_THD, lse_TH,
+        dq, dk, dv = ring_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH,
                                    ctx.schedule, ctx.transport, ctx.backend, ctx.scale,
                                    kv_2TGD)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
-def ring_attention(q_THD, k_TGD, v_TGD, schedule, group, backend, softmax_scale):
-    """Document-masked causal attention of the local rows (see module docstring)."""
-    return _RingAttention.apply(q_THD, k_TGD, v_TGD, schedule, group, backend, softmax_scale)
+def ring_attention(q_THD, k_TGD, v_TGD, schedule, group, backend, softmax_scale,
+                   exchange="batched"):
+    """Document-masked causal attention of the local rows (see module docstring);
+    `exchange`: one of RING_EXCHANGES (checked by the caller, api.py)."""
+    return _RingAttention.apply(q_THD, k_TGD, v_TGD, schedule, group, backend, softmax_scale,
+                                exchange)

@@ -7,11 +7,14 @@ module runs them group after group, with the "received" key/value rows gathered 
 tensors instead of sent. Used by the GPU tests and by tools/bench_cp_gpu.py.
 
     sim = SimulatedPlan(plan, q_NHD, k_NGD, v_NGD, dout_NHD)   # gathers, outside any timing
+                                     # (exchange="steps": ring.py's per-step executor)
     result = sim.run_group(g)        # group g's forward + backward compute only (time this)
     out, lse = sim.forward_group(g)  # its forward alone
     out, dq, dk, dv = sim.run()      # all groups, scattered back to stream order
 
-The compute is ring.py's own `ring_forward`/`ring_backward` with an in-process transport.
+The compute is the ring executors' own code (batched.py's `batched_forward`/`_backward` by
+default, ring.py's `ring_forward`/`ring_backward` with exchange="steps") with an in-process
+transport.
 What it does not do: no communication and no overlap (that is ring.py's job), no Ulysses
 all-to-all: a Hybrid/Ulysses group computes all heads here, so its time stands for its u
 ranks together.
@@ -27,7 +30,8 @@ from typing import List, Tuple
 import torch
 
 from megatron_eod.attention.backends import accumulation_dtype, default_scale, get_backend
-from megatron_eod.attention.ring import ring_backward, ring_forward, stack_kv
+from megatron_eod.attention.batched import batched_backward, batched_forward
+from megatron_eod.attention.ring import RING_EXCHANGES, ring_backward, ring_forward, stack_kv
 
 __all__ = ["SimulatedPlan", "GroupResult"]
 
@@ -56,6 +60,14 @@ class _InProcessTransport:
     def __init__(self, received, received_rows):
         self.received, self.received_rows, self.returned = received, received_rows, []
 
+    def start_all_kv(self, schedule, send_S2GD):
+        return _Ready(self.received[-1])
+
+    def start_all_grad(self, schedule, grad_N2GD, row_shape, dtype, device):
+        if grad_N2GD is not None:
+            self.returned.append((self.received_rows[-1], grad_N2GD.transpose(0, 1)))
+        return _Ready(None)
+
     def start_kv(self, step, kv_2TGD):
         return _Ready(self.received[step.step - 1])
 
@@ -66,7 +78,11 @@ class _InProcessTransport:
 
 
 class SimulatedPlan:
-    def __init__(self, plan, q_NHD, k_NGD, v_NGD, dout_NHD, backend=None, softmax_scale=None):
+    def __init__(self, plan, q_NHD, k_NGD, v_NGD, dout_NHD, backend=None, softmax_scale=None,
+                 exchange="batched"):
+        if exchange not in RING_EXCHANGES:
+            raise ValueError(f"exchange must be one of {RING_EXCHANGES}, got {exchange!r}")
+        self.exchange = exchange
         device = q_NHD.device
         self.backend = backend or get_backend(device, q_NHD.dtype)
         self.scale = softmax_scale or default_scale(q_NHD.shape[-1])
@@ -86,26 +102,36 @@ class SimulatedPlan:
                 stream_rows = self.rows[step.recv_from][sender.send_index]
                 received.append(kv_2NGD[:, stream_rows] if stream_rows.numel() else None)
                 received_rows.append(stream_rows)
+            if schedule.steps:  # last: all steps' rows at once, [N, 2, G, D] (batched.py)
+                received_rows.append(torch.cat(received_rows))
+                received.append(kv_2NGD[:, received_rows[-1]].transpose(0, 1).contiguous())
             self.inputs.append((q_NHD[rows], k_NGD[rows], v_NGD[rows], dout_NHD[rows],
                                 received, received_rows))
 
     def forward_group(self, g: int):
-        """Group g's forward compute alone: (out, lse), as ring.py's forward makes them."""
+        """Group g's forward compute alone: (out, lse), as the ring executor makes them."""
         q, k, v, _, received, received_rows = self.inputs[g]
         transport = _InProcessTransport(received, received_rows)
         schedule = self.schedules[g]
+        if self.exchange == "batched":
+            return batched_forward(q, k, v, schedule, transport, self.backend, self.scale)
         return ring_forward(q, k, v, schedule, transport, self.backend, self.scale,
                             stack_kv(k, v, schedule))
 
     def run_group(self, g: int) -> GroupResult:
-        """Group g's forward and backward compute, exactly as ring.py runs it."""
+        """Group g's forward and backward compute, exactly as the ring executor runs it."""
         q, k, v, dout, received, received_rows = self.inputs[g]
         transport = _InProcessTransport(received, received_rows)
-        schedule = self.schedules[g]
-        kv = stack_kv(k, v, schedule)  # once per group, as ring_attention does
-        out, lse = ring_forward(q, k, v, schedule, transport, self.backend, self.scale, kv)
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, schedule, transport, self.backend,
-                                   self.scale, kv)
+        schedule, backend, scale = self.schedules[g], self.backend, self.scale
+        if self.exchange == "batched":
+            out, lse = batched_forward(q, k, v, schedule, transport, backend, scale)
+            dq, dk, dv = batched_backward(dout, q, k, v, out, lse, schedule, transport, backend,
+                                          scale)
+        else:
+            kv = stack_kv(k, v, schedule)  # once per group, as ring_attention does
+            out, lse = ring_forward(q, k, v, schedule, transport, backend, scale, kv)
+            dq, dk, dv = ring_backward(dout, q, k, v, out, lse, schedule, transport, backend,
+                                       scale, kv)
         return GroupResult(self.rows[g], out, dq, dk, dv, transport.returned)
 
     def run(self):

@@ -23,6 +23,7 @@ from typing import Optional
 
 from megatron_eod.attention import context_parallel_attention
 from megatron_eod.attention.backends import default_scale, get_backend
+from megatron_eod.attention.ring import RING_EXCHANGES
 from megatron_eod.megatron.imports import import_megatron
 
 __all__ = ["EodCoreAttention"]
@@ -56,10 +57,14 @@ class EodCoreAttention(_module.MegatronModule):
                  pg_collection=None, registry=None, rotary_base: float = 10000.0,
                  rotary_percent: float = 1.0, rope_scaling: bool = False,
                  rope_scaling_factor: float = 8.0,
-                 seq_len_interpolation_factor: Optional[float] = None, kernel: str = "auto"):
+                 seq_len_interpolation_factor: Optional[float] = None, kernel: str = "auto",
+                 ring_exchange: str = "batched"):
         super().__init__(config=config)
         if kernel not in ("auto", "flash_attn", "torch"):
             raise ValueError(f"kernel must be 'auto', 'flash_attn' or 'torch', got {kernel!r}")
+        if ring_exchange not in RING_EXCHANGES:
+            raise ValueError(f"ring_exchange (--cp-ring-exchange) must be one of "
+                             f"{RING_EXCHANGES}, got {ring_exchange!r}")
         if registry is None:
             raise ValueError("EodCoreAttention needs the model's EodContextRegistry "
                              "(build the spec with get_gpt_layer_eod_spec(registry))")
@@ -78,6 +83,7 @@ class EodCoreAttention(_module.MegatronModule):
                 rotary_base=rotary_base, rope_scaling=rope_scaling,
                 rope_scaling_factor=rope_scaling_factor, use_cpu_initialization=True)
         self.kernel = kernel  # GPU kernel choice (--use-flash-attn: "flash_attn"); CPU: exact
+        self.ring_exchange = ring_exchange  # the ring executor (--cp-ring-exchange)
         self._backends = {}  # (device, dtype) -> backend: chosen once, not per forward
         self._inv_freq = {}  # device -> the rotary inverse frequencies there
 
@@ -99,7 +105,8 @@ class EodCoreAttention(_module.MegatronModule):
             key = _rope.apply_rotary_pos_emb(key, freqs, self.config, cp_group=ctx.cp_group)
         out = context_parallel_attention(query[:, 0], key[:, 0], value[:, 0], ctx.plan,
                                          group=ctx.cp_group, softmax_scale=self.softmax_scale,
-                                         backend=self._backend(query))
+                                         backend=self._backend(query),
+                                         ring_exchange=self.ring_exchange)
         return out.reshape(s, 1, -1)
 
     def _inverse_frequencies(self, device):

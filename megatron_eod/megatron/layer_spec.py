@@ -10,7 +10,8 @@ The rotary arguments are GPTModel's (`rotary_base`, `rotary_percent`, `rope_scal
 give them here, since the GPTModel itself is built without position embeddings or with
 learned absolute ones. `qk_layernorm` is megatron-core's (norms on q and k per head).
 `kernel` picks the GPU attention kernel: "auto" (flash-attn when installed, else PyTorch's
-varlen kernel), "flash_attn" (required; what --use-flash-attn asks for) or "torch".
+varlen kernel), "flash_attn" (required; what --use-flash-attn asks for) or "torch";
+`ring_exchange` the ring executor ("batched" or "steps", --cp-ring-exchange).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def get_gpt_layer_eod_spec(registry, use_transformer_engine: bool = False,
                            normalization: str = "LayerNorm", qk_layernorm: bool = False,
                            kernel: str = "auto", rope_scaling: bool = False,
                            rope_scaling_factor: float = 8.0,
-                           seq_len_interpolation_factor=None):
+                           seq_len_interpolation_factor=None, ring_exchange: str = "batched"):
     specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs")
     spec_module = import_megatron("megatron.core.transformer.spec_utils")
     if use_transformer_engine:
@@ -43,7 +44,7 @@ def get_gpt_layer_eod_spec(registry, use_transformer_engine: bool = False,
                 "rotary_percent": rotary_percent, "rope_scaling": rope_scaling,
                 "rope_scaling_factor": rope_scaling_factor,
                 "seq_len_interpolation_factor": seq_len_interpolation_factor,
-                "kernel": kernel})
+                "kernel": kernel, "ring_exchange": ring_exchange})
     return spec
 
 

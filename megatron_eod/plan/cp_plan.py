@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from megatron_eod.plan.cost import balance_bound, doc_pairs
+from megatron_eod.plan.kv_batched import with_batched
 from megatron_eod.plan.kv_schedule import (GroupSchedule, SplitDocuments, build_schedule,
                                            schedule_totals)
 from megatron_eod.plan.partition import Placement, partition_documents
@@ -78,7 +79,7 @@ class CPPlan:
     def group_schedule(self, group: int) -> GroupSchedule:
         key = ("schedule", group)
         if key not in self._cache:
-            schedule = build_schedule(self._split_documents(), group)
+            schedule = with_batched(build_schedule(self._split_documents(), group))
             if self.device is not None and self.device.type != "cpu":
                 schedule = schedule.to(self.device)
             self._cache[key] = schedule

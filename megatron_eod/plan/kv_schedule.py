@@ -23,15 +23,18 @@ What it does not do: no placement (partition.py), no communication.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from megatron_eod.plan.pieces import Pieces, ranges
 
+if TYPE_CHECKING:  # kv_batched.py builds on this module
+    from megatron_eod.plan.kv_batched import BatchedExchange
+
 __all__ = ["KernelCall", "RingStep", "GroupSchedule", "SplitDocuments", "build_schedule",
-           "call_from_rows", "needed_pieces", "schedule_totals"]
+           "call_from_rows", "make_call", "needed_pieces", "schedule_totals", "span_of"]
 
 
 @dataclass(frozen=True)
@@ -83,10 +86,12 @@ class GroupSchedule:
     num_tokens: int
     local: KernelCall
     steps: Tuple[RingStep, ...]
+    batched: Optional["BatchedExchange"] = None  # the steps as one exchange (kv_batched.py)
 
     def to(self, device) -> "GroupSchedule":
         return GroupSchedule(self.group, self.num_tokens, self.local.to(device),
-                             tuple(s.to(device) for s in self.steps))
+                             tuple(s.to(device) for s in self.steps),
+                             None if self.batched is None else self.batched.to(device))
 
     @property
     def kv_tokens_received(self) -> int:
@@ -149,7 +154,7 @@ def _offsets(lengths: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
 
 
-def _call(q_lengths, k_lengths, q_index, k_index, causal: bool) -> KernelCall:
+def make_call(q_lengths, k_lengths, q_index, k_index, causal: bool) -> KernelCall:
     lq, lk = np.asarray(q_lengths, np.int64), np.asarray(k_lengths, np.int64)
     if causal:  # bottom-right aligned: query i of sq sees keys 0 .. i + (sk - sq)
         pairs = int((lq * (lk - lq) + lq * (lq + 1) // 2).sum())
@@ -157,11 +162,11 @@ def _call(q_lengths, k_lengths, q_index, k_index, causal: bool) -> KernelCall:
         pairs = int((lq * lk).sum())
     return KernelCall(torch.from_numpy(q_index), torch.from_numpy(k_index), _offsets(lq),
                       _offsets(lk), int(lq.max()) if lq.size else 0,
-                      int(lk.max()) if lk.size else 0, causal, pairs, _span(q_index),
-                      _span(k_index))
+                      int(lk.max()) if lk.size else 0, causal, pairs, span_of(q_index),
+                      span_of(k_index))
 
 
-def _span(index: np.ndarray) -> Optional[Tuple[int, int]]:
+def span_of(index: np.ndarray) -> Optional[Tuple[int, int]]:
     """(start, stop) when `index` is start, start+1, .., stop-1; else None."""
     if index.size == 0:
         return None
@@ -176,7 +181,7 @@ def call_from_rows(q_rows: List[np.ndarray], k_rows: List[np.ndarray],
     """A call whose sequence i has queries q_rows[i] and keys k_rows[i] (benchmarks build
     other systems' layouts with it)."""
     cat = lambda rows: np.concatenate(rows) if rows else np.zeros(0, np.int64)  # noqa: E731
-    return _call([r.size for r in q_rows], [r.size for r in k_rows], cat(q_rows).astype(
+    return make_call([r.size for r in q_rows], [r.size for r in k_rows], cat(q_rows).astype(
         np.int64), cat(k_rows).astype(np.int64), causal)
 
 
@@ -188,7 +193,7 @@ def local_call(pieces: Pieces, group: int, with_rows: bool = True) -> KernelCall
     run_length = np.add.reduceat(length, np.flatnonzero(np.concatenate(
         [[True], doc[1:] != doc[:-1]]))) if doc.size else np.zeros(0, np.int64)
     rows = np.arange(int(length.sum()) if with_rows else 0, dtype=np.int64)
-    return _call(run_length, run_length, rows, rows, causal=True)
+    return make_call(run_length, run_length, rows, rows, causal=True)
 
 
 def _by_group(group_of: np.ndarray, groups: int):
@@ -224,13 +229,13 @@ def build_schedule(split: SplitDocuments, group: int) -> GroupSchedule:
             new_q = np.concatenate([[True], qs[1:] != qs[:-1]])
             uq = qs[new_q]
             k_lengths = np.add.reduceat(length[ks], np.flatnonzero(new_q))
-            call = _call(length[uq], k_lengths, rows(uq), ranges(at, at + length[ks]),
+            call = make_call(length[uq], k_lengths, rows(uq), ranges(at, at + length[ks]),
                          causal=False)
         # Sent: what dst needs from this group (dst computes the same set as its `received`).
         sent = np.unique(given_k[to_order[to_bounds[dst]:to_bounds[dst + 1]]])
         sent_rows = rows(sent) if sent.size else None
         send_index = torch.from_numpy(sent_rows) if sent.size else nothing
         steps.append(RingStep(t, dst, src, send_index, int(length[received].sum()), call,
-                              None if sent_rows is None else _span(sent_rows)))
+                              None if sent_rows is None else span_of(sent_rows)))
     lo, hi = p.group_offsets[[group, group + 1]]
     return GroupSchedule(group, int(length[lo:hi].sum()), local_call(p, group), tuple(steps))

@@ -24,7 +24,8 @@ import torch
 from megatron_eod.attention.backends import has_transformer_engine
 from megatron_eod.data.tokenizers import SENTENCEPIECE_TYPES, TOKENIZER_TYPES
 from megatron_eod.training import args_optim as optim
-from megatron_eod.training.cp_flags import CP_ALGO_ALIASES, FlagError, check_context_parallel
+from megatron_eod.training.cp_flags import (CP_ALGO_ALIASES, RING_EXCHANGE_HELP, RING_EXCHANGES,
+                                            FlagError, check_context_parallel)
 
 __all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "check_context_parallel", "parse_args",
            "validate_args"]
@@ -127,6 +128,8 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                                             "hybrid"))
     g.add_argument("--context-parallel-algo", default="ring",
                    help=f"one of {', '.join(CP_ALGO_ALIASES)}")
+    g.add_argument("--cp-ring-exchange", choices=RING_EXCHANGES, default="batched",
+                   help=RING_EXCHANGE_HELP)
     _switches(g, "--sequence-parallel", "--use-flash-attn", "--reset-attention-mask",
               "--reset-position-ids", "--eod-mask-loss")
     g.add_argument("--attention-mask-type", choices=("causal", "general"), default=None,

@@ -10,9 +10,18 @@ What it does not do: no parsing (args.py, megatron_lm_args.py).
 
 from __future__ import annotations
 
+import warnings
+
+from megatron_eod.attention.ring import RING_EXCHANGES
 from megatron_eod.plan import ulysses_degree_for
 
-__all__ = ["CP_ALGO_ALIASES", "FlagError", "check_context_parallel"]
+__all__ = ["CP_ALGO_ALIASES", "FlagError", "RING_EXCHANGES", "RING_EXCHANGE_HELP",
+           "check_context_parallel"]
+
+RING_EXCHANGE_HELP = ("how ring and hybrid CP move keys/values: batched (default: all of a "
+                      "layer's transfers at once, 2 attention calls per direction) or steps "
+                      "(one transfer, call and merge per ring step; holds less received data "
+                      "and overlaps every transfer with compute)")
 
 # Accepted --context-parallel-algo values -> the name stored in args.context_parallel_algo.
 CP_ALGO_ALIASES = {"ring": "ring", "ulysses": "ulysses", "hybrid": "hybrid",
@@ -65,3 +74,9 @@ def check_context_parallel(args) -> None:
              f"{tp} = {heads_per_rank} heads per rank must be divisible by {source} {degree} "
              f"(--context-parallel-algo {algo} spreads heads over the Ulysses group)")
     args.ulysses_degree = degree
+    exchange = getattr(args, "cp_ring_exchange", "batched")
+    _require(exchange in RING_EXCHANGES, f"--cp-ring-exchange {exchange!r} must be one of "
+                                         f"{', '.join(RING_EXCHANGES)}")
+    if exchange != "batched" and (cp == 1 or algo == "ulysses"):
+        warnings.warn(f"--cp-ring-exchange {exchange} has no effect with "
+                      f"--context-parallel-size {cp} --context-parallel-algo {algo} (no ring)")

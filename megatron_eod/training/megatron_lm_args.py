@@ -22,7 +22,8 @@ Everything else EoD attention cannot run is in REFUSED, with the reason.
 
 from __future__ import annotations
 
-from megatron_eod.training.cp_flags import CP_ALGO_ALIASES, FlagError, check_context_parallel
+from megatron_eod.training.cp_flags import (CP_ALGO_ALIASES, RING_EXCHANGE_HELP, RING_EXCHANGES,
+                                            FlagError, check_context_parallel)
 
 __all__ = ["REFUSED", "add_eod_args", "eod_args_from_megatron"]
 
@@ -74,6 +75,8 @@ def add_eod_args(parser):
     g.add_argument("--ulysses-degree-in-cp", type=int, default=None,
                    help="Ulysses group size for hybrid (default: the first of "
                         "--hierarchical-context-parallel-sizes)")
+    g.add_argument("--cp-ring-exchange", choices=RING_EXCHANGES, default="batched",
+                   help=RING_EXCHANGE_HELP)
     g.add_argument("--metrics-file", default=None,
                    help="append one JSON line per iteration and per evaluation")
     g.add_argument("--no-plan-ahead", action="store_false", dest="plan_ahead",

@@ -4,10 +4,10 @@ tests/attention/test_multiprocess_gpu.py through torchrun:
 
     torchrun --nproc-per-node N -m tests.attention.shared_gpu_worker OUT_DIR ALGO DEGREE
 
-For a few random layouts, the rank's rows through `context_parallel_attention` in bf16 on the
-GPU are compared with (a) the float64 dense document-masked reference and (b) the same
-kernel over the whole rows in one process (CP=1, bf16): out, dq, dk, dv, each as max |diff|
-over max |reference|. Writes OUT_DIR/rank{R}.json.
+For a few random layouts and both ring executors (ring_exchange), the rank's rows through
+`context_parallel_attention` in bf16 on the GPU are compared with (a) the float64 dense
+document-masked reference and (b) the same kernel over the whole rows in one process (CP=1,
+bf16): out, dq, dk, dv, each as max |diff| over max |reference|. Writes OUT_DIR/rank{R}.json.
 """
 
 import json
@@ -26,10 +26,10 @@ EOD, HEADS, KV_HEADS, DIM = 50, 8, 2, 64
 LAYOUTS = [("mixed", 2, 512), ("spanning", 1, 1024), ("short", 4, 256)]
 
 
-def _rows_through(plan, idx, q, k, v, dout, group):
+def _rows_through(plan, idx, q, k, v, dout, group, exchange="batched"):
     """bf16 on the GPU: this rank's rows of out, dq, dk, dv (float64 on the CPU)."""
     ql, kl, vl = (t[idx].to("cuda", torch.bfloat16).requires_grad_() for t in (q, k, v))
-    out = context_parallel_attention(ql, kl, vl, plan, group=group)
+    out = context_parallel_attention(ql, kl, vl, plan, group=group, ring_exchange=exchange)
     (out * dout[idx].to("cuda", torch.bfloat16)).sum().backward()
     return [t.detach().double().cpu() for t in (out, ql.grad, kl.grad, vl.grad)]
 
@@ -54,19 +54,20 @@ def main(out_dir, algo, degree):
             dout = torch.randn(n, HEADS, DIM, generator=gen, dtype=torch.float64)
             plan = plan_context_parallel(layout.cu_seqlens, world, algo, degree)
             idx = plan.token_index(rank)
-            mine = _rows_through(plan, idx, q, k, v, dout, dist.group.WORLD)
             whole = plan_context_parallel(layout.cu_seqlens, 1, "ring")
             cp1 = _rows_through(whole, whole.token_index(0), q, k, v, dout, singles[rank])
             qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
             ref = dense_document_attention(qr, kr, vr, layout.cu_seqlens, DIM ** -0.5)
             (ref * dout).sum().backward()
             exact = [ref.detach(), qr.grad, kr.grad, vr.grad]
-            record = {"layout": kind}
-            for name, m, c, e in zip(("out", "dq", "dk", "dv"), mine, cp1, exact):
-                scale = e.abs().max().item()
-                record[f"{name}_vs_float64"] = (m - e[idx]).abs().max().item() / scale
-                record[f"{name}_vs_cp1"] = (m - c[idx]).abs().max().item() / scale
-            results.append(record)
+            for exchange in ("batched", "steps") if algo != "ulysses" else ("batched",):
+                mine = _rows_through(plan, idx, q, k, v, dout, dist.group.WORLD, exchange)
+                record = {"layout": kind, "exchange": exchange}
+                for name, m, c, e in zip(("out", "dq", "dk", "dv"), mine, cp1, exact):
+                    scale = e.abs().max().item()
+                    record[f"{name}_vs_float64"] = (m - e[idx]).abs().max().item() / scale
+                    record[f"{name}_vs_cp1"] = (m - c[idx]).abs().max().item() / scale
+                results.append(record)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()

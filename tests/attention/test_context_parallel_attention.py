@@ -2,7 +2,8 @@
 
 Each rank computes its rows with `context_parallel_attention`; the output and the gradients
 of q, k and v must equal the single-process dense document-masked reference to 1e-10
-(float64: the only differences are summation order and the log-sum-exp merge).
+(float64: the only differences are summation order and the log-sum-exp merge). Ring and
+Hybrid run with both ring executors (`ring_exchange` "batched" and "steps").
 """
 
 import pytest
@@ -18,7 +19,8 @@ EOD, HEADS, DIM = 50, 8, 16
 TOL = 1e-10
 
 
-def _check_rank(rank, world, algo, degree, kind, b, s, kv_heads, scale, seed):
+def _check_rank(rank, world, algo, degree, kind, b, s, kv_heads, scale, seed,
+                exchange="batched"):
     tokens = random_layout_tokens(kind, b, s, EOD, seed)
     layout = build_doc_layout(tokens, EOD)
     plan = plan_context_parallel(layout.cu_seqlens, world, algo, degree)
@@ -34,7 +36,7 @@ def _check_rank(rank, world, algo, degree, kind, b, s, kv_heads, scale, seed):
     idx = plan.token_index(rank)
     ql, kl, vl = (t.detach()[idx].clone().requires_grad_() for t in (q, k, v))
     out = context_parallel_attention(ql, kl, vl, plan, group=dist.group.WORLD,
-                                     softmax_scale=scale)
+                                     softmax_scale=scale, ring_exchange=exchange)
     (out * dout[idx]).sum().backward()
 
     ref = dense_document_attention(q, k, v, layout.cu_seqlens, scale or DIM ** -0.5)
@@ -47,21 +49,24 @@ def _check_rank(rank, world, algo, degree, kind, b, s, kv_heads, scale, seed):
 
 
 CASES = [
-    # (algo, world, ulysses_degree)
-    ("ring", 2, None), ("ring", 4, None), ("ring", 8, None),
-    ("ulysses", 2, None), ("ulysses", 4, None), ("ulysses", 8, None),
-    ("hybrid", 4, 2), ("hybrid", 8, 2), ("hybrid", 8, 4),
+    # (algo, world, ulysses_degree, ring_exchange)
+    *[(algo, world, degree, exchange) for exchange in ("batched", "steps")
+      for algo, world, degree in (("ring", 2, None), ("ring", 4, None), ("ring", 8, None),
+                                  ("hybrid", 4, 2), ("hybrid", 8, 2), ("hybrid", 8, 4))],
+    ("ulysses", 2, None, "batched"), ("ulysses", 4, None, "batched"),
+    ("ulysses", 8, None, "batched"),
 ]
 
 
-@pytest.mark.parametrize("algo,world,degree", CASES)
+@pytest.mark.parametrize("algo,world,degree,exchange", CASES)
 @pytest.mark.parametrize("kind,b,s", [("mixed", 2, 96), ("spanning", 1, 128), ("short", 3, 32)])
-def test_matches_dense_reference(algo, world, degree, kind, b, s):
-    run_ranks(_check_rank, world, algo, degree, kind, b, s, 2, None, seed=world * 7 + b)
+def test_matches_dense_reference(algo, world, degree, exchange, kind, b, s):
+    run_ranks(_check_rank, world, algo, degree, kind, b, s, 2, None, world * 7 + b, exchange)
 
 
-@pytest.mark.parametrize("algo,world,degree", [("ring", 4, None), ("hybrid", 8, 4),
-                                               ("ulysses", 8, None)])
+@pytest.mark.parametrize("algo,world,degree,exchange", [
+    ("ring", 4, None, "batched"), ("ring", 4, None, "steps"), ("hybrid", 8, 4, "batched"),
+    ("hybrid", 8, 4, "steps"), ("ulysses", 8, None, "batched")])
 @pytest.mark.parametrize("kv_heads", [1, 8])
-def test_gqa_and_softmax_scale(algo, world, degree, kv_heads):
-    run_ranks(_check_rank, world, algo, degree, "mixed", 2, 64, kv_heads, 0.37, seed=11)
+def test_gqa_and_softmax_scale(algo, world, degree, exchange, kv_heads):
+    run_ranks(_check_rank, world, algo, degree, "mixed", 2, 64, kv_heads, 0.37, 11, exchange)

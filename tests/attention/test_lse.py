@@ -159,3 +159,22 @@ def test_a_span_must_match_the_partial_result():
     out, lse, rows, part, part_lse = _accumulators(torch.float64)
     with pytest.raises(ValueError, match=r"span \(0, 4\) holds 4 rows .* has 5"):
         merge_into(out, lse, None, part, part_lse, span=(0, 4), fused=False)
+
+
+def test_half_precision_out_merges_in_the_lse_dtype():
+    """The batched ring merges once into the kernel's bf16 out with a float32 lse: the
+    arithmetic runs in float32 and rounds once, to bf16, at the end (not in bf16 throughout,
+    which loses ~3 bits here)."""
+    out, lse, rows, part, part_lse = _accumulators(torch.float32, seed=3)
+    out16, part16 = out.to(torch.bfloat16), part.to(torch.bfloat16)
+    before = out16[rows].clone()
+    want = lse_module.merged(before.float(), lse[rows], part16.float(), part_lse)[0]
+    exact = lse_module.merged(before.double(), lse[rows].double(), part16.double(),
+                              part_lse.double())[0]
+    in_bf16 = lse_module.merged(before, lse[rows].bfloat16(), part16, part_lse.bfloat16())[0]
+    merge_into(out16, lse, rows, part16, part_lse, fused=False)
+    assert out16.dtype == torch.bfloat16
+    assert torch.equal(out16[rows], want.to(torch.bfloat16))
+    error = (out16[rows].double() - exact).abs().max()
+    assert error <= 2 ** -8 * exact.abs().max()  # half a bf16 ulp of the largest value
+    assert error < (in_bf16.double() - exact).abs().max()  # bf16 arithmetic: worse

@@ -1,6 +1,7 @@
 """The communication rules NCCL enforces and gloo does not, checked on gloo by recording every
-point-to-point operation of real ring and hybrid attention (forward and backward) at CP 2-8 on
-random layouts:
+point-to-point operation of real ring and hybrid attention (forward and backward, both ring
+executors) at CP 2-8 on random layouts, where they reach torch.distributed
+(`batch_isend_irecv`, the only p2p call comm.py makes):
 
 1. a group's first batched p2p call may leave ranks out only after a collective on the group
    (PyTorch's rule): every rank warms each group up before its first p2p on it;
@@ -11,8 +12,6 @@ A checker that cannot fail proves nothing: it is also run on logs with a swapped
 messages and with a p2p before the warm-up, and must flag both.
 """
 
-import math
-
 import pytest
 import torch.distributed as dist
 
@@ -21,31 +20,33 @@ from tests.attention.test_context_parallel_attention import _check_rank
 from tests.harness import run_ranks
 
 
-def _recorded(rank, world, algo, degree, kind, b, s, seed):
+def _recorded(rank, world, algo, degree, kind, b, s, seed, exchange):
     log = []
-    real_exchange, real_warm = ring.exchange, ring.warm_up
+    real_batch, real_warm = dist.batch_isend_irecv, ring.warm_up
 
     def ranks_of(group):
         return tuple(dist.get_process_group_ranks(group))
 
-    def exchange(send, send_to, recv_shape, recv_from, group, dtype, device, tag=0):
-        me, ranks = dist.get_rank(), ranks_of(group)
-        if send is not None and send.numel():
-            log.append(("send", ranks, me, ranks[send_to], send.numel(), str(send.dtype)))
-        numel = math.prod(recv_shape) if recv_shape is not None else 0
-        if numel:  # exchange posts a receive exactly when it has elements
-            log.append(("recv", ranks, ranks[recv_from], me, numel, str(dtype)))
-        return real_exchange(send, send_to, recv_shape, recv_from, group, dtype, device, tag)
+    def batch_isend_irecv(ops):
+        me = dist.get_rank()
+        log.append(("batch", len(ops)))
+        for op in ops:
+            ranks, numel, dtype = ranks_of(op.group), op.tensor.numel(), str(op.tensor.dtype)
+            if op.op is dist.isend:
+                log.append(("send", ranks, me, op.peer, numel, dtype))
+            else:
+                log.append(("recv", ranks, op.peer, me, numel, dtype))
+        return real_batch(ops)
 
     def warm_up(group, device):
         log.append(("warm", ranks_of(group)))
         return real_warm(group, device)
 
-    ring.exchange, ring.warm_up = exchange, warm_up
+    dist.batch_isend_irecv, ring.warm_up = batch_isend_irecv, warm_up
     try:
-        _check_rank(rank, world, algo, degree, kind, b, s, 2, None, seed)
+        _check_rank(rank, world, algo, degree, kind, b, s, 2, None, seed, exchange)
     finally:
-        ring.exchange, ring.warm_up = real_exchange, real_warm
+        dist.batch_isend_irecv, ring.warm_up = real_batch, real_warm
     return log
 
 
@@ -57,12 +58,12 @@ def violations(logs):
         for entry in log:
             if entry[0] == "warm":
                 warm.add(entry[1])
-            elif entry[1] not in warm:
+            elif entry[0] != "batch" and entry[1] not in warm:
                 found.append(f"rank {rank}: p2p on group {entry[1]} before any collective on it")
     sent, received = {}, {}
     for log in logs:
         for entry in log:
-            if entry[0] != "warm":
+            if entry[0] in ("send", "recv"):
                 kind, _, src, dst, numel, dtype = entry
                 (sent if kind == "send" else received).setdefault((src, dst), []).append(
                     (numel, dtype))
@@ -73,17 +74,21 @@ def violations(logs):
     return found
 
 
+@pytest.mark.parametrize("exchange", ["batched", "steps"])
 @pytest.mark.parametrize("algo,world,degree", [
     ("ring", 2, None), ("ring", 4, None), ("ring", 8, None), ("hybrid", 4, 2),
     ("hybrid", 8, 2), ("hybrid", 8, 4)])
 @pytest.mark.parametrize("kind,b,s,seed", [("mixed", 2, 96, 3), ("spanning", 1, 128, 5),
                                            ("short", 3, 32, 7)])
-def test_ring_and_hybrid_obey_nccl_p2p_rules(algo, world, degree, kind, b, s, seed):
-    logs = run_ranks(_recorded, world, algo, degree, kind, b, s, seed)
+def test_ring_and_hybrid_obey_nccl_p2p_rules(algo, world, degree, kind, b, s, seed, exchange):
+    logs = run_ranks(_recorded, world, algo, degree, kind, b, s, seed, exchange)
     assert all(log and log[0][0] == "warm" for log in logs)  # every rank ran ring attention
     if kind == "spanning":  # a document over every rank: keys/values must move
         assert any(entry[0] == "send" for log in logs for entry in log)
     assert violations(logs) == []
+    if exchange == "batched":  # one batched call for keys/values forward, one backward, one
+        for log in logs:       # for the gradients, whatever the ring size
+            assert sum(entry[0] == "batch" for entry in log) <= 3
 
 
 def test_the_checker_flags_order_and_warm_up_breaks():

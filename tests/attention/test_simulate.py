@@ -1,10 +1,11 @@
 """One-process simulation of a plan's per-group compute (the GPU check on a single device).
 
 CPU float64: out and q/k/v gradients equal the dense document-masked oracle to 1e-10 for ring,
-hybrid and ulysses plans on random layouts. GPU (marked): the same in bf16 through PyTorch's
-flash kernels, where the error must stay within twice that of ONE varlen call over the whole
-stream (both against float64): bf16 rounding is the only difference, so a planning or
-merging bug (errors of order 1) fails it while kernel rounding (order 1e-2) passes.
+hybrid and ulysses plans on random layouts, with both ring executors (batched, steps). GPU
+(marked): the same in bf16 through PyTorch's flash kernels, where the error must stay within
+twice that of ONE varlen call over the whole stream (both against float64): bf16 rounding is
+the only difference, so a planning or merging bug (errors of order 1) fails it while kernel
+rounding (order 1e-2) passes.
 """
 
 import pytest
@@ -36,49 +37,53 @@ def _oracle(q, k, v, dout, cu, scale):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+@pytest.mark.parametrize("exchange", ["batched", "steps"])
 @pytest.mark.parametrize("algo,cp,degree,kind", [("ring", 4, None, "mixed"),
                                                   ("ring", 8, None, "spanning"),
                                                   ("hybrid", 8, 2, "mixed"),
                                                   ("ulysses", 4, None, "short")])
-def test_simulation_equals_dense_reference(algo, cp, degree, kind):
+def test_simulation_equals_dense_reference(algo, cp, degree, kind, exchange):
     b = 1 if kind == "spanning" else 2
     cu, (q, k, v, dout) = _case(kind, b, 128, 4, 2, 8, seed=cp)
     plan = plan_context_parallel(cu, cp, algo, degree)
-    got = SimulatedPlan(plan, q, k, v, dout, softmax_scale=0.3).run()
+    got = SimulatedPlan(plan, q, k, v, dout, softmax_scale=0.3, exchange=exchange).run()
     for mine, ref in zip(got, _oracle(q, k, v, dout, cu, 0.3)):
         assert (mine - ref).abs().max().item() < 1e-10
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("exchange", ["batched", "steps"])
 @pytest.mark.parametrize("algo,cp,degree", [("ring", 4, None), ("ring", 8, None),
                                             ("hybrid", 8, 2)])
-def test_simulation_on_gpu_in_bf16(algo, cp, degree):
+def test_simulation_on_gpu_in_bf16(algo, cp, degree, exchange):
     cu, tensors = _case("mixed", 2, 1024, 8, 2, 64, seed=1, device="cuda",
                         dtype=torch.bfloat16)
     q, k, v, dout = tensors
     plan = plan_context_parallel(cu, cp, algo, degree)
     ref = _oracle(q, k, v, dout, cu, 0.125)
-    got = SimulatedPlan(plan, q, k, v, dout, TorchVarlenBackend(), 0.125).run()
+    got = SimulatedPlan(plan, q, k, v, dout, TorchVarlenBackend(), 0.125, exchange).run()
     one = SimulatedPlan(plan_context_parallel(cu, 1, "ring"), q, k, v, dout,
                         TorchVarlenBackend(), 0.125).run()
     for name, mine, single, exact in zip(("out", "dq", "dk", "dv"), got, one, ref):
         err = (mine.cpu().double() - exact).abs().max().item()
         base = (single.cpu().double() - exact).abs().max().item()
-        print(f"[figure] simulated {algo} cp={cp} bf16 {name}: max error vs float64 {err:.2e}, "
+        print(f"[figure] simulated {algo} ({exchange}) cp={cp} bf16 {name}: max error vs "
+              f"float64 {err:.2e}, "
               f"CP=1's {base:.2e}")
         assert err <= 2 * base + 1e-3, (name, err, base)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("exchange", ["batched", "steps"])
 @pytest.mark.parametrize("algo,cp,degree", [("ring", 4, None), ("hybrid", 8, 2)])
-def test_ring_steps_make_no_host_syncs_on_gpu(algo, cp, degree):
-    """The schedule executor's forward and backward (every group's kernels, merges, gathers
+def test_ring_steps_make_no_host_syncs_on_gpu(algo, cp, degree, exchange):
+    """The schedule executors' forward and backward (every group's kernels, merges, gathers
     and gradient sums) run with no device-to-host synchronisation: the plan is moved once,
     before (SimulatedPlan does), and nothing inside asks the GPU for a value."""
     cu, tensors = _case("mixed", 2, 1024, 8, 2, 64, seed=2, device="cuda",
                         dtype=torch.bfloat16)
     plan = plan_context_parallel(cu, cp, algo, degree)
-    simulated = SimulatedPlan(plan, *tensors, TorchVarlenBackend(), 0.125)
+    simulated = SimulatedPlan(plan, *tensors, TorchVarlenBackend(), 0.125, exchange)
     for g in range(plan.ring_size):  # compiles the fused merges, by index and on runs of rows
         simulated.run_group(g)        # (compiling may sync; running must not)
     torch.cuda.synchronize()
@@ -90,26 +95,41 @@ def test_ring_steps_make_no_host_syncs_on_gpu(algo, cp, degree):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_row_runs_as_slices_equal_gathers_and_the_reference():
-    """Ring steps take a run of rows as a slice (a view) and other rows by index. Over these
-    layouts both kinds occur for queries, keys and sent rows; each result equals the same plan
-    computed with every row by index, and the oracle."""
+def _spans_seen(schedule, exchange):
+    """Which of queries, keys and sent rows the schedule takes as runs (False) or by index
+    (True), for the executor `exchange`."""
+    if exchange == "steps":
+        sends = [(step.send_index, step.send_span) for step in schedule.steps]
+        calls = [step.call for step in schedule.steps]
+    else:
+        batched = schedule.batched
+        sends = [(batched.send_index, batched.send_span)] if batched else []
+        calls = [batched.call] if batched else []
+    seen = {("send", span is None) for index, span in sends if index.numel()}
+    for call in calls:
+        if call is not None:
+            seen |= {("q", call.q_span is None), ("k", call.k_span is None)}
+    return seen
+
+
+@pytest.mark.parametrize("exchange", ["batched", "steps"])
+def test_row_runs_as_slices_equal_gathers_and_the_reference(exchange):
+    """The ring executors take a run of rows as a slice (a view) and other rows by index. Over
+    these layouts both kinds occur for queries, keys and sent rows; each result equals the
+    same plan computed with every row by index, and the oracle."""
     seen = set()
-    for algo, cp, degree, kind, seed in (("ring", 4, None, "mixed", 1),
-                                         ("ring", 8, None, "spanning", 2),
-                                         ("hybrid", 8, 2, "mixed", 3),
-                                         ("ring", 4, None, "short", 4)):
-        b = 1 if kind == "spanning" else 3
+    for algo, cp, degree, kind, seed, b in (("ring", 4, None, "mixed", 1, 3),
+                                            ("ring", 8, None, "spanning", 2, 1),
+                                            ("hybrid", 8, 2, "mixed", 3, 3),
+                                            ("ring", 4, None, "short", 4, 3),
+                                            ("ring", 2, None, "spanning", 5, 1),
+                                            ("ring", 4, None, "mixed", 6, 1)):
         cu, (q, k, v, dout) = _case(kind, b, 96, 4, 2, 8, seed=seed)
         plan = plan_context_parallel(cu, cp, algo, degree)
         for schedule in plan.schedules:
-            for step in schedule.steps:
-                seen.add(("send", step.send_span is None)) if step.send_index.numel() else None
-                if step.call is not None:
-                    seen.add(("q", step.call.q_span is None))
-                    seen.add(("k", step.call.k_span is None))
-        spans = SimulatedPlan(plan, q, k, v, dout, softmax_scale=0.3)
-        gathers = SimulatedPlan(plan, q, k, v, dout, softmax_scale=0.3)
+            seen |= _spans_seen(schedule, exchange)
+        spans = SimulatedPlan(plan, q, k, v, dout, softmax_scale=0.3, exchange=exchange)
+        gathers = SimulatedPlan(plan, q, k, v, dout, softmax_scale=0.3, exchange=exchange)
         gathers.schedules = [schedule_without_spans(s) for s in gathers.schedules]
         oracle = _oracle(q, k, v, dout, cu, 0.3)
         for mine, other, ref in zip(spans.run(), gathers.run(), oracle):

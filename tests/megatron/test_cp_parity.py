@@ -21,10 +21,10 @@ from tests.reference import random_layout_tokens
 B, S = 2, 48
 
 
-def _loss_and_grads(rank, world, algo, degree):
+def _loss_and_grads(rank, world, algo, degree, exchange="batched"):
     with cp_setup(world, algo, degree) as cp_group:
         registry = EodContextRegistry()
-        model = tiny_gpt(world, registry, seed=1234)
+        model = tiny_gpt(world, registry, seed=1234, ring_exchange=exchange)
         stream = random_layout_tokens("mixed", B, S + 1, EOD, seed=5)
         tokens, labels = stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
         batch = slice_batch_for_cp(tokens, labels, EOD, registry, cp_size=world, cp_rank=rank,
@@ -52,11 +52,12 @@ def cp1():
     return run_ranks(_loss_and_grads, 1, "ring", None)[0]
 
 
-@pytest.mark.parametrize("algo,world,degree", [("ring", 2, None), ("ring", 4, None),
-                                               ("ulysses", 2, None), ("hybrid", 4, 2)])
-def test_cp_equals_cp1(cp1, algo, world, degree):
+@pytest.mark.parametrize("algo,world,degree,exchange", [
+    ("ring", 2, None, "batched"), ("ring", 4, None, "batched"), ("ring", 4, None, "steps"),
+    ("ulysses", 2, None, "batched"), ("hybrid", 4, 2, "batched"), ("hybrid", 4, 2, "steps")])
+def test_cp_equals_cp1(cp1, algo, world, degree, exchange):
     loss1, grads1 = cp1
-    for loss, grads in run_ranks(_loss_and_grads, world, algo, degree):
+    for loss, grads in run_ranks(_loss_and_grads, world, algo, degree, exchange):
         assert loss == pytest.approx(loss1, rel=2e-5)
         for name, g1 in grads1.items():
             assert (grads[name] - g1).abs().max().item() < 1e-4, name

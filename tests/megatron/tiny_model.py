@@ -17,7 +17,8 @@ from megatron_eod.megatron.layer_spec import get_gpt_layer_eod_spec
 VOCAB, EOD = 64, 63
 
 
-def tiny_gpt(world, registry, seed, num_query_groups=2, max_sequence_length=48):
+def tiny_gpt(world, registry, seed, num_query_groups=2, max_sequence_length=48,
+             ring_exchange="batched"):
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
@@ -30,7 +31,8 @@ def tiny_gpt(world, registry, seed, num_query_groups=2, max_sequence_length=48):
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, gradient_accumulation_fusion=False)
-    return GPTModel(config, get_gpt_layer_eod_spec(registry), vocab_size=VOCAB,
+    return GPTModel(config, get_gpt_layer_eod_spec(registry, ring_exchange=ring_exchange),
+                    vocab_size=VOCAB,
                     max_sequence_length=max_sequence_length, position_embedding_type="none")
 
 

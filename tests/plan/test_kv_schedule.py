@@ -97,3 +97,50 @@ def test_to_device_keeps_pieces_and_moves_schedules():
         assert torch.equal(a.local.cu_seqlens_q, b.local.cu_seqlens_q)
         assert [s.recv_count for s in a.steps] == [s.recv_count for s in b.steps]
         assert all(torch.equal(x.send_index, y.send_index) for x, y in zip(a.steps, b.steps))
+
+
+@settings(max_examples=examples(120))
+@given(plan_inputs(max_log2_tokens=10))
+def test_batched_exchange_is_the_steps_at_once(case):
+    """The batched form (kv_batched.py) of every group: its one call evaluates exactly the
+    pairs of all ring steps, each once, reading keys from the buffer its peers fill (each
+    peer's rows at that step's offset, as the peer sends them); and it sends, step after
+    step, exactly the rows the steps send."""
+    cu, cp, algo, degree, _ = case
+    plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, degree)
+    tokens = [plan.group_tokens(g) for g in range(plan.ring_size)]
+    schedules = plan.schedules
+    for g, schedule in enumerate(schedules):
+        batched = schedule.batched
+        if not schedule.steps:
+            assert batched is None
+            continue
+        offsets, steps = batched.send_offsets, schedule.steps
+        assert batched.send_span == _run(batched.send_index)
+        for i, step in enumerate(steps):
+            assert torch.equal(batched.send_index[offsets[i]:offsets[i + 1]], step.send_index)
+        # The receive buffer, in stream positions: each sender's rows at its step's offset.
+        buffer = torch.cat([tokens[s.recv_from][schedules[s.recv_from].batched.send_index[
+            schedules[s.recv_from].batched.send_offsets[s.step - 1]:
+            schedules[s.recv_from].batched.send_offsets[s.step]]] for s in steps])
+        assert buffer.numel() == batched.recv_count
+        assert list(np.diff(batched.recv_offsets)) == [s.recv_count for s in steps]
+        step_pairs = []
+        for step in steps:
+            if step.call is not None:
+                sent = schedules[step.recv_from].steps[step.step - 1].send_index
+                step_pairs += call_pairs(step.call, tokens[g], tokens[step.recv_from][sent])
+        if batched.call is None:
+            assert not step_pairs
+            continue
+        call = batched.call
+        pairs = call_pairs(call, tokens[g], buffer)
+        assert not call.causal and len(pairs) == len(set(pairs)) == call.pairs
+        assert sorted(pairs) == sorted(step_pairs)
+        assert call.q_span == _run(call.q_index) and call.k_span == _run(call.k_index)
+        # One sequence per query piece: distinct, increasing runs of local rows.
+        cu_q = call.cu_seqlens_q.tolist()
+        firsts = [int(call.q_index[a]) for a in cu_q[:-1]]
+        assert firsts == sorted(set(firsts))
+        for a, b in zip(cu_q[:-1], cu_q[1:]):
+            assert _run(call.q_index[a:b]) is not None

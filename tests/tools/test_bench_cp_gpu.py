@@ -1,5 +1,5 @@
 """tools/bench_cp_gpu.py runs on the CPU at a small size (the GPU session relies on it): every
-mix prints the five layouts with forward, backward and both, and the ideal row is 1.00."""
+mix prints the seven layouts with forward, backward and both, and the ideal row is 1.00."""
 
 import os
 import sys
@@ -16,7 +16,8 @@ def test_small_cpu_run_prints_every_layout_fwd_bwd(capsys):
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ")
             and not line.startswith("| layout")]
     assert [r[0] for r in rows] == ["| " + name for name in (
-        "ideal", "ours ring", "ours hybrid u=2", "contiguous", "doc-zigzag (padded)")] * 2
+        "ideal", "ours ring", "ours ring (steps)", "ours hybrid u=2", "ours hybrid u=2 (steps)",
+        "contiguous", "doc-zigzag (padded)")] * 2
     for cells in rows:
         fwd, bwd, both = (float(x) for x in cells[1].split(" / "))
         assert fwd > 0 and bwd > 0 and abs(fwd + bwd - both) < 2e-3

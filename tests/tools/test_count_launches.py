@@ -1,6 +1,7 @@
-"""tools/count_launches.py: the ring steps' glue stays a few launches per attention call, and
-taking planned runs of rows as slices is what keeps it there (the same plans with every row
-by index launch more). Counts, not times: deterministic on any machine."""
+"""tools/count_launches.py: the ring executors' glue stays a few launches per attention call,
+and taking planned runs of rows as slices is what keeps it there (the same plans with every
+row by index launch more); the batched executor makes 2 attention calls per direction and
+launches less glue than the steps. Counts, not times: deterministic on any machine."""
 
 import os
 import sys
@@ -19,19 +20,26 @@ from tests.reference import schedule_without_spans  # noqa: E402
 GLUE_PER_CALL = 6  # measured 3.2-5.7 on the bench mixes (docs/BENCHMARKS.md)
 
 
+@pytest.mark.parametrize("exchange", ["batched", "steps"])
 @pytest.mark.parametrize("n,cp,algo,degree", [(8192, 4, "ring", None), (16384, 8, "ring", None),
                                               (16384, 8, "hybrid", 2)])
-def test_glue_launches_per_attention_call_stay_few(n, cp, algo, degree):
+def test_glue_launches_per_attention_call_stay_few(n, cp, algo, degree, exchange):
     cu = web_row(n, np.random.default_rng(cp))
     plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, degree)
     q = torch.zeros(n, 4, 8, dtype=torch.bfloat16)
     kv = torch.zeros(n, 2, 8, dtype=torch.bfloat16)
     worse = 0
     for g in range(plan.ring_size):
-        calls, glue, _ = count_launches.group_launches(plan, g, (q, kv, kv, q))
+        calls, glue, _ = count_launches.group_launches(plan, g, (q, kv, kv, q),
+                                                       exchange=exchange)
         assert glue <= GLUE_PER_CALL * calls, (g, calls, glue)
+        if exchange == "batched":
+            assert calls <= 4, (g, calls)  # local + received, forward and backward
+            steps = count_launches.group_launches(plan, g, (q, kv, kv, q), exchange="steps")
+            assert glue <= steps[1] and calls <= steps[0], (g, glue, steps[:2])
         stripped = count_launches.group_launches(plan, g, (q, kv, kv, q),
-                                                 schedule_map=schedule_without_spans)[1]
+                                                 schedule_map=schedule_without_spans,
+                                                 exchange=exchange)[1]
         assert stripped >= glue
         worse += stripped > glue
     assert worse, "no group used a planned run of rows"
@@ -40,4 +48,4 @@ def test_glue_launches_per_attention_call_stay_few(n, cp, algo, degree):
 def test_report_lists_every_mix_and_layout(capsys):
     count_launches.main(["--samples", "1", "--configs", "4096:4"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert len(rows) == 1 + 4  # header + (stdlib, web) x (ring, hybrid)
+    assert len(rows) == 1 + 8  # header + (stdlib, web) x (ring, hybrid) x (batched, steps)

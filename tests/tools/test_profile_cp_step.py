@@ -1,6 +1,6 @@
 """tools/profile_cp_step.py: the interval arithmetic it splits time with (a union, overlaps
 counted once; attention told from glue by kernel name; the parts add up to the wall time),
-and a small CPU run (the GPU session's `profile` stage relies on it) printing both layouts."""
+and a small CPU run (the GPU session's `profile` stage relies on it) printing our four layouts."""
 
 import os
 import sys
@@ -31,12 +31,13 @@ def test_split_tells_attention_from_glue_and_adds_up_to_the_wall():
     assert profile_cp_step.split_time(intervals, wall_s=1e-4)[0]["idle"] == 0
 
 
-def test_small_cpu_run_prints_both_layouts(capsys):
+def test_small_cpu_run_prints_our_layouts(capsys):
     profile_cp_step.main(["--configs", "2048:4", "--mixes", "web", "--heads", "4",
                           "--kv-heads", "2", "--head-dim", "16", "--repeats", "1"])
     out = capsys.readouterr().out
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ours")]
-    assert [r[0] for r in rows] == ["| ours ring", "| ours hybrid u=2"]
+    assert [r[0] for r in rows] == ["| ours ring", "| ours ring (steps)", "| ours hybrid u=2",
+                                    "| ours hybrid u=2 (steps)"]
     for cells in rows:
         wall = float(cells[1])
         parts = [float(c.split()[0]) for c in cells[2:5]]  # "10.441 (48%)"

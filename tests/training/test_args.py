@@ -84,6 +84,17 @@ def test_context_parallel_algos(algo, given, stored, degree):
     assert args.data_parallel_size == 2
 
 
+def test_cp_ring_exchange():
+    assert parse("--context-parallel-size", 4, world_size=4).cp_ring_exchange == "batched"
+    args = parse("--context-parallel-size", 4, "--cp-ring-exchange", "steps", world_size=4)
+    assert args.cp_ring_exchange == "steps"
+    with pytest.raises(FlagError, match=r"--cp-ring-exchange"):
+        parse("--cp-ring-exchange", "ring")
+    with pytest.warns(UserWarning, match=r"--cp-ring-exchange steps has no effect"):
+        parse("--context-parallel-size", 4, "--context-parallel-algo", "ulysses",
+              "--cp-ring-exchange", "steps", world_size=4)
+
+
 def test_algo_aliases_cover_the_plan_algorithms():
     from megatron_eod.plan.cp_plan import ALGORITHMS
     assert set(CP_ALGO_ALIASES.values()) == set(ALGORITHMS)

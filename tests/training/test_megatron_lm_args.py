@@ -145,6 +145,12 @@ def test_megatron_cp_spellings_map_onto_ours(flags, algo, degree, sizes):
     assert args.cp_comm_type == [{"ring": "p2p", "ulysses": "a2a", "hybrid": "a2a+p2p"}[algo]]
 
 
+def test_cp_ring_exchange_is_ours_too():
+    assert checked("--context-parallel-size", "4").cp_ring_exchange == "batched"
+    args = checked("--context-parallel-size", "4", "--cp-ring-exchange", "steps")
+    assert args.cp_ring_exchange == "steps"
+
+
 def test_honoured_model_flags_pass():
     args = checked("--qk-layernorm", "--rotary-interleaved", "--use-rope-scaling",
                    "--position-embedding-type", "rope", "--rotary-percent", "0.5",

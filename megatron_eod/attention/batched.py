@@ -1,0 +1,147 @@
+"""The batched ring: a group's ring steps as one exchange, one extra kernel call, one merge.
+
+One job: exact causal document-masked attention for the rows a ring group holds, as ring.py
+computes it, with its `BatchedExchange` (plan/kv_batched.py) instead of step after step.
+Forward: all key/value rows the peers need leave in one batched p2p call and all rows this
+group needs arrive in one, while the local call runs over the local rows as they are; then
+ONE non-causal varlen call of the split documents' query pieces against every received row of
+their documents before them, and ONE log-sum-exp merge into the local result. Backward: the
+same exchange again while the local backward runs, one backward call over the received rows,
+and the received rows' key/value gradients return to their owners in one batched call.
+
+Against ring.py's steps: 2 kernel calls per direction instead of up to R, 1 merge instead of
+up to R - 1, no float32 copies of out or dq (one merge and one sum round once, in float32
+inside the merge); in exchange all received rows are held at once, and the exchange overlaps
+the local call only (the steps overlap each transfer with the previous step's compute).
+
+Messages are row-major, [rows, 2, G, D] (k and v of a row together), so that each peer's
+part of the send and receive buffers is a contiguous slice of one buffer.
+
+Shape key: T = local rows, H = query heads, G = key/value heads, D = head dim, S = rows sent,
+N = rows received; 2 = keys and values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_eod.attention.backends import accumulation_dtype
+from megatron_eod.attention.lse import merge_into
+
+__all__ = ["batched_forward", "batched_backward", "call_forward", "call_backward"]
+
+
+def take_rows(x, index, span):
+    """Rows `index` of x: a slice (a view, no copy) when they are the run `span`."""
+    return x[span[0]:span[1]] if span is not None else x[index]
+
+
+def call_forward(backend, q_THD, k, v, call, scale):
+    """A planned call's (out, lse) for its query rows of q against the keys k, v (both ring
+    executors make their calls over received keys through this and `call_backward`)."""
+    return backend.forward(take_rows(q_THD, call.q_index, call.q_span), k, v,
+                           call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q,
+                           call.max_seqlen_k, call.causal, scale)
+
+
+def call_backward(backend, dout_THD, q_THD, k, v, out_THD, lse_TH, call, scale):
+    """(dq of the call's query rows, dk, dv of k, v) from the rows' FINAL out and lse."""
+    rows, span = call.q_index, call.q_span
+    return backend.backward(take_rows(dout_THD, rows, span), take_rows(q_THD, rows, span), k, v,
+                            take_rows(out_THD, rows, span), take_rows(lse_TH, rows, span),
+                            call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q,
+                            call.max_seqlen_k, call.causal, scale)
+
+
+def _start_kv(k_TGD, v_TGD, schedule, transport):
+    """Send every row the peers need and receive every row this group needs, in one call."""
+    batched = schedule.batched
+    span, index = batched.send_span, batched.send_index
+    if span is not None:  # one run of local rows: stack just those
+        send_S2GD = torch.stack([k_TGD[span[0]:span[1]], v_TGD[span[0]:span[1]]], dim=1)
+    elif index.numel():
+        send_S2GD = torch.stack([k_TGD, v_TGD], dim=1).index_select(0, index)
+    else:
+        send_S2GD = k_TGD.new_empty((0, 2) + tuple(k_TGD.shape[1:]))
+    return transport.start_all_kv(schedule, send_S2GD)
+
+
+def _keys(recv_N2GD, call):
+    """(k, v) of the call's key rows, each contiguous: one copy out of the received buffer."""
+    if call.k_span is not None:
+        kv_2nGD = recv_N2GD[call.k_span[0]:call.k_span[1]].transpose(0, 1).contiguous()
+    else:
+        kv_2nGD = recv_N2GD.transpose(0, 1).index_select(1, call.k_index)
+    return kv_2nGD[0], kv_2nGD[1]
+
+
+def batched_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale):
+    """-> (out [T, H, D] in q's dtype, lse [T, H] float32/float64)."""
+    pending = _start_kv(k_TGD, v_TGD, schedule, transport) if schedule.batched else None
+    local = schedule.local  # over the local rows in order: no gather
+    out_THD, lse_TH = backend.forward(q_THD, k_TGD, v_TGD, local.cu_seqlens_q,
+                                      local.cu_seqlens_k, local.max_seqlen_q,
+                                      local.max_seqlen_k, local.causal, scale)
+    lse_TH = lse_TH.to(accumulation_dtype(q_THD.dtype))
+    if pending is None:
+        return out_THD, lse_TH
+    recv_N2GD = pending.wait()
+    call = schedule.batched.call
+    if call is None:
+        return out_THD, lse_TH
+    k, v = _keys(recv_N2GD, call)
+    o, lse = call_forward(backend, q_THD, k, v, call, scale)
+    merge_into(out_THD, lse_TH, call.q_index, o, lse.to(lse_TH.dtype), span=call.q_span)
+    return out_THD, lse_TH
+
+
+def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, transport,
+                     backend, scale):
+    """-> (dq, dk, dv) in the dtypes of q, k, v."""
+    batched = schedule.batched
+    pending = _start_kv(k_TGD, v_TGD, schedule, transport) if batched else None
+    local = schedule.local
+    dq, dk, dv = backend.backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH,
+                                  local.cu_seqlens_q, local.cu_seqlens_k, local.max_seqlen_q,
+                                  local.max_seqlen_k, local.causal, scale)
+    if pending is None:
+        return dq, dk, dv
+    recv_N2GD = pending.wait()
+    acc = accumulation_dtype(q_THD.dtype)
+    call, grad_N2GD = batched.call, None
+    if call is not None:
+        rows, span = call.q_index, call.q_span
+        k, v = _keys(recv_N2GD, call)
+        gq, gk, gv = call_backward(backend, dout_THD, q_THD, k, v, out_THD, lse_TH, call, scale)
+        # Two terms per row: one sum, rounded once (in float32 for half-precision inputs).
+        if span is not None:
+            dq[span[0]:span[1]].add_(gq)
+        else:
+            dq.index_add_(0, rows, gq)
+        grad_N2GD = _key_grads(gk, gv, call, batched.recv_count, acc)
+    # Gradients of received rows go back to their owners; those of rows sent come here.
+    returned_S2GD = transport.start_all_grad(schedule, grad_N2GD, k_TGD.shape[1:], acc,
+                                             q_THD.device).wait()
+    if returned_S2GD is None or not returned_S2GD.numel():
+        return dq, dk, dv
+    dkv_2TGD = torch.stack([dk, dv]).to(acc)
+    if batched.send_span is not None:
+        start, stop = batched.send_span
+        dkv_2TGD[:, start:stop].add_(returned_S2GD.transpose(0, 1))
+    else:  # a row sent to several peers gets several gradients: summed by index
+        dkv_2TGD.index_add_(1, batched.send_index, returned_S2GD.transpose(0, 1))
+    dkv_2TGD = dkv_2TGD.to(k_TGD.dtype)
+    return dq, dkv_2TGD[0], dkv_2TGD[1]
+
+
+def _key_grads(gk_nGD, gv_nGD, call, recv_count, acc):
+    """[N, 2, G, D] gradients of the received rows, in `acc` (every received row is read)."""
+    shape = (recv_count, 2) + tuple(gk_nGD.shape[1:])
+    if call.k_span == (0, recv_count):  # every received row once, in order
+        grad = torch.empty(shape, dtype=acc, device=gk_nGD.device)
+        grad[:, 0].copy_(gk_nGD)
+        grad[:, 1].copy_(gv_nGD)
+        return grad
+    grad = torch.zeros(shape, dtype=acc, device=gk_nGD.device)
+    grad.index_add_(0, call.k_index, torch.stack([gk_nGD, gv_nGD], dim=1).to(acc))
+    return grad
