@@ -75,8 +75,15 @@ def _keys(recv_N2GD, call):
     return kv_2nGD[0], kv_2nGD[1]
 
 
+def _check(schedule):
+    if schedule.steps and schedule.batched is None:  # else received keys would be ignored
+        raise ValueError("this GroupSchedule has ring steps but no batched form: take "
+                         "schedules from CPPlan.schedule(rank), or run ring_exchange='steps'")
+
+
 def batched_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale):
     """-> (out [T, H, D] in q's dtype, lse [T, H] float32/float64)."""
+    _check(schedule)
     pending = _start_kv(k_TGD, v_TGD, schedule, transport) if schedule.batched else None
     local = schedule.local  # over the local rows in order: no gather
     out_THD, lse_TH = backend.forward(q_THD, k_TGD, v_TGD, local.cu_seqlens_q,
@@ -98,6 +105,7 @@ def batched_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale):
 def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, transport,
                      backend, scale):
     """-> (dq, dk, dv) in the dtypes of q, k, v."""
+    _check(schedule)
     batched = schedule.batched
     pending = _start_kv(k_TGD, v_TGD, schedule, transport) if batched else None
     local = schedule.local

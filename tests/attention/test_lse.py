@@ -178,3 +178,28 @@ def test_half_precision_out_merges_in_the_lse_dtype():
     error = (out16[rows].double() - exact).abs().max()
     assert error <= 2 ** -8 * exact.abs().max()  # half a bf16 ulp of the largest value
     assert error < (in_bf16.double() - exact).abs().max()  # bf16 arithmetic: worse
+
+
+def test_fused_merge_of_half_precision_out_equals_eager():
+    """The batched ring's merge form on GPUs (bf16 out, float32 lse), compiled: the same
+    result as eager, by index and on a run of rows (in a child process, as above)."""
+    run_ranks(_fused_half_out, 1, daemon=False, timeout=240)
+
+
+def _fused_half_out(rank, world):
+    for span in (False, True):
+        for size, start in ((5, 0), (1, 4), (3, 2)):
+            out, lse, rows, part, part_lse = _accumulators(torch.float32, seed=size)
+            out, part = out.to(torch.bfloat16), part[:size].to(torch.bfloat16)
+            rows = torch.arange(start, start + size) if span else rows[:size]
+            cut = (start, start + size) if span else None
+            eager = (out, lse, rows, part, part_lse[:size])
+            fused = tuple(t.clone() for t in eager)
+            merge_into(*eager, span=cut, fused=False)
+            merge_into(*fused, span=cut, fused=True)
+            assert fused[0].dtype == torch.bfloat16 and not lse_module._FUSED["failed"]
+            assert (fused[0].float() - eager[0].float()).abs().max() <= 2 ** -8 * \
+                eager[0].float().abs().max()
+            finite = torch.isfinite(eager[1])
+            assert torch.equal(finite, torch.isfinite(fused[1]))
+            assert (fused[1][finite] - eager[1][finite]).abs().max() < 1e-6

@@ -136,3 +136,19 @@ def test_row_runs_as_slices_equal_gathers_and_the_reference(exchange):
             assert (mine - other).abs().max().item() < 1e-12
             assert (mine - ref).abs().max().item() < 1e-10
     assert seen == {(what, none) for what in ("send", "q", "k") for none in (True, False)}, seen
+
+
+def test_batched_executor_refuses_a_schedule_without_its_batched_form():
+    """A schedule with ring steps but no batched form (built by hand, not by CPPlan) would
+    silently drop every received key: the batched executor refuses it."""
+    import dataclasses
+
+    cu, (q, k, v, dout) = _case("spanning", 1, 64, 4, 2, 8, seed=1)
+    plan = plan_context_parallel(cu, 4, "ring")
+    sim = SimulatedPlan(plan, q, k, v, dout, softmax_scale=0.3)
+    sim.schedules = [dataclasses.replace(s, batched=None) for s in sim.schedules]
+    with pytest.raises(ValueError, match="no batched form"):
+        sim.run()
+    sim.exchange = "steps"  # the steps executor needs no batched form
+    for mine, ref in zip(sim.run(), _oracle(q, k, v, dout, cu, 0.3)):
+        assert (mine - ref).abs().max().item() < 1e-10
