@@ -174,7 +174,8 @@ class FlashAttnBackend:
         self._fai._flash_attn_varlen_backward(
             dout.contiguous(), q, k, v, out, lse_HT, dq, dk, dv, cu_q, cu_k, max_q, max_k,
             dropout_p=0.0, softmax_scale=softmax_scale, causal=causal, window_size_left=-1,
-            window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
+            window_size_right=-1, softcap=0.0, alibi_slopes=None,
+            deterministic=torch.are_deterministic_algorithms_enabled(),  # --deterministic-mode
             rng_state=None)
         return dq, dk, dv
 

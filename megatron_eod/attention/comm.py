@@ -96,12 +96,13 @@ def exchange(send: Optional[torch.Tensor], send_to: int, recv_shape, recv_from: 
 class Transfers:
     """Started sends and receives into given buffers; `wait()` returns when all are done."""
 
-    def __init__(self, works: List, staged: List, what: str, group):
+    def __init__(self, works: List, staged: List, what: str, group, ops=()):
         self._works, self._staged, self._what, self._group = works, staged, what, group
+        self._ops = ops  # the tensors in flight stay referenced until the wait
 
     def wait(self) -> None:
         Exchange(self._works, None, self._what, self._group).wait()
-        self._works = []
+        self._works, self._ops = [], ()
         for host, target in self._staged:  # host staging: received into host memory first
             target.copy_(host)
         self._staged = []
@@ -129,7 +130,7 @@ def exchange_many(sends, recvs, group, what: str = "") -> Transfers:
             ops.append(dist.P2POp(dist.irecv, target, dist.get_global_rank(group, peer), group,
                                   tag))
     works = dist.batch_isend_irecv(ops) if ops else []
-    return Transfers(works, staged, what or f"{len(ops)} batched p2p transfers", group)
+    return Transfers(works, staged, what or f"{len(ops)} batched p2p transfers", group, ops)
 
 
 def warm_up(group, device) -> None:
