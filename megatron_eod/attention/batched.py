@@ -28,7 +28,8 @@ import torch
 from megatron_eod.attention.backends import accumulation_dtype
 from megatron_eod.attention.lse import merge_into
 
-__all__ = ["batched_forward", "batched_backward", "call_forward", "call_backward"]
+__all__ = ["batched_forward", "batched_backward", "call_forward", "call_backward",
+           "runs_batched"]
 
 
 def take_rows(x, index, span):
@@ -75,10 +76,16 @@ def _keys(recv_N2GD, call):
     return kv_2nGD[0], kv_2nGD[1]
 
 
+def runs_batched(schedule) -> bool:
+    """Whether the batched executor can run `schedule`: it has no ring steps, or their
+    batched form (plan/kv_batched.py leaves it out where the steps hold far less data)."""
+    return not schedule.steps or schedule.batched is not None
+
+
 def _check(schedule):
-    if schedule.steps and schedule.batched is None:  # else received keys would be ignored
-        raise ValueError("this GroupSchedule has ring steps but no batched form: take "
-                         "schedules from CPPlan.schedule(rank), or run ring_exchange='steps'")
+    if not runs_batched(schedule):  # else received keys would be ignored
+        raise ValueError("this GroupSchedule has ring steps but no batched form: run it with "
+                         "the steps executor (ring.py; ring_attention falls back by itself)")
 
 
 def batched_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale):

@@ -13,6 +13,10 @@ only (query piece, key piece) pairs of the same document, with either executor:
   their owners. Float32 accumulators exist only when some step has data.
 Both compute the same pairs; "steps" holds less received data at once and overlaps every
 transfer with compute, "batched" makes 2 kernel calls per direction instead of up to R.
+Where some group would receive more than kv_batched.MAX_RECEIVED_PER_ROW x its rows, the
+plan gives no schedule a batched form (`CPPlan.batched_ring`, the same on every rank: the
+two executors' messages differ in layout, so the ranks of a ring never mix them) and the
+steps run under "batched" too.
 
 The executors take a transport (who moves the step data): `GroupTransport` (transport.py)
 over a process group here, or the in-process one of simulate.py that runs every group on one
@@ -30,7 +34,7 @@ import torch
 
 from megatron_eod.attention.backends import accumulation_dtype
 from megatron_eod.attention.batched import (batched_backward, batched_forward, call_backward,
-                                            call_forward)
+                                            call_forward, runs_batched)
 from megatron_eod.attention.comm import warm_up
 from megatron_eod.attention.lse import merge_into
 from megatron_eod.attention.transport import GroupTransport
@@ -164,6 +168,8 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q_THD, k_TGD, v_TGD, schedule, group, backend, scale, exchange):
         warm_up(group, q_THD.device)  # before the group's first batched p2p call (NCCL rule)
         transport = GroupTransport(group)
+        if exchange == "batched" and not runs_batched(schedule):
+            exchange = "steps"  # the plan found the batched form too big (on every rank)
         if exchange == "batched":
             out_THD, lse_TH = batched_forward(q_THD, k_TGD, v_TGD, schedule, transport,
                                               backend, scale)

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from megatron_eod.plan.cost import balance_bound, doc_pairs
-from megatron_eod.plan.kv_batched import with_batched
+from megatron_eod.plan.kv_batched import MAX_RECEIVED_PER_ROW, with_batched
 from megatron_eod.plan.kv_schedule import (GroupSchedule, SplitDocuments, build_schedule,
-                                           schedule_totals)
+                                           schedule_totals, tokens_received)
 from megatron_eod.plan.partition import Placement, partition_documents
 from megatron_eod.plan.pieces import Pieces
 
@@ -79,10 +79,25 @@ class CPPlan:
     def group_schedule(self, group: int) -> GroupSchedule:
         key = ("schedule", group)
         if key not in self._cache:
-            schedule = with_batched(build_schedule(self._split_documents(), group))
+            schedule = build_schedule(self._split_documents(), group)
+            if self.batched_ring:
+                schedule = with_batched(schedule)
             if self.device is not None and self.device.type != "cpu":
                 schedule = schedule.to(self.device)
             self._cache[key] = schedule
+        return self._cache[key]
+
+    @property
+    def batched_ring(self) -> bool:
+        """Whether the schedules carry their batched form (kv_batched.py): unless some group
+        would receive more than MAX_RECEIVED_PER_ROW x its rows. The same on every rank."""
+        key = ("batched_ring", None)
+        if key not in self._cache:
+            split = self._split_documents()
+            rows = self.pieces.tokens_per_group()
+            self._cache[key] = all(
+                tokens_received(split, g) <= MAX_RECEIVED_PER_ROW * int(rows[g])
+                for g in np.unique(split.pieces.group[split.index]))
         return self._cache[key]
 
     @property
@@ -116,6 +131,7 @@ class CPPlan:
         balance: max / mean pairs over groups; balance_limit: the most the bound allows
             (cost.balance_bound); padding_tokens: tokens placed beyond the stream's;
         split_documents: documents held by more than one group;
+        batched_ring: whether ring groups may run the batched executor (kv_batched.py);
         planner: the layout chosen (partition.py); planners: every candidate tried and how
             it did ("sweep" alone where the others would cost too much).
         The pairs and traffic come from the schedules' own relation (kv_schedule), so they
@@ -139,6 +155,7 @@ class CPPlan:
             "balance_limit": balance_bound(mean, int(lengths.max())) / mean,
             "padding_tokens": int(self.pieces.length.sum()) - self.num_tokens,
             "split_documents": int(np.unique(split.doc).size),
+            "batched_ring": self.batched_ring,
             "planner": self.placement.planner,
             "planners": dict(self.placement.tried),
         }

@@ -10,7 +10,11 @@ log-sum-exp merge, whatever the ring size, instead of one call and one merge per
 
 The pairs are the steps' pairs, each once (a non-causal call does not care about key order),
 so the plan's balance and traffic are unchanged; what changes is that all received rows are
-held at once (`recv_count`) rather than one step's.
+held at once (`recv_count`) rather than one step's. So where some group would receive more
+than MAX_RECEIVED_PER_ROW times its own rows (one document over many groups: the group
+holding its end receives nearly all of it, up to (R-1)x its rows), the plan gives no group a
+batched form (`CPPlan.batched_ring`, the same answer on every rank: both sides of a transfer
+must run the same executor) and the steps run, whose buffers stay at one step's rows.
 
 What it does not do: no placement, no communication; built from the steps on the host.
 """
@@ -28,7 +32,12 @@ from megatron_eod.plan.kv_schedule import (GroupSchedule, KernelCall, RingStep, 
                                            span_of)
 from megatron_eod.plan.pieces import ranges
 
-__all__ = ["BatchedExchange", "batch_steps", "with_batched"]
+__all__ = ["BatchedExchange", "MAX_RECEIVED_PER_ROW", "batch_steps", "with_batched"]
+
+# Received rows held at once, per row of the group, beyond which the steps run instead (the
+# batched executor then holds the received key/values, a gathered copy and their float32
+# gradients: about 6x this many rows of bf16 key/values at the peak of the backward).
+MAX_RECEIVED_PER_ROW = 4
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # kv_batched.py builds on this module
     from megatron_eod.plan.kv_batched import BatchedExchange
 
 __all__ = ["KernelCall", "RingStep", "GroupSchedule", "SplitDocuments", "build_schedule",
-           "call_from_rows", "make_call", "needed_pieces", "schedule_totals", "span_of"]
+           "call_from_rows", "make_call", "needed_pieces", "schedule_totals", "span_of",
+           "tokens_received"]
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,13 @@ def schedule_totals(split: SplitDocuments, group: int) -> Tuple[int, int]:
     local = local_call(p, group, with_rows=False)
     pairs = local.pairs + int((p.length[q] * p.length[k]).sum())
     return pairs, int(p.length[np.unique(k)].sum())
+
+
+def tokens_received(split: SplitDocuments, group: int) -> int:
+    """Key/value tokens the group receives over all its ring steps (schedule_totals' second
+    half, without the pair count)."""
+    _, k = needed_pieces(split, group)
+    return int(split.pieces.length[np.unique(k)].sum())
 
 
 def _offsets(lengths: np.ndarray) -> torch.Tensor:

@@ -16,8 +16,10 @@ import pytest
 import torch.distributed as dist
 
 import megatron_eod.attention.ring as ring
-from tests.attention.test_context_parallel_attention import _check_rank
+from megatron_eod import build_doc_layout, plan_context_parallel
+from tests.attention.test_context_parallel_attention import EOD, _check_rank
 from tests.harness import run_ranks
+from tests.reference import random_layout_tokens
 
 
 def _recorded(rank, world, algo, degree, kind, b, s, seed, exchange):
@@ -86,8 +88,10 @@ def test_ring_and_hybrid_obey_nccl_p2p_rules(algo, world, degree, kind, b, s, se
     if kind == "spanning":  # a document over every rank: keys/values must move
         assert any(entry[0] == "send" for log in logs for entry in log)
     assert violations(logs) == []
-    if exchange == "batched":  # one batched call for keys/values forward, one backward, one
-        for log in logs:       # for the gradients, whatever the ring size
+    tokens = random_layout_tokens(kind, b, s, EOD, seed)
+    plan = plan_context_parallel(build_doc_layout(tokens, EOD).cu_seqlens, world, algo, degree)
+    if exchange == "batched" and plan.batched_ring:  # one batched call for keys/values
+        for log in logs:      # forward, one backward, one for the gradients, whatever R
             calls = sum(entry[0] == "batch" for entry in log)
             assert calls <= 3 and (calls >= 1 or kind != "spanning"), calls
 

@@ -138,17 +138,19 @@ def test_row_runs_as_slices_equal_gathers_and_the_reference(exchange):
     assert seen == {(what, none) for what in ("send", "q", "k") for none in (True, False)}, seen
 
 
-def test_batched_executor_refuses_a_schedule_without_its_batched_form():
-    """A schedule with ring steps but no batched form (built by hand, not by CPPlan) would
-    silently drop every received key: the batched executor refuses it."""
-    import dataclasses
+def test_without_batched_forms_the_steps_run():
+    """A plan where the end of a document would receive too much at once (one document over
+    8 groups: its last group receives 7x its rows) carries no batched forms; the batched
+    executor refuses such a schedule (it would drop every received key), and the attention
+    runs the steps instead, exactly."""
+    from megatron_eod.attention.batched import batched_forward
 
-    cu, (q, k, v, dout) = _case("spanning", 1, 64, 4, 2, 8, seed=1)
-    plan = plan_context_parallel(cu, 4, "ring")
-    sim = SimulatedPlan(plan, q, k, v, dout, softmax_scale=0.3)
-    sim.schedules = [dataclasses.replace(s, batched=None) for s in sim.schedules]
+    cu, (q, k, v, dout) = _case("spanning", 1, 128, 4, 2, 8, seed=1)
+    plan = plan_context_parallel(cu, 8, "ring")
+    assert not plan.batched_ring and all(s.batched is None for s in plan.schedules)
+    sim = SimulatedPlan(plan, q, k, v, dout, softmax_scale=0.3)  # exchange="batched"
+    last = sim.schedules[-1]
     with pytest.raises(ValueError, match="no batched form"):
-        sim.run()
-    sim.exchange = "steps"  # the steps executor needs no batched form
+        batched_forward(q[:16], k[:16], v[:16], last, None, sim.backend, 0.3)
     for mine, ref in zip(sim.run(), _oracle(q, k, v, dout, cu, 0.3)):
         assert (mine - ref).abs().max().item() < 1e-10

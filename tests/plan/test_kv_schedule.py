@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 
 from megatron_eod import plan_context_parallel
+from megatron_eod.plan.kv_batched import MAX_RECEIVED_PER_ROW
 from megatron_eod.plan.kv_schedule import RingStep
 from tests.plan.mixes import examples, plan_inputs
 
@@ -112,14 +113,20 @@ def test_batched_exchange_is_the_steps_at_once(case):
     """The batched form (kv_batched.py) of every group: its one call evaluates exactly the
     pairs of all ring steps, each once, reading keys from the buffer its peers fill (each
     peer's rows at that step's offset, as the peer sends them); and it sends, step after
-    step, exactly the rows the steps send."""
+    step, exactly the rows the steps send. Plans where a group would receive too much carry
+    no batched form at all."""
     cu, cp, algo, degree, _ = case
     plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, degree)
     tokens = [plan.group_tokens(g) for g in range(plan.ring_size)]
     schedules = plan.schedules
+    # Batched forms everywhere or nowhere: nowhere when some group would hold more than
+    # MAX_RECEIVED_PER_ROW x its rows of received keys at once.
+    assert plan.batched_ring == all(s.kv_tokens_received <= MAX_RECEIVED_PER_ROW * s.num_tokens
+                                    for s in schedules)
+    assert plan.stats()["batched_ring"] == plan.batched_ring
     for g, schedule in enumerate(schedules):
         batched = schedule.batched
-        if not schedule.steps:
+        if not schedule.steps or not plan.batched_ring:
             assert batched is None
             continue
         offsets, steps = batched.send_offsets, schedule.steps
