@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron_eod.attention.backends import default_scale, get_backend
 from megatron_eod.attention.groups import get_hybrid_groups
-from megatron_eod.attention.ring import RING_EXCHANGES, ring_attention
+from megatron_eod.attention.ring import check_ring_exchange, ring_attention
 from megatron_eod.attention.ulysses import head_to_seq, seq_to_head
 
 __all__ = ["context_parallel_attention"]
@@ -52,9 +52,7 @@ def context_parallel_attention(q, k, v, plan, group=None, causal=True, softmax_s
     """
     if not causal:
         raise ValueError("causal=False is not supported: EoD-reset training is causal")
-    if ring_exchange not in RING_EXCHANGES:
-        raise ValueError(f"ring_exchange (--cp-ring-exchange) must be one of "
-                         f"{RING_EXCHANGES}, got {ring_exchange!r}")
+    check_ring_exchange(ring_exchange)
     if plan.cp_size == 1 and group is None:
         rank = 0  # no context parallelism: one local varlen call, no process group needed
         _check(q, k, v, plan, 1)

@@ -25,7 +25,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["Exchange", "Transfers", "exchange", "exchange_many", "all_to_all_equal", "warm_up",
+__all__ = ["Exchange", "exchange", "exchange_many", "all_to_all_equal", "warm_up",
            "host_staging"]
 
 _WARM = []  # groups that have run a collective (kept alive, compared by identity)
@@ -44,12 +44,14 @@ def host_staging(enabled: bool = True):
 
 
 class Exchange:
-    """A started send-to-one-peer / receive-from-another; `wait()` returns the received tensor."""
+    """Started transfers; `wait()` returns `result` (the buffer they fill, or None) once all
+    are done, naming the transfer and its group if one fails."""
 
-    def __init__(self, works: List, received: Optional[torch.Tensor], what: str = "", group=None,
-                 device=None):
-        self._works, self._received, self._what, self._group = works, received, what, group
-        self._device = device  # host staging: where the received tensor goes after the wait
+    def __init__(self, works: List, result: Optional[torch.Tensor] = None, what: str = "",
+                 group=None, staged=(), ops=()):
+        self._works, self._result, self._what, self._group = works, result, what, group
+        self._staged = staged  # host staging: (host buffer, its target), copied after the wait
+        self._ops = ops  # the tensors in flight stay referenced until the wait
 
     def wait(self) -> Optional[torch.Tensor]:
         try:
@@ -58,10 +60,11 @@ class Exchange:
         except RuntimeError as error:  # e.g. a peer stopped answering: say which transfer
             raise RuntimeError(f"{error} [{self._what} in CP group of global ranks "
                                f"{_ranks(self._group)}]") from error
-        self._works = []
-        if self._device is not None and self._received is not None:
-            self._received, self._device = self._received.to(self._device), None
-        return self._received
+        self._works, self._ops = [], ()
+        for host, target in self._staged:
+            target.copy_(host)
+        self._staged = ()
+        return self._result
 
 
 def _ranks(group):
@@ -74,49 +77,27 @@ def _ranks(group):
 def exchange(send: Optional[torch.Tensor], send_to: int, recv_shape, recv_from: int, group,
              dtype: torch.dtype, device, tag: int = 0) -> Exchange:
     """Start sending `send` to group rank `send_to` and receiving `recv_shape` from
-    `recv_from` (either side may be empty, no elements: then it is skipped)."""
-    ops = []
+    `recv_from` (either side may be empty, no elements: then it is skipped); `wait()` returns
+    the received tensor (None when nothing is received)."""
     received = None
-    staged_for = device if _STAGING[0] else None
-    if send is not None and send.numel():
-        send = send.to("cpu") if staged_for is not None else send
-        ops.append(dist.P2POp(dist.isend, send.contiguous(),
-                              dist.get_global_rank(group, send_to), group, tag))
     if recv_shape is not None and math.prod(recv_shape) > 0:
-        received = torch.empty(recv_shape, dtype=dtype,
-                               device="cpu" if staged_for is not None else device)
-        ops.append(dist.P2POp(dist.irecv, received, dist.get_global_rank(group, recv_from),
-                              group, tag))
-    works = dist.batch_isend_irecv(ops) if ops else []
+        received = torch.empty(recv_shape, dtype=dtype, device=device)
     what = (f"p2p tag {tag}: send to group rank {send_to}, receive from group rank "
             f"{recv_from}")
-    return Exchange(works, received, what, group, staged_for)
+    return exchange_many([] if send is None else [(send, send_to, tag)],
+                         [] if received is None else [(received, recv_from, tag)], group,
+                         what, received)
 
 
-class Transfers:
-    """Started sends and receives into given buffers; `wait()` returns when all are done."""
-
-    def __init__(self, works: List, staged: List, what: str, group, ops=()):
-        self._works, self._staged, self._what, self._group = works, staged, what, group
-        self._ops = ops  # the tensors in flight stay referenced until the wait
-
-    def wait(self) -> None:
-        Exchange(self._works, None, self._what, self._group).wait()
-        self._works, self._ops = [], ()
-        for host, target in self._staged:  # host staging: received into host memory first
-            target.copy_(host)
-        self._staged = []
-
-
-def exchange_many(sends, recvs, group, what: str = "") -> Transfers:
+def exchange_many(sends, recvs, group, what: str = "", result=None) -> Exchange:
     """Start, in ONE batched p2p call, every send of `sends` [(tensor, group rank, tag)] and
     every receive of `recvs` [(contiguous buffer it fills, group rank, tag)], in the order
     given (NCCL matches a pair's messages by order: both sides list them in the same order).
-    Empty tensors are skipped, as in `exchange`."""
+    Tensors without elements are skipped. `wait()` returns `result`."""
     ops, staged = [], []
     for tensor, peer, tag in sends:
         if tensor.numel():
-            tensor = tensor.to("cpu") if _STAGING[0] else tensor.contiguous()
+            tensor = (tensor.to("cpu") if _STAGING[0] else tensor).contiguous()
             ops.append(dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, peer), group,
                                   tag))
     for buffer, peer, tag in recvs:
@@ -130,7 +111,8 @@ def exchange_many(sends, recvs, group, what: str = "") -> Transfers:
             ops.append(dist.P2POp(dist.irecv, target, dist.get_global_rank(group, peer), group,
                                   tag))
     works = dist.batch_isend_irecv(ops) if ops else []
-    return Transfers(works, staged, what or f"{len(ops)} batched p2p transfers", group, ops)
+    return Exchange(works, result, what or f"{len(ops)} batched p2p transfers", group, staged,
+                    ops)
 
 
 def warm_up(group, device) -> None:

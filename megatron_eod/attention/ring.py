@@ -39,12 +39,26 @@ from megatron_eod.attention.comm import warm_up
 from megatron_eod.attention.lse import merge_into
 from megatron_eod.attention.transport import GroupTransport
 
-__all__ = ["ring_attention", "ring_forward", "ring_backward", "stack_kv", "RING_EXCHANGES"]
+__all__ = ["ring_attention", "ring_forward", "ring_backward", "stack_kv", "RING_EXCHANGES",
+           "check_ring_exchange", "executor_for"]
 
 # How a group's ring steps run: "batched" (batched.py: all transfers at once, one call over
 # everything received, one merge) or "steps" (this module: one transfer, call and merge per
 # step, each transfer overlapping the previous step's compute).
 RING_EXCHANGES = ("batched", "steps")
+
+
+def check_ring_exchange(exchange) -> None:
+    """ValueError naming the argument and its flag unless `exchange` is in RING_EXCHANGES."""
+    if exchange not in RING_EXCHANGES:
+        raise ValueError(f"ring_exchange (--cp-ring-exchange) must be one of {RING_EXCHANGES}, "
+                         f"got {exchange!r}")
+
+
+def executor_for(schedule, exchange: str) -> str:
+    """The executor that runs `schedule` under `exchange`: "batched" falls back to "steps"
+    where the plan left the batched forms out (CPPlan.batched_ring, the same on every rank)."""
+    return "batched" if exchange == "batched" and runs_batched(schedule) else "steps"
 
 
 def _keys(kv_2NGD, call):
@@ -168,8 +182,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q_THD, k_TGD, v_TGD, schedule, group, backend, scale, exchange):
         warm_up(group, q_THD.device)  # before the group's first batched p2p call (NCCL rule)
         transport = GroupTransport(group)
-        if exchange == "batched" and not runs_batched(schedule):
-            exchange = "steps"  # the plan found the batched form too big (on every rank)
+        exchange = executor_for(schedule, exchange)
         if exchange == "batched":
             out_THD, lse_TH = batched_forward(q_THD, k_TGD, v_TGD, schedule, transport,
                                               backend, scale)

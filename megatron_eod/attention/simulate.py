@@ -30,8 +30,9 @@ from typing import List, Tuple
 import torch
 
 from megatron_eod.attention.backends import accumulation_dtype, default_scale, get_backend
-from megatron_eod.attention.batched import batched_backward, batched_forward, runs_batched
-from megatron_eod.attention.ring import RING_EXCHANGES, ring_backward, ring_forward, stack_kv
+from megatron_eod.attention.batched import batched_backward, batched_forward
+from megatron_eod.attention.ring import (check_ring_exchange, executor_for, ring_backward,
+                                         ring_forward, stack_kv)
 
 __all__ = ["SimulatedPlan", "GroupResult"]
 
@@ -80,8 +81,7 @@ class _InProcessTransport:
 class SimulatedPlan:
     def __init__(self, plan, q_NHD, k_NGD, v_NGD, dout_NHD, backend=None, softmax_scale=None,
                  exchange="batched"):
-        if exchange not in RING_EXCHANGES:
-            raise ValueError(f"exchange must be one of {RING_EXCHANGES}, got {exchange!r}")
+        check_ring_exchange(exchange)
         self.exchange = exchange
         device = q_NHD.device
         self.backend = backend or get_backend(device, q_NHD.dtype)
@@ -113,7 +113,7 @@ class SimulatedPlan:
         q, k, v, _, received, received_rows = self.inputs[g]
         transport = _InProcessTransport(received, received_rows)
         schedule = self.schedules[g]
-        if self.exchange == "batched" and runs_batched(schedule):
+        if executor_for(schedule, self.exchange) == "batched":
             return batched_forward(q, k, v, schedule, transport, self.backend, self.scale)
         return ring_forward(q, k, v, schedule, transport, self.backend, self.scale,
                             stack_kv(k, v, schedule))
@@ -123,7 +123,7 @@ class SimulatedPlan:
         q, k, v, dout, received, received_rows = self.inputs[g]
         transport = _InProcessTransport(received, received_rows)
         schedule, backend, scale = self.schedules[g], self.backend, self.scale
-        if self.exchange == "batched" and runs_batched(schedule):
+        if executor_for(schedule, self.exchange) == "batched":
             out, lse = batched_forward(q, k, v, schedule, transport, backend, scale)
             dq, dk, dv = batched_backward(dout, q, k, v, out, lse, schedule, transport, backend,
                                           scale)

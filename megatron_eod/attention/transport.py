@@ -52,9 +52,8 @@ class GroupTransport:
     def start_all_kv(self, schedule, send_S2GD):
         batched = schedule.batched
         recv_N2GD = send_S2GD.new_empty((batched.recv_count,) + tuple(send_S2GD.shape[1:]))
-        transfers = self._start_all(schedule, send_S2GD, batched.send_offsets, recv_N2GD,
-                                    batched.recv_offsets, 0)
-        return _Then(transfers, recv_N2GD)
+        return self._start_all(schedule, send_S2GD, batched.send_offsets, recv_N2GD,
+                               batched.recv_offsets, 0)
 
     def start_all_grad(self, schedule, grad_N2GD, row_shape, dtype, device):
         """Send the gradients of received rows back; receive those of rows sent."""
@@ -63,26 +62,16 @@ class GroupTransport:
             grad_N2GD = torch.zeros((0, 2) + tuple(row_shape), dtype=dtype, device=device)
         returned_S2GD = torch.empty((batched.send_index.numel(), 2) + tuple(row_shape),
                                     dtype=dtype, device=device)
-        transfers = self._start_all(schedule, grad_N2GD, batched.recv_offsets, returned_S2GD,
-                                    batched.send_offsets, _GRAD_TAG, back=True)
-        return _Then(transfers, returned_S2GD)
+        return self._start_all(schedule, grad_N2GD, batched.recv_offsets, returned_S2GD,
+                               batched.send_offsets, _GRAD_TAG, back=True)
 
     def _start_all(self, schedule, send, send_offsets, recv, recv_offsets, tag, back=False):
+        """One batched call; its `wait()` returns `recv`, filled."""
         sends, recvs = [], []
         for i, step in enumerate(schedule.steps):
             to, source = (step.recv_from, step.send_to) if back else (step.send_to,
                                                                        step.recv_from)
             sends.append((send[send_offsets[i]:send_offsets[i + 1]], to, tag + step.step))
             recvs.append((recv[recv_offsets[i]:recv_offsets[i + 1]], source, tag + step.step))
-        return exchange_many(sends, recvs, self.group)
+        return exchange_many(sends, recvs, self.group, result=recv)
 
-
-class _Then:
-    """Started transfers and the buffer they fill: `wait()` returns the filled buffer."""
-
-    def __init__(self, transfers, buffer):
-        self.transfers, self.buffer = transfers, buffer
-
-    def wait(self):
-        self.transfers.wait()
-        return self.buffer

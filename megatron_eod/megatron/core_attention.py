@@ -23,7 +23,7 @@ from typing import Optional
 
 from megatron_eod.attention import context_parallel_attention
 from megatron_eod.attention.backends import default_scale, get_backend
-from megatron_eod.attention.ring import RING_EXCHANGES
+from megatron_eod.attention.ring import check_ring_exchange
 from megatron_eod.megatron.imports import import_megatron
 
 __all__ = ["EodCoreAttention"]
@@ -62,9 +62,7 @@ class EodCoreAttention(_module.MegatronModule):
         super().__init__(config=config)
         if kernel not in ("auto", "flash_attn", "torch"):
             raise ValueError(f"kernel must be 'auto', 'flash_attn' or 'torch', got {kernel!r}")
-        if ring_exchange not in RING_EXCHANGES:
-            raise ValueError(f"ring_exchange (--cp-ring-exchange) must be one of "
-                             f"{RING_EXCHANGES}, got {ring_exchange!r}")
+        check_ring_exchange(ring_exchange)
         if registry is None:
             raise ValueError("EodCoreAttention needs the model's EodContextRegistry "
                              "(build the spec with get_gpt_layer_eod_spec(registry))")
