@@ -63,9 +63,12 @@ def local_batch(planned: PlannedBatch, tokens: torch.Tensor, labels: torch.Tenso
     """This rank's rows of the micro-batch on `tokens.device`, and its registered context."""
     device = tokens.device
     plan = planned.plan.to(device) if device.type != "cpu" else planned.plan
-    idx = plan.token_index(planned.cp_rank).to(device)
-    flat = lambda t: t.reshape(-1).to(device)[idx].unsqueeze(0)  # noqa: E731
-    mask = planned.layout.loss_mask.to(device)
+    # Host -> device copies that do not wait for the device (a blocking copy from pageable
+    # memory would first drain the stream: one stall per micro-batch).
+    move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    idx = move(plan.token_index(planned.cp_rank))
+    flat = lambda t: move(t.reshape(-1))[idx].unsqueeze(0)  # noqa: E731
+    mask = move(planned.layout.loss_mask)
     mask = mask if loss_mask is None else mask * loss_mask
     positions = flat(planned.layout.position_ids)
     context = EodBatchContext(plan=plan, position_ids=positions[0], cp_group=cp_group)

@@ -115,7 +115,8 @@ class EodGPTSteps:
             if tuple(t.shape) != self.shape:
                 raise ValueError(f"get_batch: {key} has shape {tuple(t.shape)}, expected "
                                  f"[--micro-batch-size, --seq-length] = {list(self.shape)}")
-            batch[key] = t.to(self.device, _DTYPES[key])
+            # Not blocking: a blocking copy would drain the device's queue per micro-batch.
+            batch[key] = t.to(self.device, _DTYPES[key], non_blocking=True)
         batch["tokens_cpu"] = sample["tokens"].to("cpu", torch.int64)
         return batch
 

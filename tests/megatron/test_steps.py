@@ -76,3 +76,22 @@ def test_planning_ahead_gives_the_same_batches():
     ahead = run_ranks(_rank, 4, True, timeout=120)
     now = run_ranks(_rank, 4, False, timeout=120)
     assert ahead == now
+
+
+@pytest.mark.gpu
+def test_reading_a_micro_batch_onto_the_gpu_makes_no_host_sync():
+    """A micro-batch (pinned, as the DataLoader gives it on a GPU) reaches the device without
+    a blocking copy: each would drain the device's queue once per micro-batch."""
+    steps = EodGPTSteps(EOD, EodContextRegistry(), SEQ, MBS, algo="ring", ulysses_degree=1,
+                        device=torch.device("cuda"), plan_ahead=False)
+    sample = next(stream(1, 1))
+    pinned = {key: t.pin_memory() for key, t in sample.items()}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch = steps._read(iter([pinned]))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for key in ("tokens", "labels", "loss_mask"):
+        assert batch[key].is_cuda and torch.equal(batch[key].cpu(), sample[key].to(
+            batch[key].dtype)), key
