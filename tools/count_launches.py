@@ -6,9 +6,10 @@
 At small per-rank sizes the glue around the attention kernels (gathers of rows, log-sum-exp
 merges, gradient sums, dtype casts) costs launches of a few microseconds each, which is why
 the busiest rank's time exceeds the ideal on a GPU (docs/BENCHMARKS.md). This counts that
-glue without a GPU: it runs each ring group's forward+backward (simulate.py, float32 on the
-CPU, the attention kernel replaced by a stand-in that launches nothing) under a dispatch mode
-that counts every aten operation that would launch a kernel (views and allocations excluded).
+glue without a GPU: it runs each ring group's forward+backward (simulate.py, bf16 on the CPU,
+through the GPU backend's own code, TorchVarlenBackend, whose two flash kernels are answered
+by empty results) under a dispatch mode that counts every aten operation that would launch a
+kernel (views and allocations excluded), the backend's own lse fix-ups and copies included.
 Each log-sum-exp merge counts as the loop nests inductor makes of it (MERGE_LAUNCHES, read
 from its CPU output code; on CUDA each nest is expected to be one Triton kernel: a profile on
 a GPU confirms or corrects it).
@@ -38,6 +39,7 @@ from bench_cp import pack_rows, stdlib_lengths, web_row  # noqa: E402
 from bench_cp_gpu import OURS  # noqa: E402
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention import batched, ring  # noqa: E402
+from megatron_eod.attention.backends import TorchVarlenBackend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
 
 # Loop nests of the compiled merge (TORCH_LOGS=output_code, CPU inductor, torch 2.13): a run of
@@ -54,43 +56,45 @@ _FREE = {"select", "slice", "unsqueeze", "squeeze", "view", "_unsafe_view", "tra
          "unbind", "split", "narrow", "permute", "reshape", "lift_fresh", "_to_copy_noop"}
 
 
+# PyTorch's CUDA flash kernels, which the GPU backend (TorchVarlenBackend) calls: counted as
+# attention calls and answered with results of the right shapes, no work (they have no CPU
+# kernel); everything else the backend does around them (lse fix-ups, copies) is glue.
+_ATTENTION_OPS = {"_flash_attention_forward", "_flash_attention_backward"}
+
+
 class _Launches(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.count = Counter()
+        self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        if name in _ATTENTION_OPS:
+            self.calls += 1
+            return _attention_results(name, args)
         if name not in _FREE:
             self.count[name] += 1
         return func(*args, **(kwargs or {}))
 
 
-class _StandInKernel:
-    """Shapes of a varlen kernel's results, no work (counted apart: `calls`)."""
-
-    name = "stand-in"
-
-    def __init__(self):
-        self.calls = 0
-
-    def forward(self, q, k, v, *args):
-        self.calls += 1
-        with _disable_current_modes():
-            return torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32)
-
-    def backward(self, dout, q, k, v, *args):
-        self.calls += 1
-        with _disable_current_modes():
-            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _attention_results(name, args):
+    """What the flash op returns, as empty tensors: forward (out, lse [H, T], seed, offset,
+    debug mask), backward (dq, dk, dv)."""
+    if name == "_flash_attention_forward":
+        q = args[0]
+        lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+        scalar = torch.empty((), dtype=torch.int64)
+        return torch.empty_like(q), lse, scalar, scalar, torch.empty(0, dtype=q.dtype)
+    _, q, k, v = args[:4]
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def group_launches(plan, g, tensors, schedule_map=None, exchange="batched"):
     """(attention calls, glue launches, launches by operation) of group g's forward+backward
     with the ring executor `exchange`; `schedule_map` rewrites the schedules first (tests
     compare variants)."""
-    kernel = _StandInKernel()
-    sim = SimulatedPlan(plan, *tensors, kernel, 0.1, exchange)
+    sim = SimulatedPlan(plan, *tensors, TorchVarlenBackend(), 0.1, exchange)
     if schedule_map is not None:
         sim.schedules = [schedule_map(s) for s in sim.schedules]
     real_merge = ring.merge_into
@@ -108,7 +112,7 @@ def group_launches(plan, g, tensors, schedule_map=None, exchange="batched"):
             sim.run_group(g)
     finally:
         ring.merge_into = batched.merge_into = real_merge
-    return kernel.calls, sum(mode.count.values()), mode.count
+    return mode.calls, sum(mode.count.values()), mode.count
 
 
 def call_tiles(cu_seqlens_q, cu_seqlens_k, causal, block_q, block_k):

@@ -31,7 +31,7 @@ from typing import List, Tuple
 import torch
 
 __all__ = ["CPUExactBackend", "TorchVarlenBackend", "FlashAttnBackend", "get_backend",
-           "has_transformer_engine", "accumulation_dtype", "default_scale"]
+           "has_transformer_engine", "accumulation_dtype", "default_scale", "backward_lse"]
 
 _GPU_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -102,14 +102,12 @@ class CPUExactBackend:
         for qs, ks, mask, has_key in self._blocks(q, k, cu_q, cu_k, causal):
             if qs.stop == qs.start or ks.stop == ks.start:
                 continue
-            l = lse[qs].transpose(0, 1).unsqueeze(0).to(accumulation_dtype(q.dtype))
-            # Rows without keys contribute nothing; give them a finite lse the kernel accepts.
-            l = torch.where(torch.isinf(l), torch.zeros_like(l), l)
+            l = backward_lse(lse[qs], accumulation_dtype(q.dtype)).unsqueeze(0)
             g_q, g_k, g_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout[qs].transpose(0, 1).unsqueeze(0).contiguous(),
                 q[qs].transpose(0, 1).unsqueeze(0), k[ks].transpose(0, 1).unsqueeze(0),
                 v[ks].transpose(0, 1).unsqueeze(0), out[qs].transpose(0, 1).unsqueeze(0),
-                l.contiguous(), 0.0, False, attn_mask=mask, scale=softmax_scale)
+                l, 0.0, False, attn_mask=mask, scale=softmax_scale)
             dq[qs] += g_q[0].transpose(0, 1)
             dk[ks] += g_k[0].transpose(0, 1)
             dv[ks] += g_v[0].transpose(0, 1)
@@ -117,14 +115,23 @@ class CPUExactBackend:
 
 
 def _lse_to_token_major(lse, total_q, heads):
-    """Kernels give [H, Tq] (packed) or [B, H, max_q] (padded, old flash-attn): -> [Tq, H]."""
+    """Kernels give [H, Tq] (packed) or [B, H, max_q] (padded, old flash-attn): -> [Tq, H]
+    float32 (a view of H-major memory), in one kernel."""
     if lse.dim() == 2 and lse.shape == (heads, total_q):
-        lse = lse.transpose(0, 1).float()
         # flash kernels mark rows without any key with +inf (so that their backward is 0);
-        # the contract here is -inf (no probability mass), which merges correctly.
-        return lse.masked_fill(lse == float("inf"), float("-inf"))
+        # the contract here is -inf (no probability mass), which merges correctly. NaN stays.
+        return torch.nan_to_num(lse.float(), nan=math.nan, posinf=-math.inf).transpose(0, 1)
     raise ValueError(f"unexpected softmax_lse shape {tuple(lse.shape)} for {total_q} queries "
                      f"and {heads} heads (flash-attn < 2.6 pads lse per row; use >= 2.6)")
+
+
+def backward_lse(lse_TH, dtype=torch.float32):
+    """The lse a kernel's backward takes: [H, Tq] contiguous in `dtype`, a row without any key
+    (-inf: it contributes nothing) given 0, which the kernels accept (-inf would make
+    exp(s - lse) NaN). One kernel, whatever the layout of lse_TH; NaN stays NaN."""
+    out = torch.empty((lse_TH.shape[1], lse_TH.shape[0]), dtype=dtype, device=lse_TH.device)
+    return torch.nan_to_num(lse_TH.transpose(0, 1).to(dtype), nan=math.nan, neginf=0.0,
+                            out=out)
 
 
 class TorchVarlenBackend:
@@ -139,12 +146,10 @@ class TorchVarlenBackend:
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
                  softmax_scale):
-        lse_HT = lse.transpose(0, 1).contiguous().float()
-        lse_HT = torch.where(torch.isinf(lse_HT), torch.zeros_like(lse_HT), lse_HT)
         unused = torch.empty((), dtype=torch.int64, device=q.device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            dout.contiguous(), q, k, v, out, lse_HT, cu_q, cu_k, max_q, max_k, 0.0, causal,
-            unused, unused, scale=softmax_scale)
+            dout.contiguous(), q, k, v, out, backward_lse(lse), cu_q, cu_k, max_q, max_k, 0.0,
+            causal, unused, unused, scale=softmax_scale)
         return dq, dk, dv
 
 
@@ -169,11 +174,9 @@ class FlashAttnBackend:
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
                  softmax_scale):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        lse_HT = lse.transpose(0, 1).contiguous().float()
-        lse_HT = torch.where(torch.isinf(lse_HT), torch.zeros_like(lse_HT), lse_HT)
         self._fai._flash_attn_varlen_backward(
-            dout.contiguous(), q, k, v, out, lse_HT, dq, dk, dv, cu_q, cu_k, max_q, max_k,
-            dropout_p=0.0, softmax_scale=softmax_scale, causal=causal, window_size_left=-1,
+            dout.contiguous(), q, k, v, out, backward_lse(lse), dq, dk, dv, cu_q, cu_k, max_q,
+            max_k, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal, window_size_left=-1,
             window_size_right=-1, softcap=0.0, alibi_slopes=None,
             deterministic=torch.are_deterministic_algorithms_enabled(),  # --deterministic-mode
             rng_state=None)
