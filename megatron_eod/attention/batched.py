@@ -139,12 +139,15 @@ def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, t
                                              q_THD.device).wait()
     if returned_S2GD is None or not returned_S2GD.numel():
         return dq, dk, dv
+    if batched.send_span is not None:  # each row sent once: one add each, computed in `acc`
+        start, stop = batched.send_span  # (the returned dtype) and rounded once into dk, dv
+        dk[start:stop].add_(returned_S2GD[:, 0])
+        dv[start:stop].add_(returned_S2GD[:, 1])
+        return dq, dk, dv
+    # A row sent to several peers gets several gradients: summed by index in `acc` with the
+    # local one, then rounded once.
     dkv_2TGD = torch.stack([dk, dv]).to(acc)
-    if batched.send_span is not None:
-        start, stop = batched.send_span
-        dkv_2TGD[:, start:stop].add_(returned_S2GD.transpose(0, 1))
-    else:  # a row sent to several peers gets several gradients: summed by index
-        dkv_2TGD.index_add_(1, batched.send_index, returned_S2GD.transpose(0, 1))
+    dkv_2TGD.index_add_(1, batched.send_index, returned_S2GD.transpose(0, 1))
     dkv_2TGD = dkv_2TGD.to(k_TGD.dtype)
     return dq, dkv_2TGD[0], dkv_2TGD[1]
 
