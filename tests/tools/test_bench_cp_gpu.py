@@ -23,7 +23,8 @@ def test_small_cpu_run_prints_every_layout_fwd_bwd(capsys):
         "contiguous", "doc-zigzag (padded)")] * 2
     for cells in rows:
         fwd, bwd, both = (float(x) for x in cells[1].split(" / "))
-        assert fwd > 0 and bwd > 0 and abs(fwd + bwd - both) < 2e-3
+        # backward = both - forward, two timings: on a busy CPU it can come out <= 0
+        assert fwd > 0 and both > 0 and abs(fwd + bwd - both) < 2e-3
         device_ms, over = cells[3].split(" (")
         assert float(device_ms) > 0 and float(over.rstrip(")")) > 0
     assert all(r[2] == "1.00 / 1.00 / 1.00" and r[3].endswith("(1.00)")
