@@ -22,7 +22,9 @@ Two clocks: the wall time of the work alone (host launch overhead included: the 
 small row can be launch-bound), and "device-only", the same forward+backward with the host's
 launches hidden behind a sleep kernel, which is what it costs inside a training step whose
 matrix multiplies keep the host ahead. The reference layouts' inputs are gathered before
-timing (their data arrives in their layout); ours pay every gather they make.
+timing (their data arrives in their layout); ours pay every gather they make. "tile floor":
+the tile model's bound for each layout's busiest rank (tools/tile_model.py): how much of the
+device-only ratio the kernels' partial tiles explain, the rest being glue.
 On a CPU it runs the same with the exact CPU kernel in float32 (slow: use small sizes).
 """
 
@@ -43,6 +45,7 @@ from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
 from megatron_eod.plan.cost import doc_pairs  # noqa: E402
 from megatron_eod.plan.kv_schedule import call_from_rows  # noqa: E402
+from tile_model import plan_calls, tiles_over_ideal  # noqa: E402
 
 
 # Our layouts: (name, algo, Ulysses degree, ring executor); the other tools report the same.
@@ -191,21 +194,26 @@ def bench_row(cu, cp, args, device, dtype, backend):
     full = to_dev(call_from_rows(docs, docs, causal=True))
     fns = lambda c, *t: call_fns(backend, c, *t, scale)  # noqa: E731
     times["ideal"] = busiest([fns(full, q, k, v, dout)], args.repeats, device, cp)
+    tiles = {"ideal": {"forward": 1.0, "backward": 1.0}}
     for name, algo, u, exchange in OURS:
         plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
         sim = SimulatedPlan(plan, q, k, v, dout, backend, scale, exchange)
         times[name] = busiest([(lambda g=g: sim.forward_group(g), lambda g=g: sim.run_group(g))
                                for g in range(plan.ring_size)], args.repeats, device, u or 1)
+        tiles[name] = tiles_over_ideal(plan_calls(plan, exchange), cu, cp, u or 1)
     calls = [to_dev(c) for c in prefix_calls(cu, contiguous_segments(cu, cp))]
     times["contiguous"] = busiest([fns(c, q, k, v, dout) for c in calls], args.repeats, device)
+    tiles["contiguous"] = tiles_over_ideal([[c] for c in calls], cu, cp)
     segments, padded_n = doc_zigzag_segments(cu, cp)
     pq, pk, pv, pd = random_qkv(padded_n, args, device, dtype, gen)
     calls = [to_dev(c) for c in prefix_calls(cu, segments)]
     times["doc-zigzag (padded)"] = busiest([fns(c, pq, pk, pv, pd) for c in calls],
                                            args.repeats, device)
+    tiles["doc-zigzag (padded)"] = tiles_over_ideal([[c] for c in calls], cu, cp)
     needed = float(doc_pairs(np.diff(cu)).sum())
     flops = needed * 4 * args.heads * args.head_dim * 3.5
-    return {name: (fwd, total, flops / (cp * total) / 1e12, dev)
+    return {name: (fwd, total, flops / (cp * total) / 1e12, dev, tiles[name]["forward"],
+                   tiles[name]["backward"])
             for name, (fwd, total, dev) in times.items()}
 
 
@@ -243,16 +251,18 @@ def main(argv=None):
                 rows.append(bench_row(cu, cp, args, device, dtype, backend))
             print(f"\n{mix} {n // 1024}k tokens / CP {cp}")
             print("| layout | busiest rank ms: fwd / bwd / both | over ideal: fwd / bwd / both "
-                  "| device-only ms: both (over ideal) | useful TFLOP/s per GPU |")
-            print("|---|---|---|---|---|")
+                  "| device-only ms: both (over ideal) | tile floor: fwd / bwd "
+                  "| useful TFLOP/s per GPU |")
+            print("|---|---|---|---|---|---|")
             mean = lambda layout, i: float(np.mean([r[layout][i] for r in rows]))  # noqa: E731
             ideal_fwd, ideal = mean("ideal", 0), mean("ideal", 1)
             ideal_dev = mean("ideal", 3)
             for layout in rows[0]:
-                fwd, t, tf, dev = (mean(layout, i) for i in range(4))
+                fwd, t, tf, dev, tile_f, tile_b = (mean(layout, i) for i in range(6))
                 print(f"| {layout} | {fwd * 1e3:.3f} / {(t - fwd) * 1e3:.3f} / {t * 1e3:.3f} | "
                       f"{fwd / ideal_fwd:.2f} / {(t - fwd) / (ideal - ideal_fwd):.2f} / "
-                      f"{t / ideal:.2f} | {dev * 1e3:.3f} ({dev / ideal_dev:.2f}) | {tf:.1f} |")
+                      f"{t / ideal:.2f} | {dev * 1e3:.3f} ({dev / ideal_dev:.2f}) | "
+                      f"{tile_f:.2f} / {tile_b:.2f} | {tf:.1f} |")
             sys.stdout.flush()
 
 

@@ -16,11 +16,9 @@ a GPU confirms or corrects it).
 Reports, for the busiest group (most launches) of each mix: attention calls, glue launches,
 and glue launches per attention call, for ring and hybrid (Ulysses degree 2), each with both
 ring executors (batched, steps); ideal is one attention call and no glue.
-Beside them, the attention kernels' own floor in a tile model: a flash kernel computes in
-(block_q x block_k) tiles, and a tile holding one needed pair costs as much as a full one, so
-pieces of split documents pay partial tiles the whole row does not. Reported: the busiest
-group's tiles (per rank) over the whole-row call's tiles / cp, forward and backward, mean
-over the rows; the device time of the attention kernels cannot beat this ratio.
+Beside them, the attention kernels' own floor in a tile model (tools/tile_model.py): the
+busiest group's flash tiles per rank over the whole-row call's tiles / cp, forward and
+backward, mean over the rows.
 """
 
 import argparse
@@ -37,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from bench_cp import pack_rows, stdlib_lengths, web_row  # noqa: E402
 from bench_cp_gpu import OURS  # noqa: E402
+from tile_model import TILES, plan_calls, tiles_over_ideal  # noqa: E402
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention import batched, ring  # noqa: E402
 from megatron_eod.attention.backends import TorchVarlenBackend  # noqa: E402
@@ -45,10 +44,6 @@ from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
 # Loop nests of the compiled merge (TORCH_LOGS=output_code, CPU inductor, torch 2.13): a run of
 # rows updates lse then out in two; rows by index gather, compute and scatter in four.
 MERGE_LAUNCHES = {"span": 2, "rows": 4}
-
-# Tile shapes of FlashAttention-2 at head dim 128 (forward 128 queries x 64 keys, backward
-# 64 x 128); the model's ratios move by under 1% with 128 x 128 for both.
-TILES = {"forward": (128, 64), "backward": (64, 128)}
 
 # Operations that launch no kernel: views, metadata, allocations.
 _FREE = {"select", "slice", "unsqueeze", "squeeze", "view", "_unsafe_view", "transpose", "t",
@@ -115,47 +110,6 @@ def group_launches(plan, g, tensors, schedule_map=None, exchange="batched"):
     return mode.calls, sum(mode.count.values()), mode.count
 
 
-def call_tiles(cu_seqlens_q, cu_seqlens_k, causal, block_q, block_k):
-    """Tiles a varlen call computes: per sequence, every (query block, key block) with at least
-    one pair; causal calls align the last query with the last key (flash's bottom-right
-    rule), so query row i sees keys < i + 1 + len_k - len_q."""
-    lq = np.diff(np.asarray(cu_seqlens_q, dtype=np.int64))
-    lk = np.diff(np.asarray(cu_seqlens_k, dtype=np.int64))
-    keep = (lq > 0) & (lk > 0)
-    lq, lk = lq[keep], lk[keep]
-    blocks = -(-lq // block_q)
-    if not causal:
-        return int(np.sum(blocks * (-(-lk // block_k))))
-    seq = np.repeat(np.arange(lq.size), blocks)
-    first = np.repeat(np.cumsum(blocks) - blocks, blocks)
-    block_end = np.minimum(lq[seq], (np.arange(seq.size) - first + 1) * block_q)
-    keys = np.clip(block_end + lk[seq] - lq[seq], 0, lk[seq])
-    return int(np.sum(-(-keys // block_k)))
-
-
-def group_tiles(schedule, exchange, block_q, block_k):
-    """Tiles of one group's attention calls in one direction, with the ring executor
-    `exchange` (the batched call when the group has one, as ring.executor_for decides)."""
-    calls = [schedule.local]
-    if exchange == "batched" and schedule.batched is not None:
-        calls.append(schedule.batched.call)
-    else:
-        calls += [step.call for step in schedule.steps]
-    return sum(call_tiles(c.cu_seqlens_q.cpu().numpy(), c.cu_seqlens_k.cpu().numpy(), c.causal,
-                          block_q, block_k) for c in calls if c is not None)
-
-
-def tiles_over_ideal(plan, cu, exchange, share):
-    """{direction: the busiest group's tiles per rank / (the whole row's tiles / cp)}."""
-    cp = plan.ring_size * share
-    out = {}
-    for direction, (bq, bk) in TILES.items():
-        ideal = call_tiles(cu, cu, True, bq, bk) / cp
-        busiest = max(group_tiles(s, exchange, bq, bk) for s in plan.schedules) / share
-        out[direction] = busiest / ideal
-    return out
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=3, help="random rows per configuration")
@@ -180,7 +134,7 @@ def main(argv=None):
                 for name, algo, u, exchange in OURS:
                     name = name.replace("ours ", "")
                     plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
-                    ratio = tiles_over_ideal(plan, cu, exchange, u or 1)
+                    ratio = tiles_over_ideal(plan_calls(plan, exchange), cu, cp, u or 1)
                     for direction, value in ratio.items():
                         tiles.setdefault((name, direction), []).append(value)
                     for g in range(plan.ring_size):

@@ -1,6 +1,6 @@
 """tools/bench_cp_gpu.py runs on the CPU at a small size (the GPU session relies on it): every
 mix prints the seven layouts with forward, backward and both on the wall clock, both on the
-device-only clock, and the ideal row is 1.00 on each."""
+device-only clock, the tile floor, and the ideal row is 1.00 on each."""
 
 import os
 import sys
@@ -27,8 +27,10 @@ def test_small_cpu_run_prints_every_layout_fwd_bwd(capsys):
         assert fwd > 0 and both > 0 and abs(fwd + bwd - both) < 2e-3
         device_ms, over = cells[3].split(" (")
         assert float(device_ms) > 0 and float(over.rstrip(")")) > 0
+        tile_fwd, tile_bwd = (float(x) for x in cells[4].split(" / "))
+        assert tile_fwd >= 0.95 and tile_bwd >= 0.95  # no layout beats the whole row's tiles
     assert all(r[2] == "1.00 / 1.00 / 1.00" and r[3].endswith("(1.00)")
-               for r in rows if r[0] == "| ideal")
+               and r[4] == "1.00 / 1.00" for r in rows if r[0] == "| ideal")
 
 
 @pytest.mark.gpu

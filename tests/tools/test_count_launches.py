@@ -9,8 +9,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 
@@ -51,28 +49,6 @@ def test_report_lists_every_mix_and_layout(capsys):
     count_launches.main(["--samples", "1", "--configs", "4096:4"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + 8  # header + (stdlib, web) x (ring, hybrid) x (batched, steps)
-
-
-@settings(deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300)), min_size=1, max_size=5),
-       st.booleans(), st.sampled_from([(128, 64), (64, 128), (16, 32), (1, 1)]))
-def test_call_tiles_counts_the_tiles_holding_a_pair(lengths, causal, blocks):
-    """The tile model against a dense mask: a (block_q x block_k) tile counts when one of its
-    (query, key) pairs is computed; causal pairs are bottom-right aligned (flash's rule)."""
-    bq, bk = blocks
-    expected = 0
-    for lq, lk in lengths:
-        if not lq or not lk:
-            continue
-        mask = np.ones((lq, lk), dtype=bool)
-        if causal:
-            mask = np.arange(lk)[None, :] <= np.arange(lq)[:, None] + (lk - lq)
-        pad = np.zeros((-(-lq // bq) * bq, -(-lk // bk) * bk), dtype=bool)
-        pad[:lq, :lk] = mask
-        expected += int(pad.reshape(pad.shape[0] // bq, bq, -1, bk).any(axis=(1, 3)).sum())
-    cu_q = np.concatenate([[0], np.cumsum([lq for lq, _ in lengths])])
-    cu_k = np.concatenate([[0], np.cumsum([lk for _, lk in lengths])])
-    assert count_launches.call_tiles(cu_q, cu_k, causal, bq, bk) == expected
 
 
 def test_tile_floor_of_the_plans_is_near_the_ideal(capsys):
