@@ -120,18 +120,21 @@ def _lse_to_token_major(lse, total_q, heads):
     if lse.dim() == 2 and lse.shape == (heads, total_q):
         # flash kernels mark rows without any key with +inf (so that their backward is 0);
         # the contract here is -inf (no probability mass), which merges correctly. NaN stays.
-        return torch.nan_to_num(lse.float(), nan=math.nan, posinf=-math.inf).transpose(0, 1)
+        return torch.nan_to_num(lse.float(), nan=math.nan, posinf=-math.inf,
+                                neginf=-math.inf).transpose(0, 1)
     raise ValueError(f"unexpected softmax_lse shape {tuple(lse.shape)} for {total_q} queries "
                      f"and {heads} heads (flash-attn < 2.6 pads lse per row; use >= 2.6)")
 
 
 def backward_lse(lse_TH, dtype=torch.float32):
     """The lse a kernel's backward takes: [H, Tq] contiguous in `dtype`, a row without any key
-    (-inf: it contributes nothing) given 0, which the kernels accept (-inf would make
-    exp(s - lse) NaN). One kernel, whatever the layout of lse_TH; NaN stays NaN."""
+    (-inf here, +inf in flash's own marking: it contributes nothing) given 0, which the
+    kernels accept (an infinite lse would make exp(s - lse) NaN). One kernel, whatever the
+    layout of lse_TH; NaN stays NaN. (nan_to_num would turn an infinity it is not told about
+    into the largest float: both are named.)"""
     out = torch.empty((lse_TH.shape[1], lse_TH.shape[0]), dtype=dtype, device=lse_TH.device)
-    return torch.nan_to_num(lse_TH.transpose(0, 1).to(dtype), nan=math.nan, neginf=0.0,
-                            out=out)
+    return torch.nan_to_num(lse_TH.transpose(0, 1).to(dtype), nan=math.nan, posinf=0.0,
+                            neginf=0.0, out=out)
 
 
 class TorchVarlenBackend:

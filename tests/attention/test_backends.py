@@ -121,21 +121,23 @@ def test_flash_attn_backend_on_gpu():
 
 
 def test_lse_fix_ups_are_one_kernel_each_and_keep_nan():
-    """Flash's [H, T] lse -> [T, H] with +inf (a row without keys) as -inf; and back for a
-    backward: [H, T] contiguous with -inf as 0 (the kernel's exp(s - lse) must not be NaN),
-    from either layout. A NaN (a bug upstream) must stay visible, not become a number."""
+    """Flash's [H, T] lse -> [T, H] with +inf (a row without keys) as -inf, -inf kept; and back
+    for a backward: [H, T] contiguous with either infinity as 0 (the kernel's exp(s - lse)
+    must not be NaN), from either layout. No infinity may become the largest float, and a
+    NaN (a bug upstream) must stay visible, not become a number."""
     inf, nan = float("inf"), float("nan")
-    kernel = torch.tensor([[1.0, inf, nan], [-2.0, 3.0, inf]])  # [H=2, T=3]
-    lse = _lse_to_token_major(kernel, 3, 2)
-    assert lse.shape == (3, 2)
-    expected = torch.tensor([[1.0, -2.0], [-inf, 3.0], [nan, -inf]])
+    kernel = torch.tensor([[1.0, inf, nan, -inf], [-2.0, 3.0, inf, 0.5]])  # [H=2, T=4]
+    lse = _lse_to_token_major(kernel, 4, 2)
+    assert lse.shape == (4, 2)
+    expected = torch.tensor([[1.0, -2.0], [-inf, 3.0], [nan, -inf], [-inf, 0.5]])
     assert torch.equal(lse.isnan(), expected.isnan())
     assert torch.equal(lse.nan_to_num(7.0), expected.nan_to_num(7.0))
     with pytest.raises(ValueError, match="softmax_lse shape"):
         _lse_to_token_major(kernel, 2, 3)
+    lse[3, 1] = inf  # flash's own marking of a row without keys, should one reach a backward
     for layout in (lse, lse.contiguous()):  # H-major memory (the forward's) or token-major
         back = backward_lse(layout, torch.float64)
-        assert back.is_contiguous() and back.shape == (2, 3) and back.dtype == torch.float64
-        want = torch.tensor([[1.0, 0.0, nan], [-2.0, 3.0, 0.0]], dtype=torch.float64)
+        assert back.is_contiguous() and back.shape == (2, 4) and back.dtype == torch.float64
+        want = torch.tensor([[1.0, 0.0, nan, 0.0], [-2.0, 3.0, 0.0, 0.0]], dtype=torch.float64)
         assert torch.equal(back.isnan(), want.isnan())
         assert torch.equal(back.nan_to_num(7.0), want.nan_to_num(7.0))
