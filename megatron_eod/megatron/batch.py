@@ -23,6 +23,7 @@ import torch
 from megatron_eod.layout import DocLayout, build_doc_layout
 from megatron_eod.megatron.batch_context import EodBatchContext
 from megatron_eod.plan import CPPlan, plan_context_parallel
+from megatron_eod.plan.kv_schedule import to_device
 
 __all__ = ["LocalBatch", "PlannedBatch", "plan_batch", "local_batch", "slice_batch_for_cp"]
 
@@ -63,7 +64,7 @@ def local_batch(planned: PlannedBatch, tokens: torch.Tensor, labels: torch.Tenso
     """This rank's rows of the micro-batch on `tokens.device`, and its registered context."""
     device = tokens.device
     plan = planned.plan.to(device) if device.type != "cpu" else planned.plan
-    move = lambda t: _to_device(t, device)  # noqa: E731
+    move = lambda t: to_device(t, device)  # noqa: E731
     idx = move(plan.token_index(planned.cp_rank))
     flat = lambda t: move(t.reshape(-1))[idx].unsqueeze(0)  # noqa: E731
     mask = move(planned.layout.loss_mask)
@@ -73,15 +74,6 @@ def local_batch(planned: PlannedBatch, tokens: torch.Tensor, labels: torch.Tenso
     return LocalBatch(tokens=flat(tokens), labels=flat(labels), loss_mask=flat(mask),
                       position_ids=positions, attention_mask=registry.register(context),
                       plan=plan)
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host -> GPU copy that does not wait for the device: from pinned memory, not blocking.
-    (A blocking copy first drains the stream, one stall per micro-batch; a non-blocking one
-    from pageable memory may still wait for the stream.)"""
-    if device.type == "cuda" and t.device.type == "cpu":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
 
 
 def slice_batch_for_cp(tokens, labels, eod_token_id, registry, cp_size=1, cp_rank=0,

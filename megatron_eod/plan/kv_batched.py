@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from megatron_eod.plan.kv_schedule import (GroupSchedule, KernelCall, RingStep, make_call,
-                                           span_of)
+                                           span_of, to_device)
 from megatron_eod.plan.pieces import ranges
 
 __all__ = ["BatchedExchange", "MAX_RECEIVED_PER_ROW", "batch_steps", "with_batched"]
@@ -58,7 +58,7 @@ class BatchedExchange:
         return self.recv_offsets[-1]
 
     def to(self, device) -> "BatchedExchange":
-        return BatchedExchange(self.send_index.to(device, non_blocking=True), self.send_offsets,
+        return BatchedExchange(to_device(self.send_index, device), self.send_offsets,
                                self.recv_offsets,
                                None if self.call is None else self.call.to(device),
                                self.send_span)

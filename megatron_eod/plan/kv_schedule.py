@@ -35,7 +35,17 @@ if TYPE_CHECKING:  # kv_batched.py builds on this module
 
 __all__ = ["KernelCall", "RingStep", "GroupSchedule", "SplitDocuments", "build_schedule",
            "call_from_rows", "make_call", "needed_pieces", "schedule_totals", "span_of",
-           "tokens_received"]
+           "to_device", "tokens_received"]
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor onto `device` without the host waiting for the device: pinned, then a
+    non-blocking copy, for a GPU (a blocking copy drains the stream first, and a non-blocking
+    one from pageable memory may still wait for it). Plans and micro-batches move this way."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -57,7 +67,7 @@ class KernelCall:
     k_span: Optional[Tuple[int, int]] = None
 
     def to(self, device) -> "KernelCall":
-        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        move = lambda t: to_device(t, device)  # noqa: E731
         return KernelCall(move(self.q_index), move(self.k_index), move(self.cu_seqlens_q),
                           move(self.cu_seqlens_k), self.max_seqlen_q, self.max_seqlen_k,
                           self.causal, self.pairs, self.q_span, self.k_span)
@@ -77,7 +87,7 @@ class RingStep:
 
     def to(self, device) -> "RingStep":
         return RingStep(self.step, self.send_to, self.recv_from,
-                        self.send_index.to(device, non_blocking=True), self.recv_count,
+                        to_device(self.send_index, device), self.recv_count,
                         None if self.call is None else self.call.to(device), self.send_span)
 
 
