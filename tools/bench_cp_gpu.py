@@ -70,6 +70,9 @@ def timed(fn, repeats, device):
     return best
 
 
+MAX_LATE = 3  # doublings of the sleep before device_timed gives up
+
+
 def device_timed(fn, repeats, device):
     """Best device seconds of fn with the host's launches hidden: a sleep kernel holds the
     stream while the host enqueues all of fn, so its kernels then run back to back. This is
@@ -103,9 +106,6 @@ def device_timed(fn, repeats, device):
         torch.cuda.synchronize()
         best, measured = min(best, start.elapsed_time(end) / 1e3), measured + 1
     return best
-
-
-MAX_LATE = 3  # doublings of the sleep before device_timed gives up
 _SLEEP_RATE = []
 
 

@@ -9,7 +9,14 @@ ratio, whatever the glue around them. A model, not a measurement (tile shapes di
 kernel, GPU and head dim); tools/count_launches.py and tools/bench_cp_gpu.py report it.
 """
 
+import os
+import sys
+
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_eod.attention.ring import executor_for  # noqa: E402
 
 __all__ = ["TILES", "call_tiles", "plan_calls", "tiles_over_ideal"]
 
@@ -38,12 +45,12 @@ def call_tiles(cu_seqlens_q, cu_seqlens_k, causal, block_q, block_k):
 
 def plan_calls(plan, exchange):
     """[the KernelCalls of one direction, per ring group] as the ring executor `exchange`
-    makes them (the batched call where the group has one, as ring.executor_for decides)."""
+    makes them (ring.executor_for decides which runs the group)."""
     out = []
     for schedule in plan.schedules:
         calls = [schedule.local]
-        if exchange == "batched" and schedule.batched is not None:
-            calls.append(schedule.batched.call)
+        if executor_for(schedule, exchange) == "batched":
+            calls.append(schedule.batched.call if schedule.batched else None)
         else:
             calls += [step.call for step in schedule.steps]
         out.append([c for c in calls if c is not None])

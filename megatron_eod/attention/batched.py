@@ -28,7 +28,7 @@ import torch
 from megatron_eod.attention.backends import accumulation_dtype
 from megatron_eod.attention.lse import merge_into
 
-__all__ = ["batched_forward", "batched_backward", "call_forward", "call_backward",
+__all__ = ["batched_forward", "batched_backward", "call_forward", "call_backward", "key_grads",
            "runs_batched"]
 
 
@@ -133,7 +133,7 @@ def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, t
             dq[span[0]:span[1]].add_(gq)
         else:
             dq.index_add_(0, rows, gq)
-        grad_N2GD = _key_grads(gk, gv, call, batched.recv_count, acc)
+        grad_N2GD = key_grads(gk, gv, call, batched.recv_count, acc)
     # Gradients of received rows go back to their owners; those of rows sent come here.
     returned_S2GD = transport.start_all_grad(schedule, grad_N2GD, k_TGD.shape[1:], acc,
                                              q_THD.device).wait()
@@ -152,14 +152,19 @@ def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, t
     return dq, dkv_2TGD[0], dkv_2TGD[1]
 
 
-def _key_grads(gk_nGD, gv_nGD, call, recv_count, acc):
-    """[N, 2, G, D] gradients of the received rows, in `acc` (every received row is read)."""
-    shape = (recv_count, 2) + tuple(gk_nGD.shape[1:])
-    if call.k_span == (0, recv_count):  # every received row once, in order
+def key_grads(gk_nGD, gv_nGD, call, recv_count, acc, rows_first=True):
+    """Gradients of the received key/value rows in `acc`: [N, 2, G, D] (rows_first: the
+    batched messages) or [2, N, G, D] (ring.py's steps). Every received row is read by the
+    call, so a run of key rows is the whole buffer; else rows read by several query pieces
+    are summed by index."""
+    row_dim, kv_dim = (0, 1) if rows_first else (1, 0)
+    shape = [0, 0] + list(gk_nGD.shape[1:])
+    shape[row_dim], shape[kv_dim] = recv_count, 2
+    if call.k_span == (0, recv_count):  # every received row once, in order (most calls)
         grad = torch.empty(shape, dtype=acc, device=gk_nGD.device)
-        grad[:, 0].copy_(gk_nGD)
-        grad[:, 1].copy_(gv_nGD)
+        grad.select(kv_dim, 0).copy_(gk_nGD)
+        grad.select(kv_dim, 1).copy_(gv_nGD)
         return grad
     grad = torch.zeros(shape, dtype=acc, device=gk_nGD.device)
-    grad.index_add_(0, call.k_index, torch.stack([gk_nGD, gv_nGD], dim=1).to(acc))
+    grad.index_add_(row_dim, call.k_index, torch.stack([gk_nGD, gv_nGD], dim=kv_dim).to(acc))
     return grad

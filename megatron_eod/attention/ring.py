@@ -34,7 +34,7 @@ import torch
 
 from megatron_eod.attention.backends import accumulation_dtype
 from megatron_eod.attention.batched import (batched_backward, batched_forward, call_backward,
-                                            call_forward, runs_batched)
+                                            call_forward, key_grads, runs_batched)
 from megatron_eod.attention.comm import warm_up
 from megatron_eod.attention.lse import merge_into
 from megatron_eod.attention.transport import GroupTransport
@@ -137,7 +137,7 @@ def ring_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tran
                 dq[span[0]:span[1]].add_(gq)
             else:
                 dq.index_add_(0, rows, gq.to(acc))
-            grad_2NGD = _key_grads(gk, gv, call, step.recv_count, acc)
+            grad_2NGD = key_grads(gk, gv, call, step.recv_count, acc, rows_first=False)
         # Gradients travel back the way the keys came: to recv_from, from send_to.
         returning.append((transport.start_grad(step, grad_2NGD, kv_2TGD.shape[2:], acc,
                                                q_THD.device), step))
@@ -149,21 +149,6 @@ def ring_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tran
         dkv_2TGD = dkv_2TGD.to(k_TGD.dtype)  # one cast for both
         dk, dv = dkv_2TGD[0], dkv_2TGD[1]
     return dq.to(q_THD.dtype), dk.to(k_TGD.dtype), dv.to(v_TGD.dtype)
-
-
-def _key_grads(gk_NGD, gv_NGD, call, recv_count, acc):
-    """[2, recv_count, G, D] gradients of the received key/value rows, in `acc`."""
-    shape = (2, recv_count) + tuple(gk_NGD.shape[1:])
-    if call.k_span == (0, recv_count):  # every received row once, in order (most steps)
-        grad = torch.empty(shape, dtype=acc, device=gk_NGD.device)
-        grad[0].copy_(gk_NGD)
-        grad[1].copy_(gv_NGD)
-        return grad
-    # Some key rows repeat (several query runs read them): sum by index. (Every received
-    # row is read, so a run of key rows is always the whole buffer.)
-    grad = torch.zeros(shape, dtype=acc, device=gk_NGD.device)
-    grad.index_add_(1, call.k_index, torch.stack([gk_NGD, gv_NGD]).to(acc))
-    return grad
 
 
 def _land(item, dkv_2TGD):
