@@ -1,6 +1,7 @@
 """`plan_context_parallel`: the CP plan every rank computes identically from `cu_seqlens`.
 
-One job: validate the arguments, place the stream on groups (partition.py) and expose what
+One job: validate the arguments, place the stream on groups (partition.py), order each
+group's rows for the exchange (local_order.py) and expose what
 ranks and the attention need: `token_index(rank)` and `schedule(rank)` (kv_schedule.py,
 built on first use for the asking rank's group only), plus `stats()` for benchmarks and tests.
 
@@ -16,6 +17,7 @@ What it does not do: no communication, no device work (tensors are built on the 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
@@ -26,6 +28,7 @@ from megatron_eod.plan.cost import balance_bound, doc_pairs
 from megatron_eod.plan.kv_batched import MAX_RECEIVED_PER_ROW, with_batched
 from megatron_eod.plan.kv_schedule import (GroupSchedule, SplitDocuments, build_schedule,
                                            schedule_totals, tokens_received)
+from megatron_eod.plan.local_order import order_for_exchange
 from megatron_eod.plan.partition import Placement, partition_documents
 from megatron_eod.plan.pieces import Pieces
 
@@ -242,5 +245,6 @@ def plan_context_parallel(cu_seqlens, cp_size: int, algo: str = "ring",
         raise ValueError(f"b*s ({n} tokens) must be below 2**31: the varlen kernels take "
                          f"int32 cu_seqlens")
     placement = partition_documents(cu, cp_size // u)
+    placement = dataclasses.replace(placement, pieces=order_for_exchange(placement.pieces))
     return CPPlan(algo, cp_size, u, n, torch.from_numpy(cu.astype(np.int32)), placement.pieces,
                   placement)

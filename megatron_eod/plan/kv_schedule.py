@@ -9,7 +9,8 @@ For group g with R groups:
 * the local call: one causal sequence per document g holds (its pieces of one document are
   one run of local rows), over the local rows as they are, with no gather;
 * step t = 1..R-1: g receives from group (g - t) mod R exactly the pieces of that group that
-  precede one of g's pieces in the same document (each once, in the sender's local order),
+  precede one of g's pieces in the same document (each once, in the order g's call reads
+  them, so that its keys are one run of the buffer where no piece is read twice),
   sends to group (g + t) mod R the pieces that group needs from g, and makes one non-causal
   call in which each of its pieces attends to the received pieces of its document before it.
 Only documents held by two groups or more ("split documents") create steps with data.
@@ -141,13 +142,24 @@ def needed_pieces(split: SplitDocuments, group: int) -> Tuple[np.ndarray, np.nda
 
 
 def given_pieces(split: SplitDocuments, group: int) -> Tuple[np.ndarray, np.ndarray]:
-    """Every (group that needs it, key piece of `group`) pair: the mirror of needed_pieces."""
+    """Every (query piece of another group, key piece of `group`) pair of one split document
+    where the key piece lies before the query piece: the mirror of needed_pieces."""
     mine = split.of_group(group)
     end = np.searchsorted(split.doc, split.doc[mine], side="right")
     k, q = np.repeat(mine, end - mine - 1), ranges(mine + 1, end)
-    needer = split.pieces.group[split.index[q]]
-    other = needer != group
-    return needer[other], split.index[k[other]]
+    other = split.pieces.group[split.index[q]] != group
+    return split.index[q[other]], split.index[k[other]]
+
+
+def _read_order(split: SplitDocuments, q: np.ndarray, k: np.ndarray):
+    """(q, k) pairs of one (sender, receiver) sorted as the receiver reads them: its query
+    pieces in local order, each one's keys in position order; and the key pieces once each,
+    in the order first read. Sender and receiver both compute this from the same pairs, so
+    the buffer arrives in the order the receiver's call takes it."""
+    order = np.lexsort((split.pieces.start[k], split.local_start[q]))
+    q, k = q[order], k[order]
+    _, first = np.unique(k, return_index=True)
+    return q, k, k[np.sort(first)]
 
 
 def schedule_totals(split: SplitDocuments, group: int) -> Tuple[int, int]:
@@ -227,30 +239,30 @@ def build_schedule(split: SplitDocuments, group: int) -> GroupSchedule:
     rows = lambda i: ranges(local_start[i], local_start[i] + length[i])  # noqa: E731
     q_piece, k_piece = needed_pieces(split, group)
     from_order, from_bounds = _by_group(p.group[k_piece], groups)
-    needer, given_k = given_pieces(split, group)
-    to_order, to_bounds = _by_group(needer, groups)
+    given_q, given_k = given_pieces(split, group)
+    to_order, to_bounds = _by_group(p.group[given_q], groups)
     nothing = torch.zeros(0, dtype=torch.int64)
     steps: List[RingStep] = []
     for t in range(1, groups):
         src, dst = (group - t) % groups, (group + t) % groups
-        # Received: src's needed pieces, once each, in src's local order.
+        # Received: src's needed pieces, once each, in the order this group reads them.
         mine = from_order[from_bounds[src]:from_bounds[src + 1]]
-        received = np.unique(k_piece[mine])  # piece index order == src's local order
+        qs, ks, received = _read_order(split, q_piece[mine], k_piece[mine])
         call = None
         if received.size:
             # Buffer offset of each received piece: they arrive in `received` order.
             offset = np.cumsum(length[received]) - length[received]
-            qs, ks = q_piece[mine], k_piece[mine]
-            order = np.lexsort((start[ks], local_start[qs]))  # queries in local order
-            qs, ks = qs[order], ks[order]
-            at = offset[np.searchsorted(received, ks)]
+            by_piece = np.argsort(received)
+            at = offset[by_piece[np.searchsorted(received[by_piece], ks)]]
             new_q = np.concatenate([[True], qs[1:] != qs[:-1]])
             uq = qs[new_q]
             k_lengths = np.add.reduceat(length[ks], np.flatnonzero(new_q))
             call = make_call(length[uq], k_lengths, rows(uq), ranges(at, at + length[ks]),
                          causal=False)
-        # Sent: what dst needs from this group (dst computes the same set as its `received`).
-        sent = np.unique(given_k[to_order[to_bounds[dst]:to_bounds[dst + 1]]])
+        # Sent: what dst needs from this group, in the order dst reads it (dst computes the
+        # same pairs as its `received`).
+        gone = to_order[to_bounds[dst]:to_bounds[dst + 1]]
+        sent = _read_order(split, given_q[gone], given_k[gone])[2]
         sent_rows = rows(sent) if sent.size else None
         send_index = torch.from_numpy(sent_rows) if sent.size else nothing
         steps.append(RingStep(t, dst, src, send_index, int(length[received].sum()), call,

@@ -1,7 +1,8 @@
 """Schedules against the document mask, pair by pair: every group's local call and ring
 steps, expanded into (query, key) stream positions, cover exactly the causal same-document
 pairs of its queries, each once; what a group sends at step t is what its peer receives; the
-runs of rows marked for slicing (spans) are exactly the index arrays that are runs."""
+runs of rows marked for slicing (spans) are exactly the index arrays that are runs, and a
+step's received keys are read in the order they arrive."""
 
 import numpy as np
 import torch
@@ -76,6 +77,10 @@ def test_schedules_cover_exactly_the_document_mask(case):
                 # Every received row is read (ring.py: a run of keys is the whole buffer).
                 assert set(call.k_index.tolist()) == set(range(step.recv_count))
                 assert call.k_span in (None, (0, step.recv_count))
+                # Sent in the order the call reads: its keys are the buffer in order,
+                # unless a received row is read by two query pieces.
+                if np.unique(call.k_index.numpy()).size == call.k_index.numel():
+                    assert call.k_span == (0, step.recv_count)
         pairs = np.sort(np.concatenate(pairs))
         assert np.array_equal(pairs, expected_pairs(cu, tokens[g].numpy())), f"group {g}"
         assert pairs.size == schedule.pairs  # (equal sorted arrays: no pair twice either)
