@@ -15,7 +15,10 @@ from its CPU output code; on CUDA each nest is expected to be one Triton kernel:
 a GPU confirms or corrects it).
 Reports, for the busiest group (most launches) of each mix: attention calls, glue launches,
 and glue launches per attention call, for ring and hybrid (Ulysses degree 2), each with both
-ring executors (batched, steps); ideal is one attention call and no glue.
+ring executors (batched, steps); ideal is one attention call and no glue. Beside them, the
+most bytes any group's glue writes, in units of that group's q (its rows x all query heads x
+head dim, --heads / --kv-heads set the GQA ratio): a memory-bound kernel's time follows its
+bytes, so this says what the glue costs where launches are hidden.
 Beside them, the attention kernels' own floor in a tile model (tools/tile_model.py): the
 busiest group's flash tiles per rank over the whole-row call's tiles / cp, forward and
 backward, mean over the rows.
@@ -25,6 +28,7 @@ import argparse
 import os
 import sys
 from collections import Counter
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
 
 from bench_cp import pack_rows, stdlib_lengths, web_row  # noqa: E402
 from bench_cp_gpu import OURS  # noqa: E402
@@ -57,20 +62,42 @@ _FREE = {"select", "slice", "unsqueeze", "squeeze", "view", "_unsafe_view", "tra
 _ATTENTION_OPS = {"_flash_attention_forward", "_flash_attention_backward"}
 
 
+# In-place index operations write their source's rows, not the whole tensor they return.
+_SOURCE_ARG = {"index_add_": 3, "index_copy_": 3, "index_put_": 2}
+
+
+class Launches(NamedTuple):
+    """A group's forward+backward: attention calls, glue launches, launches by operation,
+    and bytes the glue writes (a memory-bound kernel's time follows its bytes)."""
+    calls: int
+    glue: int
+    ops: Counter
+    glue_bytes: int
+
+
+def _written(name, args, out) -> int:
+    if name in _SOURCE_ARG:
+        return args[_SOURCE_ARG[name]].nbytes
+    return sum(t.nbytes for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+
+
 class _Launches(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.count = Counter()
         self.calls = 0
+        self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in _ATTENTION_OPS:
             self.calls += 1
             return _attention_results(name, args)
+        out = func(*args, **(kwargs or {}))
         if name not in _FREE:
             self.count[name] += 1
-        return func(*args, **(kwargs or {}))
+            self.bytes += _written(name, args, out)
+        return out
 
 
 def _attention_results(name, args):
@@ -85,10 +112,9 @@ def _attention_results(name, args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def group_launches(plan, g, tensors, schedule_map=None, exchange="batched"):
-    """(attention calls, glue launches, launches by operation) of group g's forward+backward
-    with the ring executor `exchange`; `schedule_map` rewrites the schedules first (tests
-    compare variants)."""
+def group_launches(plan, g, tensors, schedule_map=None, exchange="batched") -> Launches:
+    """Group g's forward+backward with the ring executor `exchange`; `schedule_map` rewrites
+    the schedules first (tests compare variants)."""
     sim = SimulatedPlan(plan, *tensors, TorchVarlenBackend(), 0.1, exchange)
     if schedule_map is not None:
         sim.schedules = [schedule_map(s) for s in sim.schedules]
@@ -98,6 +124,7 @@ def group_launches(plan, g, tensors, schedule_map=None, exchange="batched"):
     def counted_merge(*args, **kwargs):
         kind = "span" if kwargs.get("span") is not None else "rows"
         mode.count[f"fused merge ({kind})"] += MERGE_LAUNCHES[kind]
+        mode.bytes += args[3].nbytes + args[4].nbytes  # the partial's rows of out and lse
         with _disable_current_modes():
             real_merge(*args, **kwargs)
 
@@ -107,7 +134,7 @@ def group_launches(plan, g, tensors, schedule_map=None, exchange="batched"):
             sim.run_group(g)
     finally:
         ring.merge_into = batched.merge_into = real_merge
-    return mode.calls, sum(mode.count.values()), mode.count
+    return Launches(mode.calls, sum(mode.count.values()), mode.count, mode.bytes)
 
 
 def main(argv=None):
@@ -121,12 +148,12 @@ def main(argv=None):
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
     std = stdlib_lengths()
     print("| mix | tokens / CP | layout | attention calls | glue launches | per call "
-          "| attention tiles over ideal: fwd / bwd |")
-    print("|---|---|---|---|---|---|---|")
+          "| glue writes, in q's | attention tiles over ideal: fwd / bwd |")
+    print("|---|---|---|---|---|---|---|---|")
     for mix in ("stdlib", "web"):
         for n, cp in configs:
             rng = np.random.default_rng(0)
-            found, tiles = {}, {}
+            found, heaviest, tiles = {}, {}, {}
             for _ in range(args.samples):
                 cu = pack_rows(std, n, rng) if mix == "stdlib" else web_row(n, rng)
                 q = torch.zeros(n, args.heads, 8, dtype=torch.bfloat16)
@@ -138,14 +165,16 @@ def main(argv=None):
                     for direction, value in ratio.items():
                         tiles.setdefault((name, direction), []).append(value)
                     for g in range(plan.ring_size):
-                        calls, glue, ops = group_launches(plan, g, (q, kv, kv, q),
-                                                          exchange=exchange)
-                        if glue > found.get(name, (0, -1))[1]:
-                            found[name] = (calls, glue, ops)
-            for name, (calls, glue, ops) in found.items():
+                        got = group_launches(plan, g, (q, kv, kv, q), exchange=exchange)
+                        if got.glue > found.get(name, (0, -1))[1]:
+                            found[name] = got
+                        # In units of the group's q: its rows x all heads x head dim.
+                        q_bytes = plan.schedules[g].num_tokens * q[0].nbytes
+                        heaviest[name] = max(heaviest.get(name, 0), got.glue_bytes / q_bytes)
+            for name, (calls, glue, ops, _) in found.items():
                 fwd, bwd = (np.mean(tiles[name, d]) for d in TILES)
                 print(f"| {mix} | {n // 1024}k / {cp} | {name} | {calls} | {glue} | "
-                      f"{glue / calls:.1f} | {fwd:.3f} / {bwd:.3f} |")
+                      f"{glue / calls:.1f} | {heaviest[name]:.1f} | {fwd:.3f} / {bwd:.3f} |")
                 if args.verbose:
                     print(f"  {dict(ops)}")
 

@@ -54,25 +54,40 @@ def call_backward(backend, dout_THD, q_THD, k, v, out_THD, lse_TH, call, scale):
                             call.max_seqlen_k, call.causal, scale)
 
 
+# A kernel launch costs about as much device time as moving this many bytes (a few
+# microseconds at an H100's ~3 TB/s).
+LAUNCH_BYTES = 8 << 20
+
+
+def _pick_first(k_TGD, sent_rows: int) -> bool:
+    """Whether to gather the sent rows of k and v, then stack them (3 launches), rather than
+    stack all T rows, then gather (2 launches): the first moves 2 (T - S) rows of k and v
+    less, worth it where that outweighs a launch. Shapes only: no device sync."""
+    row_bytes = 2 * k_TGD[0].numel() * k_TGD.element_size()
+    return 2 * (k_TGD.shape[0] - sent_rows) * row_bytes > LAUNCH_BYTES
+
+
 def _start_kv(k_TGD, v_TGD, schedule, transport):
     """Send every row the peers need and receive every row this group needs, in one call."""
     batched = schedule.batched
     span, index = batched.send_span, batched.send_index
     if span is not None:  # one run of local rows: stack just those
         send_S2GD = torch.stack([k_TGD[span[0]:span[1]], v_TGD[span[0]:span[1]]], dim=1)
-    elif index.numel():
-        send_S2GD = torch.stack([k_TGD, v_TGD], dim=1).index_select(0, index)
+    elif _pick_first(k_TGD, index.numel()):
+        send_S2GD = torch.stack([k_TGD.index_select(0, index), v_TGD.index_select(0, index)],
+                                dim=1)
     else:
-        send_S2GD = k_TGD.new_empty((0, 2) + tuple(k_TGD.shape[1:]))
+        send_S2GD = torch.stack([k_TGD, v_TGD], dim=1).index_select(0, index)
     return transport.start_all_kv(schedule, send_S2GD)
 
 
 def _keys(recv_N2GD, call):
-    """(k, v) of the call's key rows, each contiguous: one copy out of the received buffer."""
+    """(k, v) of the call's key rows: views of the received buffer when they are a run of it
+    (row stride 2 x G x D, the layout flash kernels take for packed k/v), else one gather."""
     if call.k_span is not None:
-        kv_2nGD = recv_N2GD[call.k_span[0]:call.k_span[1]].transpose(0, 1).contiguous()
-    else:
-        kv_2nGD = recv_N2GD.transpose(0, 1).index_select(1, call.k_index)
+        kv_n2GD = recv_N2GD[call.k_span[0]:call.k_span[1]]
+        return kv_n2GD[:, 0], kv_n2GD[:, 1]
+    kv_2nGD = recv_N2GD.transpose(0, 1).index_select(1, call.k_index)
     return kv_2nGD[0], kv_2nGD[1]
 
 

@@ -70,3 +70,14 @@ def test_matches_dense_reference(algo, world, degree, exchange, kind, b, s):
 @pytest.mark.parametrize("kv_heads", [1, 8])
 def test_gqa_and_softmax_scale(algo, world, degree, exchange, kv_heads):
     run_ranks(_check_rank, world, algo, degree, "mixed", 2, 64, kv_heads, 0.37, 11, exchange)
+
+
+@pytest.mark.parametrize("algo,world,degree", [("ring", 4, None), ("hybrid", 8, 2)])
+def test_sent_rows_picked_then_stacked(algo, world, degree, monkeypatch):
+    """The batched executor gathers sent rows by index two ways: stack k and v, then pick (the
+    rows here are tiny, so the tests above take that way), or pick, then stack (where that
+    saves more bytes than a launch costs: large rows); forced here, in the forked ranks."""
+    from megatron_eod.attention import batched
+
+    monkeypatch.setattr(batched, "LAUNCH_BYTES", -1)
+    run_ranks(_check_rank, world, algo, degree, "mixed", 2, 96, 2, None, 5, "batched")

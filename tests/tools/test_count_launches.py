@@ -32,8 +32,8 @@ def test_glue_launches_per_attention_call_stay_few(n, cp, algo, degree, exchange
     kv = torch.zeros(n, 2, 8, dtype=torch.bfloat16)
     worse = 0
     for g in range(plan.ring_size):
-        calls, glue, _ = count_launches.group_launches(plan, g, (q, kv, kv, q),
-                                                       exchange=exchange)
+        calls, glue, _, _ = count_launches.group_launches(plan, g, (q, kv, kv, q),
+                                                          exchange=exchange)
         assert glue <= GLUE_PER_CALL * calls, (g, calls, glue)
         if exchange == "batched":
             assert calls <= 4, (g, calls)  # local + received, forward and backward
