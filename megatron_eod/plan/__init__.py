@@ -3,6 +3,7 @@
     pieces.py      Pieces: which token ranges each CP group holds
     cost.py        pair counts, key/value traffic and the balance bound (one place)
     partition.py   the sweep that places documents on groups (never fails)
+    local_order.py each group's rows ordered so the rows reading received keys are one run
     kv_schedule.py one group's kernel calls and ring steps, built on demand
     cp_plan.py     CPPlan, plan_context_parallel, ulysses_degree_for
 """
