@@ -73,6 +73,8 @@ def _start_kv(k_TGD, v_TGD, schedule, transport):
     span, index = batched.send_span, batched.send_index
     if span is not None:  # one run of local rows: stack just those
         send_S2GD = torch.stack([k_TGD[span[0]:span[1]], v_TGD[span[0]:span[1]]], dim=1)
+    elif not index.numel():  # nothing to send
+        send_S2GD = k_TGD.new_empty((0, 2) + tuple(k_TGD.shape[1:]))
     elif _pick_first(k_TGD, index.numel()):
         send_S2GD = torch.stack([k_TGD.index_select(0, index), v_TGD.index_select(0, index)],
                                 dim=1)

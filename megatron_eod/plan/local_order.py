@@ -15,14 +15,17 @@ suffix, since a later piece sees everything an earlier one does. So every run is
 none of its pieces needs received keys, a mixed run (a prefix that does not, then a suffix
 that does), or all of them do. Runs are ordered in that order, stably (none; mixed; all): the
 mixed run's suffix and the all-needing runs are then one run at the end of the local rows.
-Two mixed runs on one group (about 1 group in 10 on the bench mixes: a document cut at each
-end of the group's share) leave a gap; the attention then gathers those rows, as before.
-Within the run the pieces that are sent come first where that is free (none needing: not
-sent, then sent; all needing: all sent, some, none), and a group whose rows that need
-received keys are one run already keeps its order (see `_already_one_run`).
+Two mixed runs on one group (a document cut at each end of the group's share: 7% of the
+batched calls on the bench mixes, 12% at 128k tokens / CP 16, more at higher CP) leave a gap
+whatever the order; such a group keeps its order and the attention gathers those rows, as
+before. Among the runs of one class, those whose pieces are sent to other groups sit next to
+each other where that is free (none needing: not sent, then sent; all needing: all sent, some
+sent, none sent), and a group whose rows that need received keys are one run already keeps
+its order (`_groups_to_reorder`).
 
 Any order of a group's tokens is correct: positions, labels and the loss mask travel with the
-tokens (megatron/batch.py). O(pieces), vectorised.
+tokens (megatron/batch.py). Vectorised: a few passes over all pieces, the sort over the
+reordered groups' pieces only.
 
 What it does not do: no placement (partition.py), no schedule (kv_schedule.py).
 """
@@ -61,9 +64,10 @@ def _other_group_before_and_after(pieces: Pieces):
 
 def _groups_to_reorder(pieces: Pieces, needs: np.ndarray) -> np.ndarray:
     """The groups whose pieces that need received keys are not consecutive (their rows are
-    not one run). The others keep their order: reordering them gains nothing and could cost
-    the received keys' run (peers send in their local order, which matches the order a group
-    reads them in when both keep the planner's order)."""
+    not one run). The others keep their order: reordering them gains nothing, and a new order
+    can cost the batched call its run of received keys (that buffer is in ring-step order,
+    each step's rows in the order this group reads them; a reorder can interleave steps) and
+    the peers the run of rows they send."""
     position = np.flatnonzero(needs)
     group = pieces.group[position]
     count = np.bincount(group, minlength=pieces.groups)
@@ -98,8 +102,9 @@ def needs_received_keys(pieces: Pieces) -> np.ndarray:
 def order_for_exchange(pieces: Pieces) -> Pieces:
     """`pieces` with the document runs of every group that gains ordered (see the module):
     the rows that need received keys last, the rows sent next to each other where that does
-    not cost the first. Groups, runs and each run's piece order are unchanged. Host work is
-    O(pieces of split documents) plus O(pieces) of the groups it reorders."""
+    not cost the first. Groups, runs and each run's piece order are unchanged. Host work: a
+    few passes over all pieces (about 3 ms at 1M tokens of 1-7-token documents, 262k pieces)
+    and a sort of the reordered groups' pieces."""
     needs, sent = _other_group_before_and_after(pieces)
     groups = _groups_to_reorder(pieces, needs)
     if groups.size == 0:
