@@ -13,6 +13,8 @@ kernel (views and allocations excluded), the backend's own lse fix-ups and copie
 Each log-sum-exp merge counts as the loop nests inductor makes of it (MERGE_LAUNCHES, read
 from its CPU output code; on CUDA each nest is expected to be one Triton kernel: a profile on
 a GPU confirms or corrects it).
+A group's glue includes its own side of the exchange: the gathers of the rows it sends and
+the landing of the gradients they get back (the transfers themselves are not counted).
 Reports, for the busiest group (most launches) of each mix: attention calls, glue launches,
 and glue launches per attention call, for ring and hybrid (Ulysses degree 2), each with both
 ring executors (batched, steps); ideal is one attention call and no glue. Beside them, the
@@ -44,7 +46,7 @@ from tile_model import TILES, plan_calls, tiles_over_ideal  # noqa: E402
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention import batched, ring  # noqa: E402
 from megatron_eod.attention.backends import TorchVarlenBackend  # noqa: E402
-from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
+from megatron_eod.attention.simulate import InProcessTransport, SimulatedPlan  # noqa: E402
 
 # Loop nests of the compiled merge (TORCH_LOGS=output_code, CPU inductor, torch 2.13): a run of
 # rows updates lse then out in two; rows by index gather, compute and scatter in four.
@@ -112,10 +114,35 @@ def _attention_results(name, args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+class _Ready:
+    def __init__(self, value):
+        self.value = value
+
+    def wait(self):
+        return self.value
+
+
+class _LandingTransport(InProcessTransport):
+    """Also hands back gradients for the rows the group sent (uninitialised: the transfer
+    would fill them), so that their landing into dk/dv is counted as the group's glue."""
+
+    def start_all_grad(self, schedule, grad_N2GD, row_shape, dtype, device):
+        super().start_all_grad(schedule, grad_N2GD, row_shape, dtype, device)
+        rows = schedule.batched.send_index.numel()
+        return _Ready(torch.empty((rows, 2) + tuple(row_shape), dtype=dtype, device=device))
+
+    def start_grad(self, step, grad_2NGD, row_shape, dtype, device):
+        super().start_grad(step, grad_2NGD, row_shape, dtype, device)
+        rows = step.send_index.numel()
+        return _Ready(torch.empty((2, rows) + tuple(row_shape), dtype=dtype, device=device)
+                      if rows else None)
+
+
 def group_launches(plan, g, tensors, schedule_map=None, exchange="batched") -> Launches:
     """Group g's forward+backward with the ring executor `exchange`; `schedule_map` rewrites
     the schedules first (tests compare variants)."""
     sim = SimulatedPlan(plan, *tensors, TorchVarlenBackend(), 0.1, exchange)
+    sim.transport_type = _LandingTransport
     if schedule_map is not None:
         sim.schedules = [schedule_map(s) for s in sim.schedules]
     real_merge = ring.merge_into

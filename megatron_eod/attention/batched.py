@@ -11,11 +11,14 @@ and the received rows' key/value gradients return to their owners in one batched
 
 Against ring.py's steps: 2 kernel calls per direction instead of up to R, 1 merge instead of
 up to R - 1, no float32 copies of out or dq (one merge and one sum round once, in float32
-inside the merge); in exchange all received rows are held at once, and the exchange overlaps
-the local call only (the steps overlap each transfer with the previous step's compute).
+inside the merge); the received keys are views of the buffer (it is laid out as the call
+reads them) and their gradients travel back in the kernel's dtype (each received row has one
+reader: nothing to sum before the owner's float32 sum); in exchange all received rows are
+held at once, a key row read by two query pieces arrives twice, and the exchange overlaps the
+local call only (the steps overlap each transfer with the previous step's compute).
 
-Messages are row-major, [rows, 2, G, D] (k and v of a row together), so that each peer's
-part of the send and receive buffers is a contiguous slice of one buffer.
+Messages are row-major, [rows, 2, G, D] (k and v of a row together), so that each message
+is a contiguous slice of one send or receive buffer.
 
 Shape key: T = local rows, H = query heads, G = key/value heads, D = head dim, S = rows sent,
 N = rows received; 2 = keys and values.
@@ -28,8 +31,8 @@ import torch
 from megatron_eod.attention.backends import accumulation_dtype
 from megatron_eod.attention.lse import merge_into
 
-__all__ = ["batched_forward", "batched_backward", "call_forward", "call_backward", "key_grads",
-           "runs_batched"]
+__all__ = ["batched_forward", "batched_backward", "call_forward", "call_backward",
+           "received_grads", "runs_batched"]
 
 
 def take_rows(x, index, span):
@@ -139,49 +142,45 @@ def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, t
     if pending is None:
         return dq, dk, dv
     recv_N2GD = pending.wait()
-    acc = accumulation_dtype(q_THD.dtype)
     call, grad_N2GD = batched.call, None
     if call is not None:
         rows, span = call.q_index, call.q_span
         k, v = _keys(recv_N2GD, call)
         gq, gk, gv = call_backward(backend, dout_THD, q_THD, k, v, out_THD, lse_TH, call, scale)
-        # Two terms per row: one sum, rounded once (in float32 for half-precision inputs).
+        # Two terms per row: one sum, rounded once (computed in float32 for half precision).
         if span is not None:
             dq[span[0]:span[1]].add_(gq)
         else:
             dq.index_add_(0, rows, gq)
-        grad_N2GD = key_grads(gk, gv, call, batched.recv_count, acc)
-    # Gradients of received rows go back to their owners; those of rows sent come here.
-    returned_S2GD = transport.start_all_grad(schedule, grad_N2GD, k_TGD.shape[1:], acc,
+        grad_N2GD = received_grads(gk, gv, call, batched.recv_count)
+    # Gradients of received rows go back to their owners, as the kernel made them (each
+    # received row is read once); those of rows sent come here.
+    returned_S2GD = transport.start_all_grad(schedule, grad_N2GD, k_TGD.shape[1:], k_TGD.dtype,
                                              q_THD.device).wait()
     if returned_S2GD is None or not returned_S2GD.numel():
         return dq, dk, dv
-    if batched.send_span is not None:  # each row sent once: one add each, computed in `acc`
-        start, stop = batched.send_span  # (the returned dtype) and rounded once into dk, dv
+    if batched.send_span is not None:  # each row sent once: one add each, computed in float32
+        start, stop = batched.send_span  # for half precision and rounded once into dk, dv
         dk[start:stop].add_(returned_S2GD[:, 0])
         dv[start:stop].add_(returned_S2GD[:, 1])
         return dq, dk, dv
-    # A row sent to several peers gets several gradients: summed by index in `acc` with the
-    # local one, then rounded once.
-    dkv_2TGD = torch.stack([dk, dv]).to(acc)
-    dkv_2TGD.index_add_(1, batched.send_index, returned_S2GD.transpose(0, 1))
+    # A row sent several times (to several peers, or to two query pieces of one) gets several
+    # gradients: summed by index in float32 (for half precision) with the local one, then
+    # rounded once.
+    acc = accumulation_dtype(k_TGD.dtype)
+    dkv_2TGD = torch.empty((2,) + tuple(dk.shape), dtype=acc, device=dk.device)
+    dkv_2TGD[0].copy_(dk)  # cast as they are copied: no half-precision stack first
+    dkv_2TGD[1].copy_(dv)
+    dkv_2TGD.index_add_(1, batched.send_index, returned_S2GD.transpose(0, 1).to(acc))
     dkv_2TGD = dkv_2TGD.to(k_TGD.dtype)
     return dq, dkv_2TGD[0], dkv_2TGD[1]
 
 
-def key_grads(gk_nGD, gv_nGD, call, recv_count, acc, rows_first=True):
-    """Gradients of the received key/value rows in `acc`: [N, 2, G, D] (rows_first: the
-    batched messages) or [2, N, G, D] (ring.py's steps). Every received row is read by the
-    call, so a run of key rows is the whole buffer; else rows read by several query pieces
-    are summed by index."""
-    row_dim, kv_dim = (0, 1) if rows_first else (1, 0)
-    shape = [0, 0] + list(gk_nGD.shape[1:])
-    shape[row_dim], shape[kv_dim] = recv_count, 2
-    if call.k_span == (0, recv_count):  # every received row once, in order (most calls)
-        grad = torch.empty(shape, dtype=acc, device=gk_nGD.device)
-        grad.select(kv_dim, 0).copy_(gk_nGD)
-        grad.select(kv_dim, 1).copy_(gv_nGD)
+def received_grads(gk_nGD, gv_nGD, call, recv_count):
+    """[N, 2, G, D] gradients of the received rows, in the kernel's dtype: the call reads
+    every received row once (kv_batched.py), in order where k_span says so (always, but for
+    tests that forget the spans), so this is a stack, or a stack put back in buffer order."""
+    grad = torch.stack([gk_nGD, gv_nGD], dim=1)
+    if call.k_span == (0, recv_count):
         return grad
-    grad = torch.zeros(shape, dtype=acc, device=gk_nGD.device)
-    grad.index_add_(row_dim, call.k_index, torch.stack([gk_nGD, gv_nGD], dim=kv_dim).to(acc))
-    return grad
+    return torch.empty_like(grad).index_copy_(0, call.k_index, grad)

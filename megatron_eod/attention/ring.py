@@ -34,7 +34,7 @@ import torch
 
 from megatron_eod.attention.backends import accumulation_dtype
 from megatron_eod.attention.batched import (batched_backward, batched_forward, call_backward,
-                                            call_forward, key_grads, runs_batched)
+                                            call_forward, runs_batched)
 from megatron_eod.attention.comm import warm_up
 from megatron_eod.attention.lse import merge_into
 from megatron_eod.attention.transport import GroupTransport
@@ -137,7 +137,7 @@ def ring_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tran
                 dq[span[0]:span[1]].add_(gq)
             else:
                 dq.index_add_(0, rows, gq.to(acc))
-            grad_2NGD = key_grads(gk, gv, call, step.recv_count, acc, rows_first=False)
+            grad_2NGD = key_grads(gk, gv, call, step.recv_count, acc)
         # Gradients travel back the way the keys came: to recv_from, from send_to.
         returning.append((transport.start_grad(step, grad_2NGD, kv_2TGD.shape[2:], acc,
                                                q_THD.device), step))
@@ -149,6 +149,22 @@ def ring_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tran
         dkv_2TGD = dkv_2TGD.to(k_TGD.dtype)  # one cast for both
         dk, dv = dkv_2TGD[0], dkv_2TGD[1]
     return dq.to(q_THD.dtype), dk.to(k_TGD.dtype), dv.to(v_TGD.dtype)
+
+
+def key_grads(gk_nGD, gv_nGD, call, recv_count, acc):
+    """[2, N, G, D] gradients of a step's received rows in `acc`: the kernel's where the call
+    reads every received row once, in order (most steps); else rows read by several query
+    pieces (two pieces of one document after them) summed by index."""
+    if call.k_span == (0, recv_count):
+        grad = torch.empty((2, recv_count) + tuple(gk_nGD.shape[1:]), dtype=acc,
+                           device=gk_nGD.device)
+        grad[0].copy_(gk_nGD)
+        grad[1].copy_(gv_nGD)
+        return grad
+    grad = torch.zeros((2, recv_count) + tuple(gk_nGD.shape[1:]), dtype=acc,
+                       device=gk_nGD.device)
+    grad.index_add_(1, call.k_index, torch.stack([gk_nGD, gv_nGD]).to(acc))
+    return grad
 
 
 def _land(item, dkv_2TGD):

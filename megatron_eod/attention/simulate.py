@@ -34,7 +34,7 @@ from megatron_eod.attention.batched import batched_backward, batched_forward
 from megatron_eod.attention.ring import (check_ring_exchange, executor_for, ring_backward,
                                          ring_forward, stack_kv)
 
-__all__ = ["SimulatedPlan", "GroupResult"]
+__all__ = ["SimulatedPlan", "GroupResult", "InProcessTransport"]
 
 
 @dataclass
@@ -55,7 +55,7 @@ class _Ready:
         return self.value
 
 
-class _InProcessTransport:
+class InProcessTransport:
     """Hands out the key/value rows gathered up front; keeps the gradients sent back."""
 
     def __init__(self, received, received_rows):
@@ -79,6 +79,8 @@ class _InProcessTransport:
 
 
 class SimulatedPlan:
+    transport_type = InProcessTransport  # tools/count_launches.py also lands returned rows
+
     def __init__(self, plan, q_NHD, k_NGD, v_NGD, dout_NHD, backend=None, softmax_scale=None,
                  exchange="batched"):
         check_ring_exchange(exchange)
@@ -102,16 +104,28 @@ class SimulatedPlan:
                 stream_rows = self.rows[step.recv_from][sender.send_index]
                 received.append(kv_2NGD[:, stream_rows] if stream_rows.numel() else None)
                 received_rows.append(stream_rows)
-            if schedule.steps:  # last: all steps' rows at once, [N, 2, G, D] (batched.py)
-                received_rows.append(torch.cat(received_rows))
+            if schedule.batched is not None:  # last: the batched buffer, [N, 2, G, D]
+                received_rows.append(self._batched_rows(g))
                 received.append(kv_2NGD[:, received_rows[-1]].transpose(0, 1).contiguous())
             self.inputs.append((q_NHD[rows], k_NGD[rows], v_NGD[rows], dout_NHD[rows],
                                 received, received_rows))
 
+    def _batched_rows(self, g: int) -> torch.Tensor:
+        """Stream rows of group g's batched receive buffer: each message as its sender's
+        message of the same ordinal to g holds them."""
+        parts = [torch.zeros(0, dtype=torch.int64, device=self.rows[g].device)]
+        for m in self.schedules[g].batched.recvs:
+            sender = self.schedules[m.peer].batched
+            sent = [s for s in sender.sends if s.peer == g and s.ordinal == m.ordinal]
+            if len(sent) != 1 or sent[0].stop - sent[0].start != m.stop - m.start:
+                raise AssertionError("plan schedules disagree on a batched message")
+            parts.append(self.rows[m.peer][sender.send_index[sent[0].start:sent[0].stop]])
+        return torch.cat(parts)
+
     def forward_group(self, g: int):
         """Group g's forward compute alone: (out, lse), as the ring executor makes them."""
         q, k, v, _, received, received_rows = self.inputs[g]
-        transport = _InProcessTransport(received, received_rows)
+        transport = self.transport_type(received, received_rows)
         schedule = self.schedules[g]
         if executor_for(schedule, self.exchange) == "batched":
             return batched_forward(q, k, v, schedule, transport, self.backend, self.scale)
@@ -121,7 +135,7 @@ class SimulatedPlan:
     def run_group(self, g: int) -> GroupResult:
         """Group g's forward and backward compute, exactly as the ring executor runs it."""
         q, k, v, dout, received, received_rows = self.inputs[g]
-        transport = _InProcessTransport(received, received_rows)
+        transport = self.transport_type(received, received_rows)
         schedule, backend, scale = self.schedules[g], self.backend, self.scale
         if executor_for(schedule, self.exchange) == "batched":
             out, lse = batched_forward(q, k, v, schedule, transport, backend, scale)

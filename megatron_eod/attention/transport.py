@@ -45,33 +45,28 @@ class GroupTransport:
         return exchange(grad_2NGD, step.recv_from, shape, step.send_to, self.group, dtype,
                         device, tag=_GRAD_TAG + step.step)
 
-    # The batched exchange (batched.py): every step's transfer in one batched p2p call, each
-    # peer's rows a contiguous slice of one [rows, 2, G, D] buffer, in step order on both
-    # sides (so each pair lists its messages in the same order).
+    # The batched exchange (batched.py): all messages in one batched p2p call, each a
+    # contiguous slice of one [rows, 2, G, D] buffer, listed in the plan's order (a pair's
+    # messages in the receiver's buffer order on both sides), tagged by their ordinal.
 
     def start_all_kv(self, schedule, send_S2GD):
         batched = schedule.batched
         recv_N2GD = send_S2GD.new_empty((batched.recv_count,) + tuple(send_S2GD.shape[1:]))
-        return self._start_all(schedule, send_S2GD, batched.send_offsets, recv_N2GD,
-                               batched.recv_offsets, 0)
+        return self._start_all(batched.sends, send_S2GD, batched.recvs, recv_N2GD, 0)
 
     def start_all_grad(self, schedule, grad_N2GD, row_shape, dtype, device):
-        """Send the gradients of received rows back; receive those of rows sent."""
+        """Send the gradients of received rows back (in the messages that brought the rows);
+        receive those of rows sent. `dtype`: the gradients' (the kernel's) dtype."""
         batched = schedule.batched
         if grad_N2GD is None:  # nothing received (every received row is read by the call)
             grad_N2GD = torch.zeros((0, 2) + tuple(row_shape), dtype=dtype, device=device)
         returned_S2GD = torch.empty((batched.send_index.numel(), 2) + tuple(row_shape),
                                     dtype=dtype, device=device)
-        return self._start_all(schedule, grad_N2GD, batched.recv_offsets, returned_S2GD,
-                               batched.send_offsets, _GRAD_TAG, back=True)
+        return self._start_all(batched.recvs, grad_N2GD, batched.sends, returned_S2GD,
+                               _GRAD_TAG)
 
-    def _start_all(self, schedule, send, send_offsets, recv, recv_offsets, tag, back=False):
+    def _start_all(self, send_messages, send, recv_messages, recv, tag):
         """One batched call; its `wait()` returns `recv`, filled."""
-        sends, recvs = [], []
-        for i, step in enumerate(schedule.steps):
-            to, source = (step.recv_from, step.send_to) if back else (step.send_to,
-                                                                       step.recv_from)
-            sends.append((send[send_offsets[i]:send_offsets[i + 1]], to, tag + step.step))
-            recvs.append((recv[recv_offsets[i]:recv_offsets[i + 1]], source, tag + step.step))
+        sends = [(send[m.start:m.stop], m.peer, tag + m.ordinal) for m in send_messages]
+        recvs = [(recv[m.start:m.stop], m.peer, tag + m.ordinal) for m in recv_messages]
         return exchange_many(sends, recvs, self.group, result=recv)
-

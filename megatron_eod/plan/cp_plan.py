@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from megatron_eod.plan.cost import balance_bound, doc_pairs
-from megatron_eod.plan.kv_batched import MAX_RECEIVED_PER_ROW, with_batched
+from megatron_eod.plan.kv_batched import MAX_RECEIVED_PER_ROW, rows_received, with_batched
 from megatron_eod.plan.kv_schedule import (GroupSchedule, SplitDocuments, build_schedule,
-                                           schedule_totals, tokens_received)
+                                           schedule_totals)
 from megatron_eod.plan.local_order import order_for_exchange
 from megatron_eod.plan.partition import Placement, partition_documents
 from megatron_eod.plan.pieces import Pieces
@@ -84,7 +84,7 @@ class CPPlan:
         if key not in self._cache:
             schedule = build_schedule(self._split_documents(), group)
             if self.batched_ring:
-                schedule = with_batched(schedule)
+                schedule = with_batched(schedule, self._split_documents())
             if self.device is not None and self.device.type != "cpu":
                 schedule = schedule.to(self.device)
             self._cache[key] = schedule
@@ -99,7 +99,7 @@ class CPPlan:
             split = self._split_documents()
             rows = self.pieces.tokens_per_group()
             self._cache[key] = all(
-                tokens_received(split, g) <= MAX_RECEIVED_PER_ROW * int(rows[g])
+                rows_received(split, g) <= MAX_RECEIVED_PER_ROW * int(rows[g])
                 for g in np.unique(split.pieces.group[split.index]))
         return self._cache[key]
 
@@ -128,7 +128,9 @@ class CPPlan:
         pairs_per_rank: query-key token pairs the rank's kernel calls evaluate per head (a
             Hybrid/Ulysses rank evaluates its whole group's pairs for its heads);
         kv_tokens_received_per_rank: key/value tokens received from other ranks in the ring
-            exchange (for Hybrid, for the rank's heads);
+            exchange (for Hybrid, for the rank's heads) by the steps executor;
+        kv_tokens_received_batched_per_rank: the same for the batched executor, which
+            receives a token once per query piece of the group that reads it (kv_batched.py);
         ulysses_tokens_received_per_rank: tokens received in the input all-to-all;
         pairs_needed: pairs a document mask needs; wasted_pairs_ratio: evaluated / needed;
         balance: max / mean pairs over groups; balance_limit: the most the bound allows
@@ -144,6 +146,7 @@ class CPPlan:
         split = self._split_documents()
         totals = [schedule_totals(split, g) for g in range(groups)]
         group_evaluated = [p for p, _ in totals]
+        batched = [rows_received(split, g) for g in range(groups)]
         needed = self.pairs_needed()
         lengths = np.diff(self.cu_seqlens.numpy())
         per_rank = self.num_tokens // self.cp_size
@@ -151,6 +154,7 @@ class CPPlan:
         return {
             "pairs_per_rank": [group_evaluated[r // u] for r in range(self.cp_size)],
             "kv_tokens_received_per_rank": [totals[r // u][1] for r in range(self.cp_size)],
+            "kv_tokens_received_batched_per_rank": [batched[r // u] for r in range(self.cp_size)],
             "ulysses_tokens_received_per_rank": [per_rank * (u - 1)] * self.cp_size,
             "pairs_needed": needed,
             "wasted_pairs_ratio": sum(group_evaluated) / needed,

@@ -1,104 +1,139 @@
 """All of a group's ring steps as one exchange and one kernel call (the batched ring).
 
-One job: fold a group's ring steps (kv_schedule.py) into a `BatchedExchange`: every key/value
-row the group sends, to all peers, as one gathered buffer; every row it receives, from all
-peers, in one buffer (step 1's rows first, each step's in its sender's order, exactly as the
-steps receive them); and ONE non-causal varlen call in which each query piece attends to all
-the received rows of its document before it, whichever peer they came from. A group then
+One job: a group's `BatchedExchange`: every key/value row it sends, to all peers, as one
+gathered buffer; every row it receives, from all peers, in one buffer laid out in the order
+its ONE non-causal varlen call reads them; that call, in which each query piece attends to
+all the received rows of its document before it, whichever peer they came from. A group then
 makes two attention calls per layer and direction (the local call and this one) and one
 log-sum-exp merge, whatever the ring size, instead of one call and one merge per step.
 
-The pairs are the steps' pairs, each once (a non-causal call does not care about key order),
-so the plan's balance and traffic are unchanged; what changes is that all received rows are
-held at once (`recv_count`) rather than one step's. So where some group would receive more
-than MAX_RECEIVED_PER_ROW times its own rows (one document over many groups: the group
-holding its end receives nearly all of it, up to (R-1)x its rows), the plan gives no group a
+The receive buffer is the call's keys exactly, query piece after query piece, each piece's
+keys peer after peer (in ring-step order, a non-causal call does not care about key order),
+each peer's in position order. So the call reads its keys as one run of the buffer (a view,
+no gather), and reads every buffer row once: the key/value gradients it returns are the
+kernel's own, in the kernel's dtype, with no sum on the receiving side. The price is that a
+key row read by two query pieces of the receiver (two pieces of one document, both after it)
+travels twice; the owner sums the two gradients it gets back, as it already does for a row
+sent to two peers. Each (query piece, peer) run of the buffer is one message, so a peer may
+send several messages to one receiver; both sides list a pair's messages in the receiver's
+buffer order and number them (`Message.ordinal`, the tag), which NCCL (order) and gloo (tags)
+both need.
+
+The pairs are the steps' pairs, each once, so the plan's balance is unchanged; the traffic is
+the steps' plus the repeated rows (`rows_received`), all held at once. So where some group
+would receive more than MAX_RECEIVED_PER_ROW times its own rows (one document over many
+groups: the group holding its end receives nearly all of it), the plan gives no group a
 batched form (`CPPlan.batched_ring`, the same answer on every rank: both sides of a transfer
 must run the same executor) and the steps run, whose buffers stay at one step's rows.
 
-What it does not do: no placement, no communication; built from the steps on the host.
+What it does not do: no placement, no communication; built on the host from the pieces.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
 
-from megatron_eod.plan.kv_schedule import (GroupSchedule, KernelCall, RingStep, make_call,
-                                           span_of, to_device)
+from megatron_eod.plan.kv_schedule import (GroupSchedule, KernelCall, SplitDocuments,
+                                           given_pieces, make_call, needed_pieces, span_of,
+                                           to_device)
 from megatron_eod.plan.pieces import ranges
 
-__all__ = ["BatchedExchange", "MAX_RECEIVED_PER_ROW", "batch_steps", "with_batched"]
+__all__ = ["BatchedExchange", "MAX_RECEIVED_PER_ROW", "Message", "build_batched",
+           "rows_received", "with_batched"]
 
 # Received rows held at once, per row of the group, beyond which the steps run instead (the
-# batched executor then holds the received key/values, a gathered copy and their float32
-# gradients: about 6x this many rows of bf16 key/values at the peak of the backward).
+# batched backward then holds the received key/values, their gradients from the kernel and
+# those stacked for the return: about 3x this many rows of key/values at its peak).
 MAX_RECEIVED_PER_ROW = 4
+
+
+class Message(NamedTuple):
+    """Rows start:stop of a send or receive buffer, to or from ring group `peer`, the
+    `ordinal`-th message between the two in this direction."""
+
+    peer: int
+    start: int
+    stop: int
+    ordinal: int
 
 
 @dataclass(frozen=True)
 class BatchedExchange:
-    """send_index: int64 [S], local rows sent, step after step (rows a step sends to
-    steps[i].send_to are send_index[send_offsets[i]:send_offsets[i+1]]); received rows of
-    step i land at recv_offsets[i]:recv_offsets[i+1] of the [recv_count] buffer; `call`
-    (None when nothing is received) reads its keys from that buffer."""
+    """send_index: int64 [S], local rows sent, message after message (a row goes once per
+    query piece of a peer that reads it): `sends`' rows; `recvs`: where each arriving message
+    lands in the [recv_count] buffer; `call` (None when nothing is received) reads its keys
+    from that buffer, every row once and in order (k_span (0, recv_count)). The key/value
+    gradients go back along the same messages, reversed."""
 
     send_index: torch.Tensor
-    send_offsets: Tuple[int, ...]
-    recv_offsets: Tuple[int, ...]
+    sends: Tuple[Message, ...]
+    recvs: Tuple[Message, ...]
     call: Optional[KernelCall]
     send_span: Optional[Tuple[int, int]] = None
 
     @property
     def recv_count(self) -> int:
-        return self.recv_offsets[-1]
+        return self.recvs[-1].stop if self.recvs else 0
 
     def to(self, device) -> "BatchedExchange":
-        return BatchedExchange(to_device(self.send_index, device), self.send_offsets,
-                               self.recv_offsets,
-                               None if self.call is None else self.call.to(device),
-                               self.send_span)
+        return dataclasses.replace(self, send_index=to_device(self.send_index, device),
+                                   call=None if self.call is None else self.call.to(device))
 
 
-def _offsets(counts: Sequence[int]) -> Tuple[int, ...]:
-    return tuple(int(x) for x in np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]))
+def _messages(q: np.ndarray, k_rows: np.ndarray, peer: np.ndarray) -> Tuple[Message, ...]:
+    """One message per run of pairs with the same (query piece, peer), numbered per peer."""
+    if not q.size:
+        return ()
+    first = np.flatnonzero(np.concatenate([[True], (q[1:] != q[:-1]) | (peer[1:] != peer[:-1])]))
+    offsets = np.concatenate([[0], np.cumsum(np.add.reduceat(k_rows, first))])
+    seen: dict = {}
+    out = []
+    for i, p in enumerate(peer[first].tolist()):
+        out.append(Message(p, int(offsets[i]), int(offsets[i + 1]), seen.get(p, 0)))
+        seen[p] = seen.get(p, 0) + 1
+    return tuple(out)
 
 
-def batch_steps(steps: Sequence[RingStep]) -> BatchedExchange:
-    """The batched form of a group's steps (host tensors, before any `to(device)`)."""
-    sends = [s.send_index.numpy() for s in steps]
-    send_index = np.concatenate(sends) if sends else np.zeros(0, np.int64)
-    recv_offsets = _offsets([s.recv_count for s in steps])
-    # Every (query piece, key rows) sequence of every step: the piece's first local row and
-    # length, and where its keys lie in `keys` (all steps' key rows, as buffer rows).
-    calls = [(s.call, base) for s, base in zip(steps, recv_offsets) if s.call is not None]
+def build_batched(split: SplitDocuments, group: int) -> BatchedExchange:
+    """Group `group`'s batched exchange (host tensors, before any `to(device)`)."""
+    p, groups = split.pieces, split.pieces.groups
+    length, local_start = p.length, split.local_start
+    rows = lambda i: ranges(local_start[i], local_start[i] + length[i])  # noqa: E731
+    # Received: query piece after query piece (local order), each one's keys by the step
+    # that brings them, then by position: the call's keys, as one run.
+    q, k = needed_pieces(split, group)
+    order = np.lexsort((p.start[k], (group - p.group[k]) % groups, local_start[q]))
+    q, k = q[order], k[order]
+    recvs = _messages(q, length[k], p.group[k])
     call = None
-    if calls:
-        keys = np.concatenate([c.k_index.numpy() + base for c, base in calls])
-        key_base = _offsets([c.k_index.numel() for c, _ in calls])
-        first = np.concatenate([c.q_index.numpy()[c.cu_seqlens_q.numpy()[:-1]]
-                                for c, _ in calls])
-        q_len = np.concatenate([np.diff(c.cu_seqlens_q.numpy()) for c, _ in calls])
-        k_start = np.concatenate([c.cu_seqlens_k.numpy()[:-1].astype(np.int64) + kb
-                                  for (c, _), kb in zip(calls, key_base)])
-        k_len = np.concatenate([np.diff(c.cu_seqlens_k.numpy()) for c, _ in calls])
-        order = np.argsort(first, kind="stable")  # by piece, then step
-        first, q_len, k_start, k_len = first[order], q_len[order], k_start[order], k_len[order]
-        new = np.flatnonzero(np.concatenate([[True], first[1:] != first[:-1]]))
-        k_index = keys[ranges(k_start, k_start + k_len)]
-        call = make_call(q_len[new], np.add.reduceat(k_len, new),
-                         ranges(first[new], first[new] + q_len[new]), k_index, causal=False)
-    return BatchedExchange(torch.from_numpy(send_index.astype(np.int64)),
-                           _offsets([s.size for s in sends]), recv_offsets, call,
-                           span_of(send_index))
+    if q.size:
+        new = np.flatnonzero(np.concatenate([[True], q[1:] != q[:-1]]))
+        read = int(length[k].sum())
+        call = make_call(length[q[new]], np.add.reduceat(length[k], new), rows(q[new]),
+                         np.arange(read, dtype=np.int64), causal=False)
+    # Sent: receiver after receiver (by step), each one's part laid out as it reads it.
+    gq, gk = given_pieces(split, group)
+    order = np.lexsort((p.start[gk], local_start[gq], (p.group[gq] - group) % groups))
+    gq, gk = gq[order], gk[order]
+    send_index = rows(gk) if gk.size else np.zeros(0, np.int64)
+    return BatchedExchange(torch.from_numpy(send_index), _messages(gq, length[gk], p.group[gq]),
+                           recvs, call, span_of(send_index))
 
 
-def with_batched(schedule: GroupSchedule) -> GroupSchedule:
+def rows_received(split: SplitDocuments, group: int) -> int:
+    """Key/value rows the group's batched exchange receives (and holds at once): a row once
+    per query piece of the group that reads it."""
+    q, k = needed_pieces(split, group)
+    return int(split.pieces.length[k].sum())
+
+
+def with_batched(schedule: GroupSchedule, split: SplitDocuments) -> GroupSchedule:
     """The schedule with its batched form (host tensors); as is when it has no steps."""
     if not schedule.steps:
         return schedule
-    return dataclasses.replace(schedule, batched=batch_steps(schedule.steps))
+    return dataclasses.replace(schedule, batched=build_batched(split, schedule.group))

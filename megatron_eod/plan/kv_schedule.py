@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # kv_batched.py builds on this module
 
 __all__ = ["KernelCall", "RingStep", "GroupSchedule", "SplitDocuments", "build_schedule",
            "call_from_rows", "make_call", "needed_pieces", "schedule_totals", "span_of",
-           "to_device", "tokens_received"]
+           "to_device"]
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
@@ -170,13 +170,6 @@ def schedule_totals(split: SplitDocuments, group: int) -> Tuple[int, int]:
     local = local_call(p, group, with_rows=False)
     pairs = local.pairs + int((p.length[q] * p.length[k]).sum())
     return pairs, int(p.length[np.unique(k)].sum())
-
-
-def tokens_received(split: SplitDocuments, group: int) -> int:
-    """Key/value tokens the group receives over all its ring steps (schedule_totals' second
-    half, without the pair count)."""
-    _, k = needed_pieces(split, group)
-    return int(split.pieces.length[np.unique(k)].sum())
 
 
 def _offsets(lengths: np.ndarray) -> torch.Tensor:

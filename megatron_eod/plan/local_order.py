@@ -65,9 +65,8 @@ def _other_group_before_and_after(pieces: Pieces):
 def _groups_to_reorder(pieces: Pieces, needs: np.ndarray) -> np.ndarray:
     """The groups whose pieces that need received keys are not consecutive (their rows are
     not one run). The others keep their order: reordering them gains nothing, and a new order
-    can cost the batched call its run of received keys (that buffer is in ring-step order,
-    each step's rows in the order this group reads them; a reorder can interleave steps) and
-    the peers the run of rows they send."""
+    can cost the peers the run of rows they send, and the steps executor its runs of received
+    keys (each step's rows arrive in the order this group reads them, first read first)."""
     position = np.flatnonzero(needs)
     group = pieces.group[position]
     count = np.bincount(group, minlength=pieces.groups)

@@ -19,7 +19,7 @@ EOD, HEADS, KV_HEADS, DIM = 50, 8, 2, 4
 ELEM = 8  # float64
 
 
-def _count_forward_bytes(rank, world, algo, degree):
+def _count_forward_bytes(rank, world, algo, degree, exchange):
     tokens = random_layout_tokens("mixed", 2, 128, EOD, seed=3)
     plan = plan_context_parallel(build_doc_layout(tokens, EOD).cu_seqlens, world, algo, degree)
     if algo == "hybrid":
@@ -43,22 +43,30 @@ def _count_forward_bytes(rank, world, algo, degree):
         n = plan.num_tokens // world
         q = torch.randn(n, HEADS, DIM, dtype=torch.float64)
         k = torch.randn(n, KV_HEADS, DIM, dtype=torch.float64)
-        context_parallel_attention(q, k, k.clone(), plan, group=dist.group.WORLD)
+        context_parallel_attention(q, k, k.clone(), plan, group=dist.group.WORLD,
+                                   ring_exchange=exchange)
     finally:
         dist.batch_isend_irecv, dist.all_to_all_single = batch, a2a
     return got, plan.stats()
 
 
+@pytest.mark.parametrize("exchange", ["batched", "steps"])
 @pytest.mark.parametrize("algo,world,degree", [("ring", 4, None), ("ring", 8, None),
                                                ("ulysses", 4, None), ("hybrid", 8, 2),
                                                ("hybrid", 8, 4)])
-def test_forward_bytes_match_plan_stats(algo, world, degree):
-    results = run_ranks(_count_forward_bytes, world, algo, degree)
+def test_forward_bytes_match_plan_stats(algo, world, degree, exchange):
+    """The batched executor receives a key row once per query piece that reads it, the
+    steps once: their own stats; on this layout the two differ."""
+    results = run_ranks(_count_forward_bytes, world, algo, degree, exchange)
     u = {"ring": 1, "ulysses": world, "hybrid": degree}[algo]
     kv_heads_per_rank = KV_HEADS * (u // math.gcd(KV_HEADS, u)) // u
-    moved_any = False
+    moved_any = differ = False
     for rank, (got, stats) in enumerate(results):
-        kv_tokens = stats["kv_tokens_received_per_rank"][rank]
+        batched = exchange == "batched" and stats["batched_ring"]
+        kv_tokens = stats["kv_tokens_received_batched_per_rank" if batched else
+                          "kv_tokens_received_per_rank"][rank]
+        differ |= (stats["kv_tokens_received_batched_per_rank"][rank] !=
+                   stats["kv_tokens_received_per_rank"][rank])
         a2a_tokens = stats["ulysses_tokens_received_per_rank"][rank]
         expected_p2p = kv_tokens * 2 * max(kv_heads_per_rank, 1) * DIM * ELEM
         channels_in = HEADS // u + 2 * max(kv_heads_per_rank, 1)
@@ -66,3 +74,4 @@ def test_forward_bytes_match_plan_stats(algo, world, degree):
         assert got == {"p2p": expected_p2p, "a2a": expected_a2a}, (rank, got, stats)
         moved_any |= got["p2p"] > 0
     assert moved_any or algo == "ulysses", "the layout must make the ring move data"
+    assert differ or algo != "ring", "the layout must make some key row travel twice"

@@ -116,56 +116,67 @@ def test_to_device_keeps_pieces_and_moves_schedules():
 @given(plan_inputs(max_log2_tokens=10))
 def test_batched_exchange_is_the_steps_at_once(case):
     """The batched form (kv_batched.py) of every group: its one call evaluates exactly the
-    pairs of all ring steps, each once, reading keys from the buffer its peers fill (each
-    peer's rows at that step's offset, as the peer sends them); and it sends, step after
-    step, exactly the rows the steps send. Plans where a group would receive too much carry
-    no batched form at all."""
+    pairs of all ring steps, each once, reading its keys as the one run of the buffer its
+    peers fill, every row once; each pair of groups lists the same messages (sizes, in
+    order, numbered 0, 1, ..) on both sides, each inside one query piece's keys. Plans where a
+    group would receive too much carry no batched form at all."""
     cu, cp, algo, degree, _ = case
     plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, degree)
     tokens = [plan.group_tokens(g) for g in range(plan.ring_size)]
     schedules = plan.schedules
     # Batched forms everywhere or nowhere: nowhere when some group would hold more than
     # MAX_RECEIVED_PER_ROW x its rows of received keys at once.
-    assert plan.batched_ring == all(s.kv_tokens_received <= MAX_RECEIVED_PER_ROW * s.num_tokens
-                                    for s in schedules)
+    received = plan.stats()["kv_tokens_received_batched_per_rank"][::plan.ulysses_degree]
+    assert plan.batched_ring == all(n <= MAX_RECEIVED_PER_ROW * s.num_tokens
+                                    for n, s in zip(received, schedules))
     assert plan.stats()["batched_ring"] == plan.batched_ring
     for g, schedule in enumerate(schedules):
         batched = schedule.batched
         if not schedule.steps or not plan.batched_ring:
             assert batched is None
             continue
-        offsets, steps = batched.send_offsets, schedule.steps
         assert batched.send_span == _run(batched.send_index)
-        assert torch.equal(batched.send_index, torch.cat([s.send_index for s in steps]))
-        assert list(np.diff(offsets)) == [s.send_index.numel() for s in steps]
-        # The receive buffer, in stream positions: each sender's rows at its step's offset.
+        for messages, size in ((batched.sends, batched.send_index.numel()),
+                               (batched.recvs, batched.recv_count)):
+            assert [m.start for m in messages] == [0, *[m.stop for m in messages]][:len(messages)]
+            assert (messages[-1].stop if messages else 0) == size
+        assert batched.recv_count == received[g]
+        # The receive buffer, in stream positions: each message as its sender sends it.
         parts = [torch.zeros(0, dtype=torch.int64)]
-        for s in steps:
-            if s.recv_count:
-                sender = schedules[s.recv_from].batched
-                sent = sender.send_index[sender.send_offsets[s.step - 1]:
-                                         sender.send_offsets[s.step]]
-                parts.append(tokens[s.recv_from][sent])
+        for peer in range(plan.ring_size):
+            mine = [m for m in batched.recvs if m.peer == peer]
+            theirs = [m for m in schedules[peer].batched.sends if m.peer == g] if \
+                schedules[peer].batched else []
+            assert [m.ordinal for m in mine] == list(range(len(mine)))
+            assert [m.ordinal for m in theirs] == list(range(len(theirs)))
+            assert [m.stop - m.start for m in mine] == [m.stop - m.start for m in theirs]
+        for m in batched.recvs:
+            sender = schedules[m.peer].batched
+            sent = next(s for s in sender.sends if s.peer == g and s.ordinal == m.ordinal)
+            parts.append(tokens[m.peer][sender.send_index[sent.start:sent.stop]])
         buffer = torch.cat(parts)
-        assert buffer.numel() == batched.recv_count
-        assert list(np.diff(batched.recv_offsets)) == [s.recv_count for s in steps]
         step_pairs = [np.zeros(0, np.int64)]
-        for step in steps:
+        for step in schedule.steps:
             if step.call is not None:
                 sent = schedules[step.recv_from].steps[step.step - 1].send_index
                 step_pairs.append(call_pairs(step.call, tokens[g], tokens[step.recv_from][sent]))
         step_pairs = np.sort(np.concatenate(step_pairs))
         if batched.call is None:
-            assert step_pairs.size == 0
+            assert step_pairs.size == 0 and batched.recv_count == 0
             continue
         call = batched.call
         pairs = np.sort(call_pairs(call, tokens[g], buffer))
         assert not call.causal and pairs.size == np.unique(pairs).size == call.pairs
         assert np.array_equal(pairs, step_pairs)
-        assert call.q_span == _run(call.q_index) and call.k_span == _run(call.k_index)
-        # One sequence per query piece: distinct, increasing runs of local rows.
-        cu_q = call.cu_seqlens_q.tolist()
+        assert call.q_span == _run(call.q_index)
+        assert call.k_span == (0, batched.recv_count) == _run(call.k_index)
+        # One sequence per query piece: distinct, increasing runs of local rows; each message
+        # lies inside one sequence's keys.
+        cu_q, cu_k = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
         firsts = [int(call.q_index[a]) for a in cu_q[:-1]]
         assert firsts == sorted(set(firsts))
         for a, b in zip(cu_q[:-1], cu_q[1:]):
             assert _run(call.q_index[a:b]) is not None
+        for m in batched.recvs:
+            i = np.searchsorted(cu_k, m.start, side="right") - 1
+            assert m.stop <= cu_k[i + 1]

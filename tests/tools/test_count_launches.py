@@ -17,9 +17,10 @@ from bench_cp import web_row  # noqa: E402
 from megatron_eod import plan_context_parallel  # noqa: E402
 from tests.reference import schedule_without_spans  # noqa: E402
 
-# The GPU backend's own glue included: 3.2-6.0 on the bench mixes for batched and hybrid, up
-# to 6.7 for the ring steps there (docs/BENCHMARKS.md); the rows here (8k-16k) stay within 6.
-GLUE_PER_CALL = 6
+# The GPU backend's own glue and the landing of returned gradients included: 3.0-6.0 on the
+# bench mixes for the batched executor (ring and hybrid), up to 7.0 for the steps there
+# (docs/BENCHMARKS.md); the rows here (8k-16k) stay within these.
+GLUE_PER_CALL = {"batched": 6, "steps": 7}
 
 
 @pytest.mark.parametrize("exchange", ["batched", "steps"])
@@ -34,7 +35,7 @@ def test_glue_launches_per_attention_call_stay_few(n, cp, algo, degree, exchange
     for g in range(plan.ring_size):
         calls, glue, _, _ = count_launches.group_launches(plan, g, (q, kv, kv, q),
                                                           exchange=exchange)
-        assert glue <= GLUE_PER_CALL * calls, (g, calls, glue)
+        assert glue <= GLUE_PER_CALL[exchange] * calls, (g, calls, glue)
         if exchange == "batched":
             assert calls <= 4, (g, calls)  # local + received, forward and backward
             steps = count_launches.group_launches(plan, g, (q, kv, kv, q), exchange="steps")
