@@ -16,7 +16,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_eod.attention.ring import executor_for  # noqa: E402
+from megatron_eod.attention.ring import BATCHED, executor_for  # noqa: E402
 
 __all__ = ["TILES", "call_tiles", "plan_calls", "tiles_over_ideal"]
 
@@ -49,7 +49,7 @@ def plan_calls(plan, exchange):
     out = []
     for schedule in plan.schedules:
         calls = [schedule.local]
-        if executor_for(schedule, exchange) == "batched":
+        if executor_for(schedule, exchange) in BATCHED:
             calls.append(schedule.batched.call if schedule.batched else None)
         else:
             calls += [step.call for step in schedule.steps]

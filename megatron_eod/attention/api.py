@@ -48,7 +48,8 @@ def context_parallel_attention(q, k, v, plan, group=None, causal=True, softmax_s
     q: [n, H, D], k/v: [n, G, D] -> [n, H, D]; differentiable in q, k, v. For algo='hybrid'
     every rank must have called `create_hybrid_groups(group, plan.ulysses_degree)` once.
     ring_exchange (ring and hybrid): "batched" (all of a ring group's transfers at once, two
-    kernel calls) or "steps" (a transfer, a call and a merge per ring step); see ring.py.
+    kernel calls), "batched-keep" (the same, the received rows kept for the backward instead
+    of sent again) or "steps" (a transfer, a call and a merge per ring step); see ring.py.
     """
     if not causal:
         raise ValueError("causal=False is not supported: EoD-reset training is causal")

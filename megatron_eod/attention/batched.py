@@ -108,8 +108,11 @@ def _check(schedule):
                          "the steps executor (ring.py; ring_attention falls back by itself)")
 
 
-def batched_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale):
-    """-> (out [T, H, D] in q's dtype, lse [T, H] float32/float64)."""
+def batched_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale,
+                    keep_received=False):
+    """-> (out [T, H, D] in q's dtype, lse [T, H] float32/float64), and with keep_received
+    the received [N, 2, G, D] buffer too (None when nothing is received), for
+    `batched_backward(received_N2GD=...)`."""
     _check(schedule)
     pending = _start_kv(k_TGD, v_TGD, schedule, transport) if schedule.batched else None
     local = schedule.local  # over the local rows in order: no gather
@@ -117,63 +120,82 @@ def batched_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale):
                                       local.cu_seqlens_k, local.max_seqlen_q,
                                       local.max_seqlen_k, local.causal, scale)
     lse_TH = lse_TH.to(accumulation_dtype(q_THD.dtype))
-    if pending is None:
-        return out_THD, lse_TH
-    recv_N2GD = pending.wait()
-    call = schedule.batched.call
-    if call is None:
-        return out_THD, lse_TH
-    k, v = _keys(recv_N2GD, call)
-    o, lse = call_forward(backend, q_THD, k, v, call, scale)
-    merge_into(out_THD, lse_TH, call.q_index, o, lse.to(lse_TH.dtype), span=call.q_span)
-    return out_THD, lse_TH
+    recv_N2GD = None if pending is None else pending.wait()
+    call = schedule.batched.call if schedule.batched else None
+    if call is not None:
+        k, v = _keys(recv_N2GD, call)
+        o, lse = call_forward(backend, q_THD, k, v, call, scale)
+        merge_into(out_THD, lse_TH, call.q_index, o, lse.to(lse_TH.dtype), span=call.q_span)
+    return (out_THD, lse_TH, recv_N2GD) if keep_received else (out_THD, lse_TH)
 
 
 def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, transport,
-                     backend, scale):
-    """-> (dq, dk, dv) in the dtypes of q, k, v."""
+                     backend, scale, keep_received=False, received_N2GD=None):
+    """-> (dq, dk, dv) in the dtypes of q, k, v. keep_received: the forward kept its buffer,
+    `received_N2GD` (on every rank of the ring: nobody sends again); then the received
+    keys' backward runs first, so that their gradients travel while the local backward
+    runs. Else the exchange is redone while the local backward runs, and the gradients
+    travel after."""
     _check(schedule)
     batched = schedule.batched
-    pending = _start_kv(k_TGD, v_TGD, schedule, transport) if batched else None
     local = schedule.local
-    dq, dk, dv = backend.backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH,
-                                  local.cu_seqlens_q, local.cu_seqlens_k, local.max_seqlen_q,
-                                  local.max_seqlen_k, local.causal, scale)
-    if pending is None:
-        return dq, dk, dv
-    recv_N2GD = pending.wait()
-    call, grad_N2GD = batched.call, None
-    if call is not None:
-        rows, span = call.q_index, call.q_span
-        k, v = _keys(recv_N2GD, call)
-        gq, gk, gv = call_backward(backend, dout_THD, q_THD, k, v, out_THD, lse_TH, call, scale)
-        # Two terms per row: one sum, rounded once (computed in float32 for half precision).
+
+    def local_backward():
+        return backend.backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH,
+                                local.cu_seqlens_q, local.cu_seqlens_k, local.max_seqlen_q,
+                                local.max_seqlen_k, local.causal, scale)
+
+    if batched is None:
+        return local_backward()
+
+    def received_backward(recv_N2GD):
+        """(dq of the call's rows or None, the transfer of the received rows' gradients)."""
+        call, gq, grad_N2GD = batched.call, None, None
+        if call is not None:
+            k, v = _keys(recv_N2GD, call)
+            gq, gk, gv = call_backward(backend, dout_THD, q_THD, k, v, out_THD, lse_TH, call,
+                                       scale)
+            grad_N2GD = received_grads(gk, gv, call, batched.recv_count)
+        # Back to their owners as the kernel made them (each received row is read once);
+        # the gradients of the rows this group sent come here.
+        return gq, transport.start_all_grad(schedule, grad_N2GD, k_TGD.shape[1:],
+                                            k_TGD.dtype, q_THD.device)
+
+    if keep_received:
+        gq, returning = received_backward(received_N2GD)
+        dq, dk, dv = local_backward()
+    else:
+        pending = _start_kv(k_TGD, v_TGD, schedule, transport)
+        dq, dk, dv = local_backward()
+        gq, returning = received_backward(pending.wait())
+    if gq is not None:  # two terms per row: one sum, rounded once (in float32 for half
+        span = batched.call.q_span  # precision)
         if span is not None:
             dq[span[0]:span[1]].add_(gq)
         else:
-            dq.index_add_(0, rows, gq)
-        grad_N2GD = received_grads(gk, gv, call, batched.recv_count)
-    # Gradients of received rows go back to their owners, as the kernel made them (each
-    # received row is read once); those of rows sent come here.
-    returned_S2GD = transport.start_all_grad(schedule, grad_N2GD, k_TGD.shape[1:], k_TGD.dtype,
-                                             q_THD.device).wait()
+            dq.index_add_(0, batched.call.q_index, gq)
+    return (dq,) + _land(returning.wait(), dk, dv, batched, k_TGD.dtype)
+
+
+def _land(returned_S2GD, dk, dv, batched, dtype):
+    """(dk, dv) with the gradients returned for the rows this group sent added."""
     if returned_S2GD is None or not returned_S2GD.numel():
-        return dq, dk, dv
+        return dk, dv
     if batched.send_span is not None:  # each row sent once: one add each, computed in float32
         start, stop = batched.send_span  # for half precision and rounded once into dk, dv
         dk[start:stop].add_(returned_S2GD[:, 0])
         dv[start:stop].add_(returned_S2GD[:, 1])
-        return dq, dk, dv
+        return dk, dv
     # A row sent several times (to several peers, or to two query pieces of one) gets several
     # gradients: summed by index in float32 (for half precision) with the local one, then
     # rounded once.
-    acc = accumulation_dtype(k_TGD.dtype)
+    acc = accumulation_dtype(dtype)
     dkv_2TGD = torch.empty((2,) + tuple(dk.shape), dtype=acc, device=dk.device)
     dkv_2TGD[0].copy_(dk)  # cast as they are copied: no half-precision stack first
     dkv_2TGD[1].copy_(dv)
     dkv_2TGD.index_add_(1, batched.send_index, returned_S2GD.transpose(0, 1).to(acc))
-    dkv_2TGD = dkv_2TGD.to(k_TGD.dtype)
-    return dq, dkv_2TGD[0], dkv_2TGD[1]
+    dkv_2TGD = dkv_2TGD.to(dtype)
+    return dkv_2TGD[0], dkv_2TGD[1]
 
 
 def received_grads(gk_nGD, gv_nGD, call, recv_count):

@@ -4,6 +4,7 @@ One job: exact causal document-masked attention for the rows a ring group holds,
 only (query piece, key piece) pairs of the same document, with either executor:
 * "batched" (default; batched.py): all of a group's transfers in one batched p2p call while
   the local call runs, then one call over everything received and one log-sum-exp merge;
+  "batched-keep": the same, the received rows saved for the backward instead of sent again;
 * "steps" (here): the local call over the local rows as they are (no gather; it initialises
   out and lse), then for each ring step the peer's needed key/value rows arrive (the next
   step's transfer is started before this step's compute) and the partial result is merged by
@@ -16,7 +17,7 @@ transfer with compute, "batched" makes 2 kernel calls per direction instead of u
 Where some group would receive more than kv_batched.MAX_RECEIVED_PER_ROW x its rows, the
 plan gives no schedule a batched form (`CPPlan.batched_ring`, the same on every rank: the
 two executors' messages differ in layout, so the ranks of a ring never mix them) and the
-steps run under "batched" too.
+steps run under "batched" and "batched-keep" too.
 
 The executors take a transport (who moves the step data): `GroupTransport` (transport.py)
 over a process group here, or the in-process one of simulate.py that runs every group on one
@@ -40,12 +41,16 @@ from megatron_eod.attention.lse import merge_into
 from megatron_eod.attention.transport import GroupTransport
 
 __all__ = ["ring_attention", "ring_forward", "ring_backward", "stack_kv", "RING_EXCHANGES",
-           "check_ring_exchange", "executor_for"]
+           "BATCHED", "check_ring_exchange", "executor_for"]
 
 # How a group's ring steps run: "batched" (batched.py: all transfers at once, one call over
-# everything received, one merge) or "steps" (this module: one transfer, call and merge per
-# step, each transfer overlapping the previous step's compute).
-RING_EXCHANGES = ("batched", "steps")
+# everything received, one merge; the backward exchanges again), "batched-keep" (the same,
+# with the received key/values kept from the forward for the backward: no second exchange,
+# and the gradients' return overlaps the local backward, for the memory of the received rows
+# per layer) or "steps" (this module: one transfer, call and merge per step, each transfer
+# overlapping the previous step's compute).
+RING_EXCHANGES = ("batched", "batched-keep", "steps")
+BATCHED = ("batched", "batched-keep")
 
 
 def check_ring_exchange(exchange) -> None:
@@ -56,9 +61,10 @@ def check_ring_exchange(exchange) -> None:
 
 
 def executor_for(schedule, exchange: str) -> str:
-    """The executor that runs `schedule` under `exchange`: "batched" falls back to "steps"
-    where the plan left the batched forms out (CPPlan.batched_ring, the same on every rank)."""
-    return "batched" if exchange == "batched" and runs_batched(schedule) else "steps"
+    """The executor that runs `schedule` under `exchange`: "batched" and "batched-keep" fall
+    back to "steps" where the plan left the batched forms out (CPPlan.batched_ring, the same
+    on every rank)."""
+    return exchange if exchange in BATCHED and runs_batched(schedule) else "steps"
 
 
 def _keys(kv_2NGD, call):
@@ -184,10 +190,11 @@ class _RingAttention(torch.autograd.Function):
         warm_up(group, q_THD.device)  # before the group's first batched p2p call (NCCL rule)
         transport = GroupTransport(group)
         exchange = executor_for(schedule, exchange)
-        if exchange == "batched":
-            out_THD, lse_TH = batched_forward(q_THD, k_TGD, v_TGD, schedule, transport,
-                                              backend, scale)
-            kv = (k_TGD, v_TGD)  # the backward stacks only the rows it sends
+        if exchange in BATCHED:
+            out_THD, lse_TH, *kept = batched_forward(q_THD, k_TGD, v_TGD, schedule, transport,
+                                                     backend, scale,
+                                                     keep_received=exchange != "batched")
+            kv = (k_TGD, v_TGD, *kept)  # the backward stacks only the rows it sends
         else:
             kv_2TGD = stack_kv(k_TGD, v_TGD, schedule)
             out_THD, lse_TH = ring_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend,
@@ -203,9 +210,11 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout_THD):
         q_THD, out_THD, lse_TH, *kv = ctx.saved_tensors
         dout_THD = dout_THD.contiguous()
-        if ctx.exchange == "batched":
-            dq, dk, dv = batched_backward(dout_THD, q_THD, *kv, out_THD, lse_TH, ctx.schedule,
-                                          ctx.transport, ctx.backend, ctx.scale)
+        if ctx.exchange in BATCHED:
+            k_TGD, v_TGD, *kept = kv
+            dq, dk, dv = batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH,
+                                          ctx.schedule, ctx.transport, ctx.backend, ctx.scale,
+                                          bool(kept), *kept)
             return dq, dk, dv, None, None, None, None, None
         kv_2TGD = kv[0] if len(kv) == 1 else None
         k_TGD, v_TGD = (kv_2TGD[0], kv_2TGD[1]) if kv_2TGD is not None else kv

@@ -31,8 +31,8 @@ import torch
 
 from megatron_eod.attention.backends import accumulation_dtype, default_scale, get_backend
 from megatron_eod.attention.batched import batched_backward, batched_forward
-from megatron_eod.attention.ring import (check_ring_exchange, executor_for, ring_backward,
-                                         ring_forward, stack_kv)
+from megatron_eod.attention.ring import (BATCHED, check_ring_exchange, executor_for,
+                                         ring_backward, ring_forward, stack_kv)
 
 __all__ = ["SimulatedPlan", "GroupResult", "InProcessTransport"]
 
@@ -127,7 +127,7 @@ class SimulatedPlan:
         q, k, v, _, received, received_rows = self.inputs[g]
         transport = self.transport_type(received, received_rows)
         schedule = self.schedules[g]
-        if executor_for(schedule, self.exchange) == "batched":
+        if executor_for(schedule, self.exchange) in BATCHED:
             return batched_forward(q, k, v, schedule, transport, self.backend, self.scale)
         return ring_forward(q, k, v, schedule, transport, self.backend, self.scale,
                             stack_kv(k, v, schedule))
@@ -137,10 +137,12 @@ class SimulatedPlan:
         q, k, v, dout, received, received_rows = self.inputs[g]
         transport = self.transport_type(received, received_rows)
         schedule, backend, scale = self.schedules[g], self.backend, self.scale
-        if executor_for(schedule, self.exchange) == "batched":
-            out, lse = batched_forward(q, k, v, schedule, transport, backend, scale)
+        exchange = executor_for(schedule, self.exchange)
+        if exchange in BATCHED:
+            keep = exchange == "batched-keep"
+            out, lse, *kept = batched_forward(q, k, v, schedule, transport, backend, scale, keep)
             dq, dk, dv = batched_backward(dout, q, k, v, out, lse, schedule, transport, backend,
-                                          scale)
+                                          scale, keep, *kept)
         else:
             kv = stack_kv(k, v, schedule)  # once per group, as ring_attention does
             out, lse = ring_forward(q, k, v, schedule, transport, backend, scale, kv)

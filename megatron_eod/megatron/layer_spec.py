@@ -11,7 +11,7 @@ give them here, since the GPTModel itself is built without position embeddings o
 learned absolute ones. `qk_layernorm` is megatron-core's (norms on q and k per head).
 `kernel` picks the GPU attention kernel: "auto" (flash-attn when installed, else PyTorch's
 varlen kernel), "flash_attn" (required; what --use-flash-attn asks for) or "torch";
-`ring_exchange` the ring executor ("batched" or "steps", --cp-ring-exchange).
+`ring_exchange` the ring executor ("batched", "batched-keep" or "steps", --cp-ring-exchange).
 """
 
 from __future__ import annotations

@@ -80,8 +80,9 @@ def _groups_to_reorder(pieces: Pieces, needs: np.ndarray) -> np.ndarray:
 def _run_keys(needs: np.ndarray, sent: np.ndarray, doc: np.ndarray, group: np.ndarray):
     """For some groups' pieces (their flags, documents and groups, in order): int64 per
     piece, the class of its document run, 0..8 (none needing: not sent, then sent | mixed |
-    all needing: all sent, some, none); and the positions of the mixed runs' first pieces. Within a run the pieces that need received keys are a suffix and the pieces
-    sent a prefix, so a run's first and last pieces say its class."""
+    all needing: all sent, some, none); and the positions of the mixed runs' first pieces.
+    Within a run the pieces that need received keys are a suffix and the pieces sent a
+    prefix, so a run's first and last pieces say its class."""
     first = np.flatnonzero(np.concatenate([[True], (doc[1:] != doc[:-1]) |
                                            (group[1:] != group[:-1])]))
     last = np.append(first[1:], doc.size) - 1

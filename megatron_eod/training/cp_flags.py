@@ -19,9 +19,12 @@ __all__ = ["CP_ALGO_ALIASES", "FlagError", "RING_EXCHANGES", "RING_EXCHANGE_HELP
            "check_context_parallel"]
 
 RING_EXCHANGE_HELP = ("how ring and hybrid CP move keys/values: batched (default: all of a "
-                      "layer's transfers at once, 2 attention calls per direction) or steps "
-                      "(one transfer, call and merge per ring step; holds less received data "
-                      "and overlaps every transfer with compute)")
+                      "layer's transfers at once, 2 attention calls per direction), "
+                      "batched-keep (the same, the received keys/values kept from forward to "
+                      "backward: no second exchange and the gradients' return overlapped, for "
+                      "the memory of those rows per layer) or steps (one transfer, call and "
+                      "merge per ring step; holds less received data and overlaps every "
+                      "transfer with compute)")
 
 # Accepted --context-parallel-algo values -> the name stored in args.context_parallel_algo.
 CP_ALGO_ALIASES = {"ring": "ring", "ulysses": "ulysses", "hybrid": "hybrid",

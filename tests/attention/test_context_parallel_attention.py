@@ -3,7 +3,8 @@
 Each rank computes its rows with `context_parallel_attention`; the output and the gradients
 of q, k and v must equal the single-process dense document-masked reference to 1e-10
 (float64: the only differences are summation order and the log-sum-exp merge). Ring and
-Hybrid run with both ring executors (`ring_exchange` "batched" and "steps").
+Hybrid run with both ring executors (`ring_exchange` "batched" and "steps"; some cases with
+"batched-keep", whose backward reuses the forward's received rows).
 """
 
 import pytest
@@ -55,6 +56,8 @@ CASES = [
                                   ("hybrid", 4, 2), ("hybrid", 8, 2), ("hybrid", 8, 4))],
     ("ulysses", 2, None, "batched"), ("ulysses", 4, None, "batched"),
     ("ulysses", 8, None, "batched"),
+    ("ring", 4, None, "batched-keep"), ("ring", 8, None, "batched-keep"),
+    ("hybrid", 8, 2, "batched-keep"),
 ]
 
 
@@ -66,7 +69,8 @@ def test_matches_dense_reference(algo, world, degree, exchange, kind, b, s):
 
 @pytest.mark.parametrize("algo,world,degree,exchange", [
     ("ring", 4, None, "batched"), ("ring", 4, None, "steps"), ("hybrid", 8, 4, "batched"),
-    ("hybrid", 8, 4, "steps"), ("ulysses", 8, None, "batched")])
+    ("hybrid", 8, 4, "steps"), ("ulysses", 8, None, "batched"),
+    ("hybrid", 8, 4, "batched-keep")])
 @pytest.mark.parametrize("kv_heads", [1, 8])
 def test_gqa_and_softmax_scale(algo, world, degree, exchange, kv_heads):
     run_ranks(_check_rank, world, algo, degree, "mixed", 2, 64, kv_heads, 0.37, 11, exchange)

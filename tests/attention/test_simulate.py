@@ -37,7 +37,7 @@ def _oracle(q, k, v, dout, cu, scale):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-@pytest.mark.parametrize("exchange", ["batched", "steps"])
+@pytest.mark.parametrize("exchange", ["batched", "batched-keep", "steps"])
 @pytest.mark.parametrize("algo,cp,degree,kind", [("ring", 4, None, "mixed"),
                                                   ("ring", 8, None, "spanning"),
                                                   ("hybrid", 8, 2, "mixed"),
@@ -52,7 +52,7 @@ def test_simulation_equals_dense_reference(algo, cp, degree, kind, exchange):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("exchange", ["batched", "steps"])
+@pytest.mark.parametrize("exchange", ["batched", "batched-keep", "steps"])
 @pytest.mark.parametrize("algo,cp,degree", [("ring", 4, None), ("ring", 8, None),
                                             ("hybrid", 8, 2)])
 def test_simulation_on_gpu_in_bf16(algo, cp, degree, exchange):
@@ -74,7 +74,7 @@ def test_simulation_on_gpu_in_bf16(algo, cp, degree, exchange):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("exchange", ["batched", "steps"])
+@pytest.mark.parametrize("exchange", ["batched", "batched-keep", "steps"])
 @pytest.mark.parametrize("algo,cp,degree", [("ring", 4, None), ("hybrid", 8, 2)])
 def test_ring_steps_make_no_host_syncs_on_gpu(algo, cp, degree, exchange):
     """The schedule executors' forward and backward (every group's kernels, merges, gathers

@@ -54,7 +54,8 @@ def cp1():
 
 @pytest.mark.parametrize("algo,world,degree,exchange", [
     ("ring", 2, None, "batched"), ("ring", 4, None, "batched"), ("ring", 4, None, "steps"),
-    ("ulysses", 2, None, "batched"), ("hybrid", 4, 2, "batched"), ("hybrid", 4, 2, "steps")])
+    ("ulysses", 2, None, "batched"), ("hybrid", 4, 2, "batched"), ("hybrid", 4, 2, "steps"),
+    ("ring", 4, None, "batched-keep")])
 def test_cp_equals_cp1(cp1, algo, world, degree, exchange):
     loss1, grads1 = cp1
     for loss, grads in run_ranks(_loss_and_grads, world, algo, degree, exchange):

@@ -86,8 +86,9 @@ def test_context_parallel_algos(algo, given, stored, degree):
 
 def test_cp_ring_exchange():
     assert parse("--context-parallel-size", 4, world_size=4).cp_ring_exchange == "batched"
-    args = parse("--context-parallel-size", 4, "--cp-ring-exchange", "steps", world_size=4)
-    assert args.cp_ring_exchange == "steps"
+    for exchange in ("steps", "batched-keep"):
+        args = parse("--context-parallel-size", 4, "--cp-ring-exchange", exchange, world_size=4)
+        assert args.cp_ring_exchange == exchange
     with pytest.raises(FlagError, match=r"--cp-ring-exchange"):
         parse("--cp-ring-exchange", "ring")
     with pytest.warns(UserWarning, match=r"--cp-ring-exchange steps has no effect"):

@@ -147,8 +147,9 @@ def test_megatron_cp_spellings_map_onto_ours(flags, algo, degree, sizes):
 
 def test_cp_ring_exchange_is_ours_too():
     assert checked("--context-parallel-size", "4").cp_ring_exchange == "batched"
-    args = checked("--context-parallel-size", "4", "--cp-ring-exchange", "steps")
-    assert args.cp_ring_exchange == "steps"
+    for exchange in ("steps", "batched-keep"):
+        args = checked("--context-parallel-size", "4", "--cp-ring-exchange", exchange)
+        assert args.cp_ring_exchange == exchange
 
 
 def test_honoured_model_flags_pass():
