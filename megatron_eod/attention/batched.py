@@ -6,8 +6,9 @@ Forward: all key/value rows the peers need leave in one batched p2p call and all
 group needs arrive in one, while the local call runs over the local rows as they are; then
 ONE non-causal varlen call of the split documents' query pieces against every received row of
 their documents before them, and ONE log-sum-exp merge into the local result. Backward: the
-same exchange again while the local backward runs, one backward call over the received rows,
-and the received rows' key/value gradients return to their owners in one batched call.
+same exchange again while the local backward runs (or, with keep_received, the forward's
+buffer, saved), one backward call over the received rows, and the received rows' key/value
+gradients return to their owners in one batched call.
 
 Against ring.py's steps: 2 kernel calls per direction instead of up to R, 1 merge instead of
 up to R - 1, no float32 copies of out or dq (one merge and one sum round once, in float32

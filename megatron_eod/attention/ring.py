@@ -194,7 +194,7 @@ class _RingAttention(torch.autograd.Function):
             out_THD, lse_TH, *kept = batched_forward(q_THD, k_TGD, v_TGD, schedule, transport,
                                                      backend, scale,
                                                      keep_received=exchange != "batched")
-            kv = (k_TGD, v_TGD, *kept)  # the backward stacks only the rows it sends
+            kv = (k_TGD, v_TGD, *kept)  # and the received buffer when kept
         else:
             kv_2TGD = stack_kv(k_TGD, v_TGD, schedule)
             out_THD, lse_TH = ring_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend,

@@ -8,7 +8,8 @@ methods: simulate.py's in-process transport runs the very same executors on one 
 Every rank walks ALL ring steps in the same order, even those where it sends and receives
 nothing: transfers between a pair of ranks are then started in the same order on both sides,
 which NCCL needs (it matches point-to-point messages by order, not by tag). Tags tell
-key/value transfers from gradient returns (gloo uses them).
+key/value transfers from gradient returns (gloo uses them), and number the batched
+exchange's messages between a pair (`Message.ordinal`: a peer may send several).
 
 What it does not do: no attention math; the group must be warmed up first (comm.warm_up).
 """
