@@ -48,12 +48,14 @@ def random_layout_tokens(kind, b, s, eod, seed):
 
 
 def schedule_without_spans(schedule):
-    """The same schedule with every row run forgotten: all rows by index (gathers)."""
+    """The same schedule with every row run forgotten: all rows by index (gathers); but the
+    batched call's keys, which are its receive buffer by construction (kv_batched.py)."""
     strip = lambda call: dataclasses.replace(call, q_span=None, k_span=None)  # noqa: E731
     batched = schedule.batched
     if batched is not None:
-        batched = dataclasses.replace(batched, send_span=None,
-                                      call=None if batched.call is None else strip(batched.call))
+        call = batched.call
+        batched = dataclasses.replace(batched, send_span=None, call=None if call is None else
+                                      dataclasses.replace(call, q_span=None))
     return dataclasses.replace(schedule, batched=batched, steps=tuple(
         dataclasses.replace(step, send_span=None,
                             call=None if step.call is None else strip(step.call))

@@ -46,7 +46,7 @@ from tile_model import TILES, plan_calls, tiles_over_ideal  # noqa: E402
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention import batched, ring  # noqa: E402
 from megatron_eod.attention.backends import TorchVarlenBackend  # noqa: E402
-from megatron_eod.attention.simulate import InProcessTransport, SimulatedPlan  # noqa: E402
+from megatron_eod.attention.simulate import InProcessTransport, Ready, SimulatedPlan  # noqa: E402
 
 # Loop nests of the compiled merge (TORCH_LOGS=output_code, CPU inductor, torch 2.13): a run of
 # rows updates lse then out in two; rows by index gather, compute and scatter in four.
@@ -114,14 +114,6 @@ def _attention_results(name, args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-class _Ready:
-    def __init__(self, value):
-        self.value = value
-
-    def wait(self):
-        return self.value
-
-
 class _LandingTransport(InProcessTransport):
     """Also hands back gradients for the rows the group sent (uninitialised: the transfer
     would fill them), so that their landing into dk/dv is counted as the group's glue."""
@@ -129,12 +121,12 @@ class _LandingTransport(InProcessTransport):
     def start_all_grad(self, schedule, grad_N2GD, row_shape, dtype, device):
         super().start_all_grad(schedule, grad_N2GD, row_shape, dtype, device)
         rows = schedule.batched.send_index.numel()
-        return _Ready(torch.empty((rows, 2) + tuple(row_shape), dtype=dtype, device=device))
+        return Ready(torch.empty((rows, 2) + tuple(row_shape), dtype=dtype, device=device))
 
     def start_grad(self, step, grad_2NGD, row_shape, dtype, device):
         super().start_grad(step, grad_2NGD, row_shape, dtype, device)
         rows = step.send_index.numel()
-        return _Ready(torch.empty((2, rows) + tuple(row_shape), dtype=dtype, device=device)
+        return Ready(torch.empty((2, rows) + tuple(row_shape), dtype=dtype, device=device)
                       if rows else None)
 
 

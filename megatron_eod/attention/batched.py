@@ -33,7 +33,7 @@ from megatron_eod.attention.backends import accumulation_dtype
 from megatron_eod.attention.lse import merge_into
 
 __all__ = ["batched_forward", "batched_backward", "call_forward", "call_backward",
-           "received_grads", "runs_batched"]
+           "runs_batched"]
 
 
 def take_rows(x, index, span):
@@ -87,14 +87,10 @@ def _start_kv(k_TGD, v_TGD, schedule, transport):
     return transport.start_all_kv(schedule, send_S2GD)
 
 
-def _keys(recv_N2GD, call):
-    """(k, v) of the call's key rows: views of the received buffer when they are a run of it
-    (row stride 2 x G x D, the layout flash kernels take for packed k/v), else one gather."""
-    if call.k_span is not None:
-        kv_n2GD = recv_N2GD[call.k_span[0]:call.k_span[1]]
-        return kv_n2GD[:, 0], kv_n2GD[:, 1]
-    kv_2nGD = recv_N2GD.transpose(0, 1).index_select(1, call.k_index)
-    return kv_2nGD[0], kv_2nGD[1]
+def _keys(recv_N2GD):
+    """(k, v) of the call's key rows, which are the received buffer (kv_batched.py): views
+    with row stride 2 x G x D, the layout flash kernels take for packed k/v."""
+    return recv_N2GD[:, 0], recv_N2GD[:, 1]
 
 
 def runs_batched(schedule) -> bool:
@@ -107,6 +103,11 @@ def _check(schedule):
     if not runs_batched(schedule):  # else received keys would be ignored
         raise ValueError("this GroupSchedule has ring steps but no batched form: run it with "
                          "the steps executor (ring.py; ring_attention falls back by itself)")
+    batched = schedule.batched
+    if batched is not None and batched.call is not None and \
+            batched.call.k_span != (0, batched.recv_count):
+        raise ValueError("the batched call must read its receive buffer once, in order "
+                         "(k_span (0, recv_count)): build it with kv_batched.build_batched")
 
 
 def batched_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale,
@@ -124,7 +125,7 @@ def batched_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale,
     recv_N2GD = None if pending is None else pending.wait()
     call = schedule.batched.call if schedule.batched else None
     if call is not None:
-        k, v = _keys(recv_N2GD, call)
+        k, v = _keys(recv_N2GD)
         o, lse = call_forward(backend, q_THD, k, v, call, scale)
         merge_into(out_THD, lse_TH, call.q_index, o, lse.to(lse_TH.dtype), span=call.q_span)
     return (out_THD, lse_TH, recv_N2GD) if keep_received else (out_THD, lse_TH)
@@ -153,10 +154,10 @@ def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, t
         """(dq of the call's rows or None, the transfer of the received rows' gradients)."""
         call, gq, grad_N2GD = batched.call, None, None
         if call is not None:
-            k, v = _keys(recv_N2GD, call)
+            k, v = _keys(recv_N2GD)
             gq, gk, gv = call_backward(backend, dout_THD, q_THD, k, v, out_THD, lse_TH, call,
                                        scale)
-            grad_N2GD = received_grads(gk, gv, call, batched.recv_count)
+            grad_N2GD = torch.stack([gk, gv], dim=1)  # [N, 2, G, D], the buffer's rows
         # Back to their owners as the kernel made them (each received row is read once);
         # the gradients of the rows this group sent come here.
         return gq, transport.start_all_grad(schedule, grad_N2GD, k_TGD.shape[1:],
@@ -197,13 +198,3 @@ def _land(returned_S2GD, dk, dv, batched, dtype):
     dkv_2TGD.index_add_(1, batched.send_index, returned_S2GD.transpose(0, 1).to(acc))
     dkv_2TGD = dkv_2TGD.to(dtype)
     return dkv_2TGD[0], dkv_2TGD[1]
-
-
-def received_grads(gk_nGD, gv_nGD, call, recv_count):
-    """[N, 2, G, D] gradients of the received rows, in the kernel's dtype: the call reads
-    every received row once (kv_batched.py), in order where k_span says so (always, but for
-    tests that forget the spans), so this is a stack, or a stack put back in buffer order."""
-    grad = torch.stack([gk_nGD, gv_nGD], dim=1)
-    if call.k_span == (0, recv_count):
-        return grad
-    return torch.empty_like(grad).index_copy_(0, call.k_index, grad)

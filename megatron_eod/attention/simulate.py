@@ -34,7 +34,7 @@ from megatron_eod.attention.batched import batched_backward, batched_forward
 from megatron_eod.attention.ring import (BATCHED, check_ring_exchange, executor_for,
                                          ring_backward, ring_forward, stack_kv)
 
-__all__ = ["SimulatedPlan", "GroupResult", "InProcessTransport"]
+__all__ = ["SimulatedPlan", "GroupResult", "InProcessTransport", "Ready"]
 
 
 @dataclass
@@ -47,7 +47,9 @@ class GroupResult:
     returned: List[Tuple[torch.Tensor, torch.Tensor]]  # (stream rows, dkv [2, N, G, D])
 
 
-class _Ready:
+class Ready:
+    """A transfer already done: `wait()` returns its result."""
+
     def __init__(self, value):
         self.value = value
 
@@ -62,20 +64,20 @@ class InProcessTransport:
         self.received, self.received_rows, self.returned = received, received_rows, []
 
     def start_all_kv(self, schedule, send_S2GD):
-        return _Ready(self.received[-1])
+        return Ready(self.received[-1])
 
     def start_all_grad(self, schedule, grad_N2GD, row_shape, dtype, device):
         if grad_N2GD is not None:
             self.returned.append((self.received_rows[-1], grad_N2GD.transpose(0, 1)))
-        return _Ready(None)
+        return Ready(None)
 
     def start_kv(self, step, kv_2TGD):
-        return _Ready(self.received[step.step - 1])
+        return Ready(self.received[step.step - 1])
 
     def start_grad(self, step, grad_2NGD, row_shape, dtype, device):
         if grad_2NGD is not None:
             self.returned.append((self.received_rows[step.step - 1], grad_2NGD))
-        return _Ready(None)  # gradients of rows this group sent are landed by run()
+        return Ready(None)  # gradients of rows this group sent are landed by run()
 
 
 class SimulatedPlan:

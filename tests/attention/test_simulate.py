@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_eod import build_doc_layout, plan_context_parallel
-from megatron_eod.attention.backends import TorchVarlenBackend
+from megatron_eod.attention.backends import TorchVarlenBackend, get_backend
 from megatron_eod.attention.simulate import SimulatedPlan
 from tests.reference import (dense_document_attention, random_layout_tokens,
                              schedule_without_spans)
@@ -158,3 +158,21 @@ def test_without_batched_forms_the_steps_run():
         batched_forward(q[:16], k[:16], v[:16], last, None, sim.backend, 0.3)
     for mine, ref in zip(sim.run(), _oracle(q, k, v, dout, cu, 0.3)):
         assert (mine - ref).abs().max().item() < 1e-10
+
+
+def test_batched_executor_refuses_a_call_that_does_not_read_its_buffer_in_order():
+    """The batched executor takes the received buffer as the call's keys (views); a call
+    whose keys are anything else (here: the buffer reversed) is refused, not computed."""
+    import dataclasses
+
+    from megatron_eod.attention.batched import batched_forward
+
+    cu, (q, k, v, dout) = _case("spanning", 1, 128, 4, 2, 8, seed=1)
+    plan = plan_context_parallel(cu, 2, "ring")
+    schedule = next(s for s in plan.schedules if s.batched and s.batched.call is not None)
+    call = schedule.batched.call
+    reversed_keys = dataclasses.replace(call, k_index=call.k_index.flip(0), k_span=None)
+    bad = dataclasses.replace(schedule, batched=dataclasses.replace(schedule.batched,
+                                                                    call=reversed_keys))
+    with pytest.raises(ValueError, match="read its receive buffer once, in order"):
+        batched_forward(q[:64], k[:64], v[:64], bad, None, get_backend(q.device, q.dtype), 0.3)
