@@ -21,6 +21,10 @@ ring executors (batched, steps); ideal is one attention call and no glue. Beside
 most bytes any group's glue writes, in units of that group's q (its rows x all query heads x
 head dim, --heads / --kv-heads set the GQA ratio): a memory-bound kernel's time follows its
 bytes, so this says what the glue costs where launches are hidden.
+The executor's shape-based choices (gather then stack or the reverse; land returned gradients
+over the rows sent or over all rows: `batched.LAUNCH_BYTES`) are made as for a model's rows
+(--model-kv-heads x --model-head-dim, bf16), not for the toy rows counted here: the launch
+price is scaled by the ratio of the two row sizes.
 Beside them, the attention kernels' own floor in a tile model (tools/tile_model.py): the
 busiest group's flash tiles per rank over the whole-row call's tiles / cp, forward and
 backward, mean over the rows.
@@ -118,10 +122,10 @@ class _LandingTransport(InProcessTransport):
     """Also hands back gradients for the rows the group sent (uninitialised: the transfer
     would fill them), so that their landing into dk/dv is counted as the group's glue."""
 
-    def start_all_grad(self, schedule, grad_N2GD, row_shape, dtype, device):
-        super().start_all_grad(schedule, grad_N2GD, row_shape, dtype, device)
+    def start_all_grad(self, schedule, gk_NGD, gv_NGD, row_shape, dtype, device):
+        super().start_all_grad(schedule, gk_NGD, gv_NGD, row_shape, dtype, device)
         rows = schedule.batched.send_index.numel()
-        return Ready(torch.empty((rows, 2) + tuple(row_shape), dtype=dtype, device=device))
+        return Ready(torch.empty((2, rows) + tuple(row_shape), dtype=dtype, device=device))
 
     def start_grad(self, step, grad_2NGD, row_shape, dtype, device):
         super().start_grad(step, grad_2NGD, row_shape, dtype, device)
@@ -162,8 +166,22 @@ def main(argv=None):
     p.add_argument("--configs", default="32768:4,131072:8", help="comma-separated TOKENS:CP")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--model-kv-heads", type=int, default=8,
+                   help="key/value heads of the model whose shape-based choices are made")
+    p.add_argument("--model-head-dim", type=int, default=128)
     p.add_argument("--verbose", action="store_true", help="print the operations counted")
     args = p.parse_args(argv)
+    launch_bytes = batched.LAUNCH_BYTES
+    # A toy row costs this fraction of a model's row: a launch, the same fraction of its bytes.
+    batched.LAUNCH_BYTES = launch_bytes * args.kv_heads * 8 // (args.model_kv_heads
+                                                                 * args.model_head_dim)
+    try:
+        _report(args)
+    finally:
+        batched.LAUNCH_BYTES = launch_bytes
+
+
+def _report(args):
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
     std = stdlib_lengths()
     print("| mix | tokens / CP | layout | attention calls | glue launches | per call "

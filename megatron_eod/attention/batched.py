@@ -18,11 +18,15 @@ reader: nothing to sum before the owner's float32 sum); in exchange all received
 held at once, a key row read by two query pieces arrives twice, and the exchange overlaps the
 local call only (the steps overlap each transfer with the previous step's compute).
 
-Messages are row-major, [rows, 2, G, D] (k and v of a row together), so that each message
-is a contiguous slice of one send or receive buffer.
+A message is a run of the sender's local rows (kv_batched.py splits messages there), so its
+keys and values leave as views of k and v, nothing gathered or stacked to send; they land in
+the two halves of one [2, N, G, D] buffer, so the call's k and v are contiguous views of it.
+The gradients go back the same way: views of the kernel's dk, dv of the received rows, into
+one [2, S, G, D] buffer. (k and v must be contiguous: ring.py makes them so, a no-op as
+Megatron and the Ulysses all-to-all hand them over.)
 
 Shape key: T = local rows, H = query heads, G = key/value heads, D = head dim, S = rows sent,
-N = rows received; 2 = keys and values.
+N = rows received, W = rows a sum of returned gradients covers; 2 = keys and values.
 """
 
 from __future__ import annotations
@@ -63,34 +67,10 @@ def call_backward(backend, dout_THD, q_THD, k, v, out_THD, lse_TH, call, scale):
 LAUNCH_BYTES = 8 << 20
 
 
-def _pick_first(k_TGD, sent_rows: int) -> bool:
-    """Whether to gather the sent rows of k and v, then stack them (3 launches), rather than
-    stack all T rows, then gather (2 launches): the first moves 2 (T - S) rows of k and v
-    less, worth it where that outweighs a launch. Shapes only: no device sync."""
-    row_bytes = 2 * k_TGD[0].numel() * k_TGD.element_size()
-    return 2 * (k_TGD.shape[0] - sent_rows) * row_bytes > LAUNCH_BYTES
-
-
-def _start_kv(k_TGD, v_TGD, schedule, transport):
-    """Send every row the peers need and receive every row this group needs, in one call."""
-    batched = schedule.batched
-    span, index = batched.send_span, batched.send_index
-    if span is not None:  # one run of local rows: stack just those
-        send_S2GD = torch.stack([k_TGD[span[0]:span[1]], v_TGD[span[0]:span[1]]], dim=1)
-    elif not index.numel():  # nothing to send
-        send_S2GD = k_TGD.new_empty((0, 2) + tuple(k_TGD.shape[1:]))
-    elif _pick_first(k_TGD, index.numel()):
-        send_S2GD = torch.stack([k_TGD.index_select(0, index), v_TGD.index_select(0, index)],
-                                dim=1)
-    else:
-        send_S2GD = torch.stack([k_TGD, v_TGD], dim=1).index_select(0, index)
-    return transport.start_all_kv(schedule, send_S2GD)
-
-
-def _keys(recv_N2GD):
-    """(k, v) of the call's key rows, which are the received buffer (kv_batched.py): views
-    with row stride 2 x G x D, the layout flash kernels take for packed k/v."""
-    return recv_N2GD[:, 0], recv_N2GD[:, 1]
+def _keys(recv_2NGD):
+    """(k, v) of the call's key rows, which are the received buffer (kv_batched.py): two
+    contiguous [N, G, D] views."""
+    return recv_2NGD[0], recv_2NGD[1]
 
 
 def runs_batched(schedule) -> bool:
@@ -113,28 +93,28 @@ def _check(schedule):
 def batched_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale,
                     keep_received=False):
     """-> (out [T, H, D] in q's dtype, lse [T, H] float32/float64), and with keep_received
-    the received [N, 2, G, D] buffer too (None when nothing is received), for
-    `batched_backward(received_N2GD=...)`."""
+    the received [2, N, G, D] buffer too (None when nothing is received), for
+    `batched_backward(received_2NGD=...)`."""
     _check(schedule)
-    pending = _start_kv(k_TGD, v_TGD, schedule, transport) if schedule.batched else None
+    pending = transport.start_all_kv(schedule, k_TGD, v_TGD) if schedule.batched else None
     local = schedule.local  # over the local rows in order: no gather
     out_THD, lse_TH = backend.forward(q_THD, k_TGD, v_TGD, local.cu_seqlens_q,
                                       local.cu_seqlens_k, local.max_seqlen_q,
                                       local.max_seqlen_k, local.causal, scale)
     lse_TH = lse_TH.to(accumulation_dtype(q_THD.dtype))
-    recv_N2GD = None if pending is None else pending.wait()
+    recv_2NGD = None if pending is None else pending.wait()
     call = schedule.batched.call if schedule.batched else None
     if call is not None:
-        k, v = _keys(recv_N2GD)
+        k, v = _keys(recv_2NGD)
         o, lse = call_forward(backend, q_THD, k, v, call, scale)
         merge_into(out_THD, lse_TH, call.q_index, o, lse.to(lse_TH.dtype), span=call.q_span)
-    return (out_THD, lse_TH, recv_N2GD) if keep_received else (out_THD, lse_TH)
+    return (out_THD, lse_TH, recv_2NGD) if keep_received else (out_THD, lse_TH)
 
 
 def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, transport,
-                     backend, scale, keep_received=False, received_N2GD=None):
+                     backend, scale, keep_received=False, received_2NGD=None):
     """-> (dq, dk, dv) in the dtypes of q, k, v. keep_received: the forward kept its buffer,
-    `received_N2GD` (on every rank of the ring: nobody sends again); then the received
+    `received_2NGD` (on every rank of the ring: nobody sends again); then the received
     keys' backward runs first, so that their gradients travel while the local backward
     runs. Else the exchange is redone while the local backward runs, and the gradients
     travel after."""
@@ -150,24 +130,24 @@ def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, t
     if batched is None:
         return local_backward()
 
-    def received_backward(recv_N2GD):
+    def received_backward(recv_2NGD):
         """(dq of the call's rows or None, the transfer of the received rows' gradients)."""
-        call, gq, grad_N2GD = batched.call, None, None
+        call, gq, gk, gv = batched.call, None, None, None
         if call is not None:
-            k, v = _keys(recv_N2GD)
+            k, v = _keys(recv_2NGD)
             gq, gk, gv = call_backward(backend, dout_THD, q_THD, k, v, out_THD, lse_TH, call,
                                        scale)
-            grad_N2GD = torch.stack([gk, gv], dim=1)  # [N, 2, G, D], the buffer's rows
-        # Back to their owners as the kernel made them (each received row is read once);
-        # the gradients of the rows this group sent come here.
-        return gq, transport.start_all_grad(schedule, grad_N2GD, k_TGD.shape[1:],
-                                            k_TGD.dtype, q_THD.device)
+        # Back to their owners as the kernel made them (each received row is read once, and
+        # a message's rows are a run of them: views); the gradients of the rows this group
+        # sent come here.
+        return gq, transport.start_all_grad(schedule, gk, gv, k_TGD.shape[1:], k_TGD.dtype,
+                                            q_THD.device)
 
     if keep_received:
-        gq, returning = received_backward(received_N2GD)
+        gq, returning = received_backward(received_2NGD)
         dq, dk, dv = local_backward()
     else:
-        pending = _start_kv(k_TGD, v_TGD, schedule, transport)
+        pending = transport.start_all_kv(schedule, k_TGD, v_TGD)
         dq, dk, dv = local_backward()
         gq, returning = received_backward(pending.wait())
     if gq is not None:  # two terms per row: one sum, rounded once (in float32 for half
@@ -179,22 +159,44 @@ def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, t
     return (dq,) + _land(returning.wait(), dk, dv, batched, k_TGD.dtype)
 
 
-def _land(returned_S2GD, dk, dv, batched, dtype):
-    """(dk, dv) with the gradients returned for the rows this group sent added."""
-    if returned_S2GD is None or not returned_S2GD.numel():
+def _land(returned_2SGD, dk, dv, batched, dtype):
+    """(dk, dv) with the gradients returned for the rows this group sent added, each row's
+    sum rounded once (in float32 for half precision)."""
+    if returned_2SGD is None or not returned_2SGD.numel():
         return dk, dv
-    if batched.send_span is not None:  # each row sent once: one add each, computed in float32
-        start, stop = batched.send_span  # for half precision and rounded once into dk, dv
-        dk[start:stop].add_(returned_S2GD[:, 0])
-        dv[start:stop].add_(returned_S2GD[:, 1])
+    span, landing = batched.send_span, batched.landing
+    if span is not None:  # each row sent once, as one run: one add each
+        dk[span[0]:span[1]].add_(returned_2SGD[0])
+        dv[span[0]:span[1]].add_(returned_2SGD[1])
         return dk, dv
-    # A row sent several times (to several peers, or to two query pieces of one) gets several
-    # gradients: summed by index in float32 (for half precision) with the local one, then
-    # rounded once.
+    if landing is None:  # each row sent once: one add each, by index
+        dk.index_add_(0, batched.send_index, returned_2SGD[0])
+        dv.index_add_(0, batched.send_index, returned_2SGD[1])
+        return dk, dv
+    # A row sent several times gets several gradients: summed with the local one in float32,
+    # then rounded once, over the run that covers the rows sent (or over all rows where that
+    # costs no more: then the sum's cast makes the result, one launch less than copying back).
     acc = accumulation_dtype(dtype)
-    dkv_2TGD = torch.empty((2,) + tuple(dk.shape), dtype=acc, device=dk.device)
-    dkv_2TGD[0].copy_(dk)  # cast as they are copied: no half-precision stack first
-    dkv_2TGD[1].copy_(dv)
-    dkv_2TGD.index_add_(1, batched.send_index, returned_S2GD.transpose(0, 1).to(acc))
-    dkv_2TGD = dkv_2TGD.to(dtype)
-    return dkv_2TGD[0], dkv_2TGD[1]
+    start, stop = landing.start, landing.stop
+    whole = not _land_in_run(dk, stop - start)
+    if whole:
+        start, stop = 0, dk.shape[0]
+    dkv_2WGD = torch.empty((2, stop - start) + tuple(dk.shape[1:]), dtype=acc, device=dk.device)
+    dkv_2WGD[0].copy_(dk[start:stop])  # cast as they are copied: no half-precision stack
+    dkv_2WGD[1].copy_(dv[start:stop])
+    index = batched.send_index if whole else landing.index
+    dkv_2WGD.index_add_(1, index, returned_2SGD.to(acc))
+    if whole:
+        dkv_2WGD = dkv_2WGD.to(dtype)
+        return dkv_2WGD[0], dkv_2WGD[1]
+    dk[start:stop].copy_(dkv_2WGD[0])
+    dv[start:stop].copy_(dkv_2WGD[1])
+    return dk, dv
+
+
+def _land_in_run(dk, run_rows: int) -> bool:
+    """Whether to sum over the run covering the rows sent (a launch more than over all T
+    rows: two copies back instead of one cast) rather than over all rows: worth it where the
+    rows outside it, copied to float32 and back, outweigh that launch. Shapes only."""
+    row_bytes = dk[0].numel() * (accumulation_dtype(dk.dtype).itemsize + dk.element_size())
+    return 2 * (dk.shape[0] - run_rows) * row_bytes > LAUNCH_BYTES

@@ -191,6 +191,8 @@ class _RingAttention(torch.autograd.Function):
         transport = GroupTransport(group)
         exchange = executor_for(schedule, exchange)
         if exchange in BATCHED:
+            if schedule.batched is not None:  # messages are views of runs of k, v rows (the
+                k_TGD, v_TGD = k_TGD.contiguous(), v_TGD.contiguous()  # p2p needs contiguity)
             out_THD, lse_TH, *kept = batched_forward(q_THD, k_TGD, v_TGD, schedule, transport,
                                                      backend, scale,
                                                      keep_received=exchange != "batched")

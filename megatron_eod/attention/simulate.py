@@ -44,7 +44,7 @@ class GroupResult:
     dq: torch.Tensor  # [T, H, D]
     dk: torch.Tensor  # [T, G, D], local rows only
     dv: torch.Tensor
-    returned: List[Tuple[torch.Tensor, torch.Tensor]]  # (stream rows, dkv [2, N, G, D])
+    returned: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (stream rows, dk, dv)
 
 
 class Ready:
@@ -63,12 +63,12 @@ class InProcessTransport:
     def __init__(self, received, received_rows):
         self.received, self.received_rows, self.returned = received, received_rows, []
 
-    def start_all_kv(self, schedule, send_S2GD):
+    def start_all_kv(self, schedule, k_TGD, v_TGD):
         return Ready(self.received[-1])
 
-    def start_all_grad(self, schedule, grad_N2GD, row_shape, dtype, device):
-        if grad_N2GD is not None:
-            self.returned.append((self.received_rows[-1], grad_N2GD.transpose(0, 1)))
+    def start_all_grad(self, schedule, gk_NGD, gv_NGD, row_shape, dtype, device):
+        if gk_NGD is not None:
+            self.returned.append((self.received_rows[-1], gk_NGD, gv_NGD))
         return Ready(None)
 
     def start_kv(self, step, kv_2TGD):
@@ -76,7 +76,7 @@ class InProcessTransport:
 
     def start_grad(self, step, grad_2NGD, row_shape, dtype, device):
         if grad_2NGD is not None:
-            self.returned.append((self.received_rows[step.step - 1], grad_2NGD))
+            self.returned.append((self.received_rows[step.step - 1], *grad_2NGD))
         return Ready(None)  # gradients of rows this group sent are landed by run()
 
 
@@ -106,9 +106,9 @@ class SimulatedPlan:
                 stream_rows = self.rows[step.recv_from][sender.send_index]
                 received.append(kv_2NGD[:, stream_rows] if stream_rows.numel() else None)
                 received_rows.append(stream_rows)
-            if schedule.batched is not None:  # last: the batched buffer, [N, 2, G, D]
+            if schedule.batched is not None:  # last: the batched buffer, [2, N, G, D]
                 received_rows.append(self._batched_rows(g))
-                received.append(kv_2NGD[:, received_rows[-1]].transpose(0, 1).contiguous())
+                received.append(kv_2NGD[:, received_rows[-1]])
             self.inputs.append((q_NHD[rows], k_NGD[rows], v_NGD[rows], dout_NHD[rows],
                                 received, received_rows))
 
@@ -165,6 +165,7 @@ class SimulatedPlan:
             out[result.rows], dq[result.rows] = result.out, result.dq
             dkv[:, 0].index_add_(0, result.rows, result.dk.to(acc))
             dkv[:, 1].index_add_(0, result.rows, result.dv.to(acc))
-            for rows, grad_2NGD in result.returned:
-                dkv.index_add_(0, rows, grad_2NGD.transpose(0, 1).to(acc))
+            for rows, gk, gv in result.returned:
+                dkv[:, 0].index_add_(0, rows, gk.to(acc))
+                dkv[:, 1].index_add_(0, rows, gv.to(acc))
         return out, dq, dkv[:, 0].to(dtype), dkv[:, 1].to(dtype)

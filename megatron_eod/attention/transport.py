@@ -46,28 +46,35 @@ class GroupTransport:
         return exchange(grad_2NGD, step.recv_from, shape, step.send_to, self.group, dtype,
                         device, tag=_GRAD_TAG + step.step)
 
-    # The batched exchange (batched.py): all messages in one batched p2p call, each a
-    # contiguous slice of one [rows, 2, G, D] buffer, listed in the plan's order (a pair's
-    # messages in the receiver's buffer order on both sides), tagged by their ordinal.
+    # The batched exchange (batched.py): all messages in one batched p2p call, listed in the
+    # plan's order (a pair's messages in the receiver's buffer order on both sides), keys
+    # then values of each, tagged 2 x ordinal (+ 1 for values). A sent message is a run of
+    # local rows, so k and v go as views: nothing is gathered or stacked to send.
 
-    def start_all_kv(self, schedule, send_S2GD):
+    def start_all_kv(self, schedule, k_TGD, v_TGD):
+        """Send every sent message's k and v rows; receive into one [2, N, G, D] buffer."""
         batched = schedule.batched
-        recv_N2GD = send_S2GD.new_empty((batched.recv_count,) + tuple(send_S2GD.shape[1:]))
-        return self._start_all(batched.sends, send_S2GD, batched.recvs, recv_N2GD, 0)
+        recv_2NGD = k_TGD.new_empty((2, batched.recv_count) + tuple(k_TGD.shape[1:]))
+        sends = [(x[m.row:m.row + m.stop - m.start], m, i) for m in batched.sends
+                 for i, x in enumerate((k_TGD, v_TGD))]
+        recvs = [(recv_2NGD[i, m.start:m.stop], m, i) for m in batched.recvs for i in (0, 1)]
+        return self._start_all(sends, recvs, 0, recv_2NGD)
 
-    def start_all_grad(self, schedule, grad_N2GD, row_shape, dtype, device):
+    def start_all_grad(self, schedule, gk_NGD, gv_NGD, row_shape, dtype, device):
         """Send the gradients of received rows back (in the messages that brought the rows);
-        receive those of rows sent. `dtype`: the gradients' (the kernel's) dtype."""
+        receive those of rows sent, into [2, S, G, D]. `dtype`: the kernel's."""
         batched = schedule.batched
-        if grad_N2GD is None:  # nothing received (every received row is read by the call)
-            grad_N2GD = torch.zeros((0, 2) + tuple(row_shape), dtype=dtype, device=device)
-        returned_S2GD = torch.empty((batched.send_index.numel(), 2) + tuple(row_shape),
+        returned_2SGD = torch.empty((2, batched.send_index.numel()) + tuple(row_shape),
                                     dtype=dtype, device=device)
-        return self._start_all(batched.recvs, grad_N2GD, batched.sends, returned_S2GD,
-                               _GRAD_TAG)
+        sends = [] if gk_NGD is None else [
+            (g[m.start:m.stop], m, i) for m in batched.recvs
+            for i, g in enumerate((gk_NGD, gv_NGD))]
+        recvs = [(returned_2SGD[i, m.start:m.stop], m, i) for m in batched.sends for i in (0, 1)]
+        return self._start_all(sends, recvs, _GRAD_TAG, returned_2SGD)
 
-    def _start_all(self, send_messages, send, recv_messages, recv, tag):
-        """One batched call; its `wait()` returns `recv`, filled."""
-        sends = [(send[m.start:m.stop], m.peer, tag + m.ordinal) for m in send_messages]
-        recvs = [(recv[m.start:m.stop], m.peer, tag + m.ordinal) for m in recv_messages]
-        return exchange_many(sends, recvs, self.group, result=recv)
+    def _start_all(self, sends, recvs, tag, result):
+        """One batched call of (tensor, message, 0 for keys / 1 for values) parts; its
+        `wait()` returns `result`, filled."""
+        tagged = lambda parts: [(x, m.peer, tag + 2 * m.ordinal + i)  # noqa: E731
+                                for x, m, i in parts]
+        return exchange_many(tagged(sends), tagged(recvs), self.group, result=result)

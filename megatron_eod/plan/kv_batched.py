@@ -14,10 +14,12 @@ no gather), and reads every buffer row once: the key/value gradients it returns 
 kernel's own, in the kernel's dtype, with no sum on the receiving side. The price is that a
 key row read by two query pieces of the receiver (two pieces of one document, both after it)
 travels twice; the owner sums the two gradients it gets back, as it already does for a row
-sent to two peers. Each (query piece, peer) run of the buffer is one message, so a peer may
-send several messages to one receiver; both sides list a pair's messages in the receiver's
-buffer order and number them (`Message.ordinal`, the tag), which NCCL (order) and gloo (tags)
-both need.
+sent to two peers. Each (query piece, peer) run of the buffer is one message (split where its
+rows are not one run of the sender's local rows: never in the plans made here, whose pieces of
+a document on one group are consecutive), so the sender's k and v rows leave as views, with no
+gather or stack; a peer may send several messages to one receiver; both sides list a pair's
+messages in the receiver's buffer order and number them (`Message.ordinal`, the tag), which
+NCCL (order) and gloo (tags) both need.
 
 The pairs are the steps' pairs, each once, so the plan's balance is unchanged; the traffic is
 the steps' plus the repeated rows (`rows_received`), all held at once. So where some group
@@ -43,58 +45,92 @@ from megatron_eod.plan.kv_schedule import (GroupSchedule, KernelCall, SplitDocum
                                            to_device)
 from megatron_eod.plan.pieces import ranges
 
-__all__ = ["BatchedExchange", "MAX_RECEIVED_PER_ROW", "Message", "build_batched",
+__all__ = ["BatchedExchange", "Landing", "MAX_RECEIVED_PER_ROW", "Message", "build_batched",
            "rows_received", "with_batched"]
 
 # Received rows held at once, per row of the group, beyond which the steps run instead (the
-# batched backward then holds the received key/values, their gradients from the kernel and
-# those stacked for the return: about 3x this many rows of key/values at its peak).
+# batched backward then holds the received key/values and their gradients from the kernel,
+# which return as views: about 2x this many rows of key/values at its peak).
 MAX_RECEIVED_PER_ROW = 4
 
 
 class Message(NamedTuple):
-    """Rows start:stop of a send or receive buffer, to or from ring group `peer`, the
-    `ordinal`-th message between the two in this direction."""
+    """Rows start:stop of the send or receive order, to or from ring group `peer`, the
+    `ordinal`-th message between the two in this direction; a sent message's rows are the run
+    of local rows from `row` on (-1 for a received one), so k and v go as views of it."""
 
     peer: int
     start: int
     stop: int
     ordinal: int
+    row: int = -1
 
 
 @dataclass(frozen=True)
 class BatchedExchange:
     """send_index: int64 [S], local rows sent, message after message (a row goes once per
-    query piece of a peer that reads it): `sends`' rows; `recvs`: where each arriving message
+    query piece of a peer that reads it): `sends`' rows, each message a run of local rows
+    (from `Message.row`), and where the gradients returned for them land in the [2, S, G, D]
+    return buffer; `recvs`: where each arriving message
     lands in the [recv_count] buffer; `call` (None when nothing is received) reads its keys
     from that buffer, every row once and in order (k_span (0, recv_count)). The key/value
-    gradients go back along the same messages, reversed."""
+    gradients go back along the same messages, reversed; `landing` (None where each row is
+    sent once) says how those of a row sent several times are summed (batched.py)."""
 
     send_index: torch.Tensor
     sends: Tuple[Message, ...]
     recvs: Tuple[Message, ...]
     call: Optional[KernelCall]
     send_span: Optional[Tuple[int, int]] = None
+    landing: Optional["Landing"] = None
 
     @property
     def recv_count(self) -> int:
         return self.recvs[-1].stop if self.recvs else 0
 
     def to(self, device) -> "BatchedExchange":
+        landing = self.landing
+        if landing is not None:
+            landing = landing._replace(index=to_device(landing.index, device))
         return dataclasses.replace(self, send_index=to_device(self.send_index, device),
-                                   call=None if self.call is None else self.call.to(device))
+                                   call=None if self.call is None else self.call.to(device),
+                                   landing=landing)
 
 
-def _messages(q: np.ndarray, k_rows: np.ndarray, peer: np.ndarray) -> Tuple[Message, ...]:
-    """One message per run of pairs with the same (query piece, peer), numbered per peer."""
+class Landing(NamedTuple):
+    """Where a group sends some row more than once (to several peers, or to two query pieces
+    of one), the gradients returned for a row are summed with its own in float32, then
+    rounded once, over the run of local rows start:stop that covers every row sent (rows in
+    it not sent add nothing): `index`, int64 [S], each sent row's place in that run."""
+
+    start: int
+    stop: int
+    index: torch.Tensor
+
+
+def _landing(send_index: np.ndarray) -> Optional[Landing]:
+    """None where every row is sent once (the gradients then land one each, by send_index)."""
+    if np.unique(send_index).size == send_index.size:
+        return None
+    start = int(send_index.min())
+    return Landing(start, int(send_index.max()) + 1, torch.from_numpy(send_index - start))
+
+
+def _messages(q: np.ndarray, k: np.ndarray, peer: np.ndarray, length: np.ndarray,
+              local_start: np.ndarray) -> Tuple[Message, ...]:
+    """One message per run of (query piece q, key piece k) pairs with the same query piece and
+    peer whose key pieces follow each other in the peer's local rows (both sides compute this
+    from the same split: they agree), numbered per peer."""
     if not q.size:
         return ()
-    first = np.flatnonzero(np.concatenate([[True], (q[1:] != q[:-1]) | (peer[1:] != peer[:-1])]))
-    offsets = np.concatenate([[0], np.cumsum(np.add.reduceat(k_rows, first))])
+    follows = local_start[k[:-1]] + length[k[:-1]] == local_start[k[1:]]
+    first = np.flatnonzero(np.concatenate(
+        [[True], (q[1:] != q[:-1]) | (peer[1:] != peer[:-1]) | ~follows]))
+    offsets = np.concatenate([[0], np.cumsum(np.add.reduceat(length[k], first))])
     seen: dict = {}
     out = []
-    for i, p in enumerate(peer[first].tolist()):
-        out.append(Message(p, int(offsets[i]), int(offsets[i + 1]), seen.get(p, 0)))
+    for i, (p, row) in enumerate(zip(peer[first].tolist(), local_start[k[first]].tolist())):
+        out.append(Message(p, int(offsets[i]), int(offsets[i + 1]), seen.get(p, 0), row))
         seen[p] = seen.get(p, 0) + 1
     return tuple(out)
 
@@ -109,7 +145,7 @@ def build_batched(split: SplitDocuments, group: int) -> BatchedExchange:
     q, k = needed_pieces(split, group)
     order = np.lexsort((p.start[k], (group - p.group[k]) % groups, local_start[q]))
     q, k = q[order], k[order]
-    recvs = _messages(q, length[k], p.group[k])
+    recvs = tuple(m._replace(row=-1) for m in _messages(q, k, p.group[k], length, local_start))
     call = None
     if q.size:
         new = np.flatnonzero(np.concatenate([[True], q[1:] != q[:-1]]))
@@ -121,8 +157,11 @@ def build_batched(split: SplitDocuments, group: int) -> BatchedExchange:
     order = np.lexsort((p.start[gk], local_start[gq], (p.group[gq] - group) % groups))
     gq, gk = gq[order], gk[order]
     send_index = rows(gk) if gk.size else np.zeros(0, np.int64)
-    return BatchedExchange(torch.from_numpy(send_index), _messages(gq, length[gk], p.group[gq]),
-                           recvs, call, span_of(send_index))
+    send_span = span_of(send_index)
+    return BatchedExchange(torch.from_numpy(send_index),
+                           _messages(gq, gk, p.group[gq], length, local_start), recvs, call,
+                           send_span,
+                           None if send_span is not None else _landing(send_index))
 
 
 def rows_received(split: SplitDocuments, group: int) -> int:

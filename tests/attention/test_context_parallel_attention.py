@@ -77,10 +77,11 @@ def test_gqa_and_softmax_scale(algo, world, degree, exchange, kv_heads):
 
 
 @pytest.mark.parametrize("algo,world,degree", [("ring", 4, None), ("hybrid", 8, 2)])
-def test_sent_rows_picked_then_stacked(algo, world, degree, monkeypatch):
-    """The batched executor gathers sent rows by index two ways: stack k and v, then pick (the
-    rows here are tiny, so the tests above take that way), or pick, then stack (where that
-    saves more bytes than a launch costs: large rows); forced here, in the forked ranks."""
+def test_returned_gradients_summed_over_the_rows_sent(algo, world, degree, monkeypatch):
+    """A group that sent some row several times sums the gradients returned for it in float32
+    over all its rows, or over the run covering the rows sent where that saves more bytes
+    than a launch costs (large rows; the rows here are tiny, so the tests above sum over all
+    rows); forced here, in the forked ranks."""
     from megatron_eod.attention import batched
 
     monkeypatch.setattr(batched, "LAUNCH_BYTES", -1)

@@ -136,6 +136,18 @@ def test_batched_exchange_is_the_steps_at_once(case):
             assert batched is None
             continue
         assert batched.send_span == _run(batched.send_index)
+        # Each sent message is a run of local rows (k and v leave as views), from its `row`.
+        for m in batched.sends:
+            assert batched.send_index[m.start:m.stop].tolist() == list(
+                range(m.row, m.row + m.stop - m.start))
+        assert all(m.row == -1 for m in batched.recvs)
+        # Repeated rows: their gradients are summed over the run covering the rows sent.
+        sent = batched.send_index
+        assert (batched.landing is None) == (sent.unique().numel() == sent.numel())
+        if batched.landing is not None:
+            landing = batched.landing
+            assert (landing.start, landing.stop) == (int(sent.min()), int(sent.max()) + 1)
+            assert torch.equal(landing.index + landing.start, sent)
         for messages, size in ((batched.sends, batched.send_index.numel()),
                                (batched.recvs, batched.recv_count)):
             assert [m.start for m in messages] == [0, *[m.stop for m in messages]][:len(messages)]
@@ -180,3 +192,16 @@ def test_batched_exchange_is_the_steps_at_once(case):
         for m in batched.recvs:
             i = np.searchsorted(cu_k, m.start, side="right") - 1
             assert m.stop <= cu_k[i + 1]
+
+
+def test_messages_split_where_the_senders_rows_do_not_follow():
+    """A message is a run of the sender's local rows (its k and v leave as views): key pieces
+    of one query piece from one peer that are not consecutive there go as two messages. (Plans
+    keep a document's pieces on a group consecutive, so this guards a future placement.)"""
+    from megatron_eod.plan.kv_batched import Message, _messages
+
+    length = np.array([5, 5, 3, 4, 2])
+    local_start = np.array([0, 5, 10, 13, 20])  # piece 4 does not follow piece 3
+    q, k, peer = np.array([0, 0, 0, 1]), np.array([2, 3, 4, 4]), np.array([1, 1, 1, 1])
+    assert _messages(q, k, peer, length, local_start) == (
+        Message(1, 0, 7, 0, 10), Message(1, 7, 9, 1, 20), Message(1, 9, 11, 2, 20))
