@@ -13,16 +13,17 @@ kernel (views and allocations excluded), the backend's own lse fix-ups and copie
 Each log-sum-exp merge counts as the loop nests inductor makes of it (MERGE_LAUNCHES, read
 from its CPU output code; on CUDA each nest is expected to be one Triton kernel: a profile on
 a GPU confirms or corrects it).
-A group's glue includes its own side of the exchange: the gathers of the rows it sends and
-the landing of the gradients they get back (the transfers themselves are not counted).
+A group's glue includes its own side of the exchange: the gathers of the rows it sends (the
+steps executor; the batched one sends views) and the landing of the gradients they get back
+(the transfers themselves are not counted).
 Reports, for the busiest group (most launches) of each mix: attention calls, glue launches,
 and glue launches per attention call, for ring and hybrid (Ulysses degree 2), each with both
 ring executors (batched, steps); ideal is one attention call and no glue. Beside them, the
 most bytes any group's glue writes, in units of that group's q (its rows x all query heads x
 head dim, --heads / --kv-heads set the GQA ratio): a memory-bound kernel's time follows its
 bytes, so this says what the glue costs where launches are hidden.
-The executor's shape-based choices (gather then stack or the reverse; land returned gradients
-over the rows sent or over all rows: `batched.LAUNCH_BYTES`) are made as for a model's rows
+The executor's shape-based choice (sum returned gradients over the run covering the rows sent
+or over all rows: `batched.LAUNCH_BYTES`) is made as for a model's rows
 (--model-kv-heads x --model-head-dim, bf16), not for the toy rows counted here: the launch
 price is scaled by the ratio of the two row sizes.
 Beside them, the attention kernels' own floor in a tile model (tools/tile_model.py): the

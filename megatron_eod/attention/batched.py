@@ -22,8 +22,9 @@ A message is a run of the sender's local rows (kv_batched.py splits messages the
 keys and values leave as views of k and v, nothing gathered or stacked to send; they land in
 the two halves of one [2, N, G, D] buffer, so the call's k and v are contiguous views of it.
 The gradients go back the same way: views of the kernel's dk, dv of the received rows, into
-one [2, S, G, D] buffer. (k and v must be contiguous: ring.py makes them so, a no-op as
-Megatron and the Ulysses all-to-all hand them over.)
+one [2, S, G, D] buffer. (Sent views must be contiguous: ring.py makes k and v so where the
+group sends, a no-op for the Ulysses all-to-all's output, one copy of v per forward where
+Megatron hands it over as a view of its fused qkv projection.)
 
 Shape key: T = local rows, H = query heads, G = key/value heads, D = head dim, S = rows sent,
 N = rows received, W = rows a sum of returned gradients covers; 2 = keys and values.
@@ -93,7 +94,8 @@ def _check(schedule):
 def batched_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale,
                     keep_received=False):
     """-> (out [T, H, D] in q's dtype, lse [T, H] float32/float64), and with keep_received
-    the received [2, N, G, D] buffer too (None when nothing is received), for
+    the received [2, N, G, D] buffer too (None without a batched form, empty when nothing
+    is received), for
     `batched_backward(received_2NGD=...)`."""
     _check(schedule)
     pending = transport.start_all_kv(schedule, k_TGD, v_TGD) if schedule.batched else None

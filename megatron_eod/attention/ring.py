@@ -191,8 +191,8 @@ class _RingAttention(torch.autograd.Function):
         transport = GroupTransport(group)
         exchange = executor_for(schedule, exchange)
         if exchange in BATCHED:
-            if schedule.batched is not None:  # messages are views of runs of k, v rows (the
-                k_TGD, v_TGD = k_TGD.contiguous(), v_TGD.contiguous()  # p2p needs contiguity)
+            if schedule.batched is not None and schedule.batched.sends:  # sent as views of
+                k_TGD, v_TGD = k_TGD.contiguous(), v_TGD.contiguous()  # runs: one copy, if any
             out_THD, lse_TH, *kept = batched_forward(q_THD, k_TGD, v_TGD, schedule, transport,
                                                      backend, scale,
                                                      keep_received=exchange != "batched")

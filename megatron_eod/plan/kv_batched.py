@@ -1,7 +1,7 @@
 """All of a group's ring steps as one exchange and one kernel call (the batched ring).
 
-One job: a group's `BatchedExchange`: every key/value row it sends, to all peers, as one
-gathered buffer; every row it receives, from all peers, in one buffer laid out in the order
+One job: a group's `BatchedExchange`: every key/value row it sends, to all peers, as runs of
+its local rows (views, nothing gathered); every row it receives, from all peers, in one buffer laid out in the order
 its ONE non-causal varlen call reads them; that call, in which each query piece attends to
 all the received rows of its document before it, whichever peer they came from. A group then
 makes two attention calls per layer and direction (the local call and this one) and one
