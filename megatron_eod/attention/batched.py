@@ -186,14 +186,30 @@ def _land(returned_2SGD, dk, dv, batched, dtype):
     dkv_2WGD = torch.empty((2, stop - start) + tuple(dk.shape[1:]), dtype=acc, device=dk.device)
     dkv_2WGD[0].copy_(dk[start:stop])  # cast as they are copied: no half-precision stack
     dkv_2WGD[1].copy_(dv[start:stop])
-    index = batched.send_index if whole else landing.index
-    dkv_2WGD.index_add_(1, index, returned_2SGD.to(acc))
+    if _add_by_message(dk, batched, acc):  # each message a run: added as it is, in float32
+        for m in batched.sends:
+            at = m.row - start
+            dkv_2WGD[:, at:at + m.stop - m.start].add_(returned_2SGD[:, m.start:m.stop])
+    else:  # cast all, then one index_add
+        index = batched.send_index if whole else landing.index
+        dkv_2WGD.index_add_(1, index, returned_2SGD.to(acc))
     if whole:
         dkv_2WGD = dkv_2WGD.to(dtype)
         return dkv_2WGD[0], dkv_2WGD[1]
     dk[start:stop].copy_(dkv_2WGD[0])
     dv[start:stop].copy_(dkv_2WGD[1])
     return dk, dv
+
+
+def _add_by_message(dk, batched, acc) -> bool:
+    """Whether to add the returned gradients message by message (a launch each; each add
+    reads the kernel's dtype and computes in float32) rather than cast them all to float32
+    and index_add (2 launches): worth it where the cast's float32 copy of the S rows outweighs
+    the launches added. Shapes only."""
+    if acc == dk.dtype:  # nothing to cast
+        return False
+    cast_bytes = 2 * batched.send_index.numel() * dk[0].numel() * acc.itemsize
+    return cast_bytes > (len(batched.sends) - 2) * LAUNCH_BYTES
 
 
 def _land_in_run(dk, run_rows: int) -> bool:
