@@ -5,7 +5,7 @@ $MEGATRON_LM_PATH) with our providers, on 4 gloo CPU ranks, through pretrain_gpt
 What this shows: per-iteration lm loss (from --metrics-file, Megatron-LM's own loss of each
 iteration) is the CP=1 x DP=4 loss at CP=4 ring, ulysses and hybrid 2x2 (spelled the
 Megatron-LM way, --cp-comm-type a2a+p2p with --hierarchical-context-parallel-sizes) and at
-CP=2 x DP=2, all with the distributed optimizer, dropout off, to 1e-5 relative; a torch_dist
+CP=2 x DP=2 (with our --cp-ring-exchange batched-keep), all with the distributed optimizer, dropout off, to 1e-5 relative; a torch_dist
 checkpoint saved at CP=4 and loaded at CP=2 x DP=2 continues with the uninterrupted losses;
 Megatron-LM's own log lines (iteration, lm loss, throughput) are printed.
 """
@@ -81,8 +81,8 @@ def baseline(tiny_data, tmp_path_factory):
     ["--context-parallel-size", "4", "--cp-comm-type", "a2a"],
     ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
      "--hierarchical-context-parallel-sizes", "2", "2"],
-    ["--context-parallel-size", "2"],
-], ids=["ring4", "ulysses4", "hybrid2x2", "cp2xdp2"])
+    ["--context-parallel-size", "2", "--cp-ring-exchange", "batched-keep"],
+], ids=["ring4", "ulysses4", "hybrid2x2", "cp2xdp2-keep"])
 def test_cp_matches_cp1_under_megatron_lm(baseline, tiny_data, tmp_path, extra):
     reference, _ = baseline
     losses, _ = train(tmp_path, "cp", tiny_data, *extra)
