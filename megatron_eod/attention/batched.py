@@ -95,8 +95,7 @@ def batched_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale,
                     keep_received=False):
     """-> (out [T, H, D] in q's dtype, lse [T, H] float32/float64), and with keep_received
     the received [2, N, G, D] buffer too (None without a batched form, empty when nothing
-    is received), for
-    `batched_backward(received_2NGD=...)`."""
+    is received), for `batched_backward(received_2NGD=...)`."""
     _check(schedule)
     pending = transport.start_all_kv(schedule, k_TGD, v_TGD) if schedule.batched else None
     local = schedule.local  # over the local rows in order: no gather

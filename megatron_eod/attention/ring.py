@@ -143,7 +143,7 @@ def ring_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tran
                 dq[span[0]:span[1]].add_(gq)
             else:
                 dq.index_add_(0, rows, gq.to(acc))
-            grad_2NGD = key_grads(gk, gv, call, step.recv_count, acc)
+            grad_2NGD = _key_grads(gk, gv, call, step.recv_count, acc)
         # Gradients travel back the way the keys came: to recv_from, from send_to.
         returning.append((transport.start_grad(step, grad_2NGD, kv_2TGD.shape[2:], acc,
                                                q_THD.device), step))
@@ -157,7 +157,7 @@ def ring_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tran
     return dq.to(q_THD.dtype), dk.to(k_TGD.dtype), dv.to(v_TGD.dtype)
 
 
-def key_grads(gk_nGD, gv_nGD, call, recv_count, acc):
+def _key_grads(gk_nGD, gv_nGD, call, recv_count, acc):
     """[2, N, G, D] gradients of a step's received rows in `acc`: the kernel's where the call
     reads every received row once, in order (most steps); else rows read by several query
     pieces (two pieces of one document after them) summed by index."""
