@@ -6,11 +6,16 @@ executors) at CP 2-8 on random layouts, where they reach torch.distributed
 1. a group's first batched p2p call may leave ranks out only after a collective on the group
    (PyTorch's rule): every rank warms each group up before its first p2p on it;
 2. NCCL matches p2p messages between a pair by order, not by tag: for every ordered pair of
-   ranks, the sizes and dtypes src sends to dst, in order, are exactly those dst receives from
-   src, in order.
+   ranks, the messages src sends to dst, in order, are exactly those dst receives from src,
+   in order: the same sizes and dtypes, and the same tags (gloo matches by tag, so a tag
+   names the message on both sides: two messages of one size sent in the other order, keys
+   for values say, would pass gloo and land in the wrong buffers on NCCL).
 A checker that cannot fail proves nothing: it is also run on logs with a swapped pair of
-messages and with a p2p before the warm-up, and must flag both.
+messages (of other sizes, and of one size with other tags) and with a p2p before the
+warm-up, and must flag each.
 """
+
+import contextlib
 
 import pytest
 import torch.distributed as dist
@@ -22,8 +27,9 @@ from tests.harness import run_ranks
 from tests.reference import random_layout_tokens
 
 
-def _recorded(rank, world, algo, degree, kind, b, s, seed, exchange):
-    log = []
+@contextlib.contextmanager
+def recording(log):
+    """Append every p2p operation and group warm-up of this rank to `log` while inside."""
     real_batch, real_warm = dist.batch_isend_irecv, ring.warm_up
 
     def ranks_of(group):
@@ -33,11 +39,11 @@ def _recorded(rank, world, algo, degree, kind, b, s, seed, exchange):
         me = dist.get_rank()
         log.append(("batch", len(ops)))
         for op in ops:
-            ranks, numel, dtype = ranks_of(op.group), op.tensor.numel(), str(op.tensor.dtype)
+            what = (op.tensor.numel(), str(op.tensor.dtype), op.tag)
             if op.op is dist.isend:
-                log.append(("send", ranks, me, op.peer, numel, dtype))
+                log.append(("send", ranks_of(op.group), me, op.peer, what))
             else:
-                log.append(("recv", ranks, op.peer, me, numel, dtype))
+                log.append(("recv", ranks_of(op.group), op.peer, me, what))
         return real_batch(ops)
 
     def warm_up(group, device):
@@ -46,9 +52,15 @@ def _recorded(rank, world, algo, degree, kind, b, s, seed, exchange):
 
     dist.batch_isend_irecv, ring.warm_up = batch_isend_irecv, warm_up
     try:
-        _check_rank(rank, world, algo, degree, kind, b, s, 2, None, seed, exchange)
+        yield log
     finally:
         dist.batch_isend_irecv, ring.warm_up = real_batch, real_warm
+
+
+def _recorded(rank, world, algo, degree, kind, b, s, seed, exchange):
+    log = []
+    with recording(log):
+        _check_rank(rank, world, algo, degree, kind, b, s, 2, None, seed, exchange)
     return log
 
 
@@ -66,9 +78,8 @@ def violations(logs):
     for log in logs:
         for entry in log:
             if entry[0] in ("send", "recv"):
-                kind, _, src, dst, numel, dtype = entry
-                (sent if kind == "send" else received).setdefault((src, dst), []).append(
-                    (numel, dtype))
+                kind, _, src, dst, what = entry
+                (sent if kind == "send" else received).setdefault((src, dst), []).append(what)
     for pair in set(sent) | set(received):
         if sent.get(pair, []) != received.get(pair, []):
             found.append(f"{pair[0]} -> {pair[1]}: sends {sent.get(pair, [])} but receives "
@@ -99,10 +110,14 @@ def test_ring_and_hybrid_obey_nccl_p2p_rules(algo, world, degree, kind, b, s, se
 
 def test_the_checker_flags_order_and_warm_up_breaks():
     group = (0, 1)
-    good = [[("warm", group), ("send", group, 0, 1, 8, "f"), ("send", group, 0, 1, 4, "f")],
-            [("warm", group), ("recv", group, 0, 1, 8, "f"), ("recv", group, 0, 1, 4, "f")]]
+    good = [[("warm", group), ("send", group, 0, 1, (8, "f", 0)),
+             ("send", group, 0, 1, (4, "f", 1)), ("send", group, 0, 1, (4, "f", 2))],
+            [("warm", group), ("recv", group, 0, 1, (8, "f", 0)),
+             ("recv", group, 0, 1, (4, "f", 1)), ("recv", group, 0, 1, (4, "f", 2))]]
     assert violations(good) == []
-    swapped = [good[0], [good[1][0], good[1][2], good[1][1]]]
+    swapped = [good[0], [good[1][0], good[1][2], good[1][1], good[1][3]]]
     assert violations(swapped) and "0 -> 1" in violations(swapped)[0]
+    same_size = [good[0], [good[1][0], good[1][1], good[1][3], good[1][2]]]
+    assert violations(same_size) and "0 -> 1" in violations(same_size)[0]
     cold = [good[0][1:], good[1]]
     assert any("before any collective" in v for v in violations(cold))
