@@ -33,3 +33,6 @@ def test_local_batch_moves_to_the_gpu_without_a_host_sync(cp_rank):
         assert getattr(gpu, name).is_cuda, name
         assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
     assert gpu.plan.schedule(cp_rank).local.q_index.is_cuda
+    # The context id stays on the host: every layer reads it (tests/megatron/test_host_reads.py
+    # exempts that read for this reason).
+    assert gpu.attention_mask.device.type == "cpu"
