@@ -4,9 +4,11 @@ Same weights (CPU initialization is CP-invariant), same full micro-batch on ever
 CP rank runs the model on its plan tokens; the loss sum and the parameter gradients are
 summed over the CP group. float32, tolerance 2e-5 relative on the loss and 1e-4 on gradients:
 only the summation order differs (attention partials merged by log-sum-exp, loss summed per
-rank).
+rank). One hand-picked batch per CP layout, then 40 random ones through one model per run
+(every document mix, pad runs, each Megatron flag drawn; 400 with --hypothesis-profile=long).
 """
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,6 +17,7 @@ from megatron_eod.megatron import cpu_compat
 from megatron_eod.megatron.batch import slice_batch_for_cp
 from megatron_eod.megatron.batch_context import EodContextRegistry
 from tests.harness import run_ranks
+from tests.plan.mixes import MIXES, examples, make_cu_seqlens
 from tests.megatron.tiny_model import EOD, cp_setup, tiny_gpt
 from tests.reference import random_layout_tokens
 
@@ -110,3 +113,75 @@ def _record_rope_angles(rank, world):
         core_attention._rope.apply_rotary_pos_emb = original
         parallel_state.destroy_model_parallel()
         cpu_compat.remove()
+
+
+def _random_batch(index):
+    """The index-th random micro-batch (tokens [b, S+1]) and flags of the sequence below:
+    documents from every mix of tests/plan/mixes.py (EoD at each document's end, at a row's
+    end one time in two), pad runs ending some rows, each Megatron flag drawn."""
+    rng = np.random.default_rng([SEQUENCE_SEED, index])
+    b = int(rng.integers(1, 4))
+    cu = make_cu_seqlens(str(rng.choice(MIXES)), b, S + 1, 1, int(rng.integers(2**32)))
+    tokens = torch.from_numpy(rng.integers(0, EOD - 1, b * (S + 1))).view(b, S + 1)
+    flat = tokens.view(-1)
+    for end in cu[1:] - 1:
+        if (end + 1) % (S + 1) or rng.random() < 0.5:
+            flat[end] = EOD
+    pad = None
+    if rng.random() < 0.25:  # fine-tuning style: a pad run at the end of some rows
+        pad = EOD - 1
+        for row in range(b):
+            if rng.random() < 0.5:
+                tokens[row, S + 1 - int(rng.integers(1, S // 2)):] = pad
+    flags = dict(reset_position_ids=bool(rng.random() < 0.8),
+                 reset_attention_mask=bool(rng.random() < 0.8),
+                 eod_mask_loss=bool(rng.random() < 0.5), pad_token_id=pad)
+    return tokens, flags
+
+
+def _many_losses_and_grads(rank, world, algo, degree, exchange, count):
+    """Per random micro-batch: (loss, all gradients flattened) of one model at CP `world`."""
+    with cp_setup(world, algo, degree) as cp_group:
+        registry = EodContextRegistry()
+        model = tiny_gpt(world, registry, seed=1234, ring_exchange=exchange)
+        results = []
+        for index in range(count):
+            stream, flags = _random_batch(index)
+            model.zero_grad(set_to_none=True)
+            batch = slice_batch_for_cp(stream[:, :-1].contiguous(), stream[:, 1:].contiguous(),
+                                       EOD, registry, cp_size=world, cp_rank=rank,
+                                       cp_group=cp_group, algo=algo, ulysses_degree=degree,
+                                       **flags)
+            losses = model(batch.tokens, batch.position_ids, batch.attention_mask,
+                           labels=batch.labels)
+            loss_sum = (losses.float() * batch.loss_mask).sum()
+            totals = torch.stack([loss_sum.detach(), batch.loss_mask.sum()])
+            if cp_group is not None:
+                dist.all_reduce(totals, group=cp_group)
+            (loss_sum / totals[1].clamp_min(1)).backward()
+            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            if cp_group is not None:
+                dist.all_reduce(grads, group=cp_group)
+            results.append(((totals[0] / totals[1].clamp_min(1)).item(), grads))
+        return results
+
+
+SEQUENCE_SEED = 20261124
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo,world,degree,exchange", [
+    ("ring", 4, None, "batched"), ("hybrid", 4, 2, "steps"), ("ulysses", 2, None, "batched")])
+def test_cp_equals_cp1_over_many_random_batches(algo, world, degree, exchange):
+    """A run meets every layout: 40 random micro-batches (every document mix, pads, every
+    flag) through one model at CP=N and at CP=1, loss and gradients equal batch by batch."""
+    count = examples(40)
+    drawn = [_random_batch(i)[1] for i in range(count)]
+    assert any(f["pad_token_id"] is not None for f in drawn)
+    assert all(any(not f[name] for f in drawn) for name in (
+        "reset_position_ids", "reset_attention_mask", "eod_mask_loss"))
+    single = run_ranks(_many_losses_and_grads, 1, "ring", None, "batched", count)[0]
+    for rank_results in run_ranks(_many_losses_and_grads, world, algo, degree, exchange, count):
+        for index, ((loss, grads), (loss1, grads1)) in enumerate(zip(rank_results, single)):
+            assert loss == pytest.approx(loss1, rel=2e-5, abs=1e-6), (index, _random_batch(index))
+            assert (grads - grads1).abs().max().item() < 1e-4, (index, _random_batch(index)[1])
