@@ -5,7 +5,7 @@ On a GPU every read of a device tensor's value by the host (`.item()`, `int(t)`,
 indexing, `masked_select`, `unique`, `repeat_interleave` without `output_size`) waits for
 the device to finish, which stalls the launch queue once per call, per layer. The GPU tests
 check it with `torch.cuda.set_sync_debug_mode("error")`, on a machine CI never has; this
-module catches the same reads on CPU tensors, where nothing syncs, by watching the ops
+module catches those reads on CPU tensors, where nothing syncs, by watching the ops
 dispatched and the two Tensor methods that read memory directly.
 
     with HostReads() as reads:
@@ -15,6 +15,10 @@ dispatched and the two Tensor methods that read memory directly.
 Only reads made from `megatron_eod` code count (the innermost package frame is named);
 megatron-core's own reads are its business. Tensor creation from Python data (`torch.tensor`)
 counts too: on a GPU it is a host-to-device copy from pageable memory, which syncs.
+What it cannot see: a copy to the host (`.cpu()`, `.to("cpu")`), which dispatches nothing for
+a CPU tensor; and where a tensor lives: a read of a tensor kept on the host on GPUs too (by
+design, like the batch context's id) is found like any other and must be exempted by name.
+CUDA's sync debug mode in the GPU tests remains the last word.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ __all__ = ["HostReads"]
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "megatron_eod") + os.sep
-_ALWAYS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select",
-           "unique_consecutive", "_unique", "_unique2", "unique_dim", "lift_fresh"}
+_ALWAYS = {"_local_scalar_dense", "is_nonzero", "equal", "allclose", "nonzero",
+           "masked_select", "unique_consecutive", "_unique", "_unique2", "unique_dim",
+           "bincount", "histc", "lift_fresh"}
 
 
 def _reads_values(func, args, kwargs) -> bool:
@@ -43,7 +48,8 @@ def _reads_values(func, args, kwargs) -> bool:
             kwargs.get("output_size") is None
     if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                   for i in indices)
     return False
 
 

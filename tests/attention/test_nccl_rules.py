@@ -20,6 +20,7 @@ import contextlib
 import pytest
 import torch.distributed as dist
 
+import megatron_eod.attention.comm as comm
 import megatron_eod.attention.ring as ring
 from megatron_eod import build_doc_layout, plan_context_parallel
 from tests.attention.test_context_parallel_attention import EOD, _check_rank
@@ -29,11 +30,14 @@ from tests.reference import random_layout_tokens
 
 @contextlib.contextmanager
 def recording(log):
-    """Append every p2p operation and group warm-up of this rank to `log` while inside."""
+    """Append every p2p operation of this rank to `log` while inside, and every warm-up that
+    runs its collective (a group seen for the first time). A group is named by its ranks and
+    its object's id: two groups of the same ranks (WORLD and a hybrid ring group of degree 1)
+    are warmed up apart."""
     real_batch, real_warm = dist.batch_isend_irecv, ring.warm_up
 
-    def ranks_of(group):
-        return tuple(dist.get_process_group_ranks(group))
+    def named(group):
+        return tuple(dist.get_process_group_ranks(group)), id(group)
 
     def batch_isend_irecv(ops):
         me = dist.get_rank()
@@ -41,13 +45,14 @@ def recording(log):
         for op in ops:
             what = (op.tensor.numel(), str(op.tensor.dtype), op.tag)
             if op.op is dist.isend:
-                log.append(("send", ranks_of(op.group), me, op.peer, what))
+                log.append(("send", named(op.group), me, op.peer, what))
             else:
-                log.append(("recv", ranks_of(op.group), op.peer, me, what))
+                log.append(("recv", named(op.group), op.peer, me, what))
         return real_batch(ops)
 
     def warm_up(group, device):
-        log.append(("warm", ranks_of(group)))
+        if group is not None and not any(g is group for g in comm._WARM):
+            log.append(("warm", named(group)))
         return real_warm(group, device)
 
     dist.batch_isend_irecv, ring.warm_up = batch_isend_irecv, warm_up
@@ -73,17 +78,19 @@ def violations(logs):
             if entry[0] == "warm":
                 warm.add(entry[1])
             elif entry[0] != "batch" and entry[1] not in warm:
-                found.append(f"rank {rank}: p2p on group {entry[1]} before any collective on it")
+                found.append(f"rank {rank}: p2p on group {entry[1][0]} before any collective "
+                             f"on it")
     sent, received = {}, {}
     for log in logs:
         for entry in log:
             if entry[0] in ("send", "recv"):
-                kind, _, src, dst, what = entry
-                (sent if kind == "send" else received).setdefault((src, dst), []).append(what)
-    for pair in set(sent) | set(received):
-        if sent.get(pair, []) != received.get(pair, []):
-            found.append(f"{pair[0]} -> {pair[1]}: sends {sent.get(pair, [])} but receives "
-                         f"{received.get(pair, [])}")
+                kind, (ranks, _), src, dst, what = entry
+                (sent if kind == "send" else received).setdefault((ranks, src, dst),
+                                                                  []).append(what)
+    for key in set(sent) | set(received):
+        if sent.get(key, []) != received.get(key, []):
+            found.append(f"{key[1]} -> {key[2]} in group {key[0]}: sends {sent.get(key, [])} "
+                         f"but receives {received.get(key, [])}")
     return found
 
 
@@ -109,7 +116,7 @@ def test_ring_and_hybrid_obey_nccl_p2p_rules(algo, world, degree, kind, b, s, se
 
 
 def test_the_checker_flags_order_and_warm_up_breaks():
-    group = (0, 1)
+    group, twin = ((0, 1), 7), ((0, 1), 8)  # the same ranks, two group objects
     good = [[("warm", group), ("send", group, 0, 1, (8, "f", 0)),
              ("send", group, 0, 1, (4, "f", 1)), ("send", group, 0, 1, (4, "f", 2))],
             [("warm", group), ("recv", group, 0, 1, (8, "f", 0)),
@@ -121,3 +128,6 @@ def test_the_checker_flags_order_and_warm_up_breaks():
     assert violations(same_size) and "0 -> 1" in violations(same_size)[0]
     cold = [good[0][1:], good[1]]
     assert any("before any collective" in v for v in violations(cold))
+    cold_twin = [good[0] + [("send", twin, 0, 1, (2, "f", 3))],
+                 good[1] + [("warm", twin), ("recv", twin, 0, 1, (2, "f", 3))]]
+    assert [v for v in violations(cold_twin) if "rank 0" in v and "before" in v]

@@ -180,8 +180,11 @@ def test_cp_equals_cp1_over_many_random_batches(algo, world, degree, exchange):
     assert any(f["pad_token_id"] is not None for f in drawn)
     assert all(any(not f[name] for f in drawn) for name in (
         "reset_position_ids", "reset_attention_mask", "eod_mask_loss"))
-    single = run_ranks(_many_losses_and_grads, 1, "ring", None, "batched", count)[0]
-    for rank_results in run_ranks(_many_losses_and_grads, world, algo, degree, exchange, count):
+    timeout = 120.0 + 1.0 * count * world
+    single = run_ranks(_many_losses_and_grads, 1, "ring", None, "batched", count,
+                       timeout=timeout)[0]
+    for rank_results in run_ranks(_many_losses_and_grads, world, algo, degree, exchange, count,
+                                  timeout=timeout):
         for index, ((loss, grads), (loss1, grads1)) in enumerate(zip(rank_results, single)):
             assert loss == pytest.approx(loss1, rel=2e-5, abs=1e-6), (index, _random_batch(index))
             assert (grads - grads1).abs().max().item() < 1e-4, (index, _random_batch(index)[1])
