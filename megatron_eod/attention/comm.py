@@ -25,7 +25,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["Exchange", "exchange", "exchange_many", "all_to_all_equal", "warm_up",
+__all__ = ["Exchange", "exchange", "exchange_many", "all_to_all_equal", "is_warm", "warm_up",
            "host_staging"]
 
 _WARM = []  # groups that have run a collective (kept alive, compared by identity)
@@ -115,11 +115,16 @@ def exchange_many(sends, recvs, group, what: str = "", result=None) -> Exchange:
                     ops)
 
 
+def is_warm(group) -> bool:
+    """Whether `group` has run a collective here (None, no group, needs none)."""
+    return group is None or any(g is group for g in _WARM)
+
+
 def warm_up(group, device) -> None:
     """Run one collective on `group` the first time it is seen (every rank of it calls this at
     the same point: the entry of an attention call), so that later batched p2p calls may
     involve only the ranks with something to move."""
-    if group is None or any(g is group for g in _WARM):
+    if is_warm(group):
         return
     dist.all_reduce(torch.zeros(1, device="cpu" if _STAGING[0] else device), group=group)
     _WARM.append(group)

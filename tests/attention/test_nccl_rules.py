@@ -51,7 +51,7 @@ def recording(log):
         return real_batch(ops)
 
     def warm_up(group, device):
-        if group is not None and not any(g is group for g in comm._WARM):
+        if not comm.is_warm(group):
             log.append(("warm", named(group)))
         return real_warm(group, device)
 

@@ -29,25 +29,31 @@ def _loss_and_grads(rank, world, algo, degree, exchange="batched"):
         registry = EodContextRegistry()
         model = tiny_gpt(world, registry, seed=1234, ring_exchange=exchange)
         stream = random_layout_tokens("mixed", B, S + 1, EOD, seed=5)
-        tokens, labels = stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
-        batch = slice_batch_for_cp(tokens, labels, EOD, registry, cp_size=world, cp_rank=rank,
-                                   cp_group=cp_group, algo=algo, ulysses_degree=degree,
-                                   eod_mask_loss=True)
-        losses = model(batch.tokens, batch.position_ids, batch.attention_mask,
-                       labels=batch.labels)
-        loss_sum = (losses.float() * batch.loss_mask).sum()
-        count = batch.loss_mask.sum()
-        totals = torch.stack([loss_sum.detach(), count])
+        return _step(model, registry, stream, rank, world, cp_group, algo, degree,
+                     eod_mask_loss=True)
+
+
+def _step(model, registry, stream, rank, world, cp_group, algo, degree, **flags):
+    """(loss, {name: gradient}) of one micro-batch `stream` [b, s+1], loss and gradients
+    summed over the CP group."""
+    model.zero_grad(set_to_none=True)
+    batch = slice_batch_for_cp(stream[:, :-1].contiguous(), stream[:, 1:].contiguous(), EOD,
+                               registry, cp_size=world, cp_rank=rank, cp_group=cp_group,
+                               algo=algo, ulysses_degree=degree, **flags)
+    losses = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
+    loss_sum = (losses.float() * batch.loss_mask).sum()
+    totals = torch.stack([loss_sum.detach(), batch.loss_mask.sum()])
+    if cp_group is not None:
+        dist.all_reduce(totals, group=cp_group)
+    count = totals[1].clamp_min(1)  # a batch of pads and masked EoDs only has no loss
+    (loss_sum / count).backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.detach().clone()
         if cp_group is not None:
-            dist.all_reduce(totals, group=cp_group)
-        (loss_sum / totals[1]).backward()
-        grads = {}
-        for name, param in model.named_parameters():
-            grad = param.grad.detach().clone()
-            if cp_group is not None:
-                dist.all_reduce(grad, group=cp_group)
-            grads[name] = grad
-        return (totals[0] / totals[1]).item(), grads
+            dist.all_reduce(grad, group=cp_group)
+        grads[name] = grad
+    return (totals[0] / count).item(), grads
 
 
 @pytest.fixture(scope="module")
@@ -123,10 +129,9 @@ def _random_batch(index):
     b = int(rng.integers(1, 4))
     cu = make_cu_seqlens(str(rng.choice(MIXES)), b, S + 1, 1, int(rng.integers(2**32)))
     tokens = torch.from_numpy(rng.integers(0, EOD - 1, b * (S + 1))).view(b, S + 1)
-    flat = tokens.view(-1)
-    for end in cu[1:] - 1:
-        if (end + 1) % (S + 1) or rng.random() < 0.5:
-            flat[end] = EOD
+    ends = cu[1:] - 1
+    ends = ends[((ends + 1) % (S + 1) != 0) | (rng.random(ends.size) < 0.5)]
+    tokens.view(-1)[torch.from_numpy(ends)] = EOD
     pad = None
     if rng.random() < 0.25:  # fine-tuning style: a pad run at the end of some rows
         pad = EOD - 1
@@ -140,29 +145,15 @@ def _random_batch(index):
 
 
 def _many_losses_and_grads(rank, world, algo, degree, exchange, count):
-    """Per random micro-batch: (loss, all gradients flattened) of one model at CP `world`."""
+    """Per random micro-batch: (loss, {name: gradient}) of one model at CP `world`."""
     with cp_setup(world, algo, degree) as cp_group:
         registry = EodContextRegistry()
         model = tiny_gpt(world, registry, seed=1234, ring_exchange=exchange)
         results = []
         for index in range(count):
             stream, flags = _random_batch(index)
-            model.zero_grad(set_to_none=True)
-            batch = slice_batch_for_cp(stream[:, :-1].contiguous(), stream[:, 1:].contiguous(),
-                                       EOD, registry, cp_size=world, cp_rank=rank,
-                                       cp_group=cp_group, algo=algo, ulysses_degree=degree,
-                                       **flags)
-            losses = model(batch.tokens, batch.position_ids, batch.attention_mask,
-                           labels=batch.labels)
-            loss_sum = (losses.float() * batch.loss_mask).sum()
-            totals = torch.stack([loss_sum.detach(), batch.loss_mask.sum()])
-            if cp_group is not None:
-                dist.all_reduce(totals, group=cp_group)
-            (loss_sum / totals[1].clamp_min(1)).backward()
-            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-            if cp_group is not None:
-                dist.all_reduce(grads, group=cp_group)
-            results.append(((totals[0] / totals[1].clamp_min(1)).item(), grads))
+            results.append(_step(model, registry, stream, rank, world, cp_group, algo, degree,
+                                 **flags))
         return results
 
 
@@ -187,4 +178,6 @@ def test_cp_equals_cp1_over_many_random_batches(algo, world, degree, exchange):
                                   timeout=timeout):
         for index, ((loss, grads), (loss1, grads1)) in enumerate(zip(rank_results, single)):
             assert loss == pytest.approx(loss1, rel=2e-5, abs=1e-6), (index, _random_batch(index))
-            assert (grads - grads1).abs().max().item() < 1e-4, (index, _random_batch(index)[1])
+            for name, g1 in grads1.items():
+                assert (grads[name] - g1).abs().max().item() < 1e-4, (index, name,
+                                                                      _random_batch(index)[1])

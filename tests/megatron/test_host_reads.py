@@ -12,8 +12,6 @@ which is a host tensor on GPUs too.
 """
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from megatron_eod.megatron.batch import slice_batch_for_cp
 from megatron_eod.megatron.batch_context import EodContextRegistry
@@ -39,7 +37,6 @@ def _reads(rank, world, algo, degree, exchange):
             batch = slice_batch_for_cp(tokens, labels, EOD, registry, cp_size=world,
                                        cp_rank=rank, cp_group=cp_group, algo=algo,
                                        ulysses_degree=degree, eod_mask_loss=True)
-            batch.plan.schedule(dist.get_rank(cp_group))  # built in get_batch's plan-ahead
             with HostReads(exempt=EXEMPT) as reads:
                 losses = model(batch.tokens, batch.position_ids, batch.attention_mask,
                                labels=batch.labels)
