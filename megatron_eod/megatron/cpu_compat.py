@@ -52,6 +52,10 @@ Scope "megatron-lm" (`apply(megatron_lm=True)`: Megatron-LM's trainer on CPU):
 | module `torch` of Megatron-LM's initialize,      | as in "core"; initialize also asserts     |
 | training, utils, checkpointing                   | CUDA and seeds only if device_count() > 0 |
 | `megatron.legacy.fused_kernels.load`             | probes nvcc (no fused kernels are used)   |
+| `initialize._warmup_jit_function`                | compiles the bias-gelu and bias-dropout-  |
+|                                                  | add fusions with inductor, ~7 s a rank at |
+|                                                  | every launch; the fusion flags are off on |
+|                                                  | CPU, so nothing it compiles is used       |
 
 What it does not do: nothing at import time, no walking of loaded modules, no patches for
 features the CPU path does not use (TransformerEngine, fused kernels, CUDA graphs, fp16/bf16).
@@ -214,6 +218,8 @@ PATCHES: List[Tuple[str, str, Callable[[], object], str]] = [
      lambda: stand_ins.TorchOnCpu(claims_device=True), "megatron-lm"),
     *[(module, "torch", _TORCH_ON_CPU, "megatron-lm") for module in _MEGATRON_LM_TORCH],
     ("megatron.legacy.fused_kernels", "load", lambda: (lambda args: None), "megatron-lm"),
+    ("megatron.training.initialize", "_warmup_jit_function", lambda: (lambda: None),
+     "megatron-lm"),
 ]
 
 _originals: Dict[Tuple[str, str], object] = {}

@@ -137,17 +137,21 @@ def test_megatron_lm_scope_is_applied_only_when_asked_and_fully_removed():
     cuda, param_type = torch.Tensor.cuda, torch.nn.Parameter.type
     try:
         assert cpu_compat.apply(force=True)
+        import megatron.training.initialize as initialize
         import megatron.training.training as training
 
+        warmup = initialize._warmup_jit_function
         assert training.torch is torch  # core scope only
         assert cpu_compat.apply(force=True, megatron_lm=True)
         p = torch.nn.Parameter(torch.zeros(1))
         assert p.type() == "torch.cuda.FloatTensor" and p.cuda() is p
         assert training.torch.zeros(1, device="cuda").device.type == "cpu"
+        assert initialize._warmup_jit_function() is None  # no inductor compile on CPU
     finally:
         cpu_compat.remove()
     assert torch.Tensor.cuda is cuda and torch.nn.Parameter.type is param_type
     assert training.torch is torch and not cpu_compat.is_applied()
+    assert initialize._warmup_jit_function is warmup
 
 
 def test_torch_adamw_fixes_apply_on_any_device_only_with_torch_adamw(monkeypatch):
