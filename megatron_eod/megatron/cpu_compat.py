@@ -218,8 +218,8 @@ PATCHES: List[Tuple[str, str, Callable[[], object], str]] = [
      lambda: stand_ins.TorchOnCpu(claims_device=True), "megatron-lm"),
     *[(module, "torch", _TORCH_ON_CPU, "megatron-lm") for module in _MEGATRON_LM_TORCH],
     ("megatron.legacy.fused_kernels", "load", lambda: (lambda args: None), "megatron-lm"),
-    ("megatron.training.initialize", "_warmup_jit_function", lambda: (lambda: None),
-     "megatron-lm"),
+    ("megatron.training.initialize", "_warmup_jit_function",  # 0.19 adds tp_size=
+     lambda: (lambda *args, **kwargs: None), "megatron-lm"),
 ]
 
 _originals: Dict[Tuple[str, str], object] = {}

@@ -147,6 +147,7 @@ def test_megatron_lm_scope_is_applied_only_when_asked_and_fully_removed():
         assert p.type() == "torch.cuda.FloatTensor" and p.cuda() is p
         assert training.torch.zeros(1, device="cuda").device.type == "cpu"
         assert initialize._warmup_jit_function() is None  # no inductor compile on CPU
+        assert initialize._warmup_jit_function(tp_size=2) is None  # 0.19's signature
     finally:
         cpu_compat.remove()
     assert torch.Tensor.cuda is cuda and torch.nn.Parameter.type is param_type
