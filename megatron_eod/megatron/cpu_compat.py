@@ -21,7 +21,7 @@ Scope "core" (every CPU run, both trainers):
 | its by-name import in `fusions.fused_softmax`)   |                                           |
 | `rope_utils.get_pos_emb_on_this_cp_rank` (and    | pin_memory() + .cuda() on the CP index    |
 | its by-name import in `rotary_pos_embedding`)    |                                           |
-| module `torch` of core's schedules, timers,      | `device="cuda"` tensors (random ones from |
+| module `torch` of core's schedules, pipeline p2p,| `device="cuda"` tensors (random ones from |
 | utils, optimizer, clip_grads, DDP and its        | their own generator, as a GPU draws from  |
 | buffers, rerun state machine, dist_checkpointing | its own), synchronize, streams, memory    |
 | strategies                                       | reports, CUDA RNG state                   |
@@ -173,6 +173,7 @@ _CORE_TORCH = [  # megatron-core modules whose global `torch` becomes TorchOnCpu
     "megatron.core.dist_checkpointing.strategies.fully_parallel",
     "megatron.core.dist_checkpointing.strategies.async_utils",
     "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
 ]
 _MEGATRON_LM_TORCH = [  # Megatron-LM's trainer modules whose global `torch` becomes TorchOnCpu
     "megatron.training.training", "megatron.training.utils", "megatron.training.checkpointing",

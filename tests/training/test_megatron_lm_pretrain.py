@@ -5,9 +5,11 @@ $MEGATRON_LM_PATH) with our providers, on 4 gloo CPU ranks, through pretrain_gpt
 What this shows: per-iteration lm loss (from --metrics-file, Megatron-LM's own loss of each
 iteration) is the CP=1 x DP=4 loss at CP=4 ring, ulysses and hybrid 2x2 (spelled the
 Megatron-LM way, --cp-comm-type a2a+p2p with --hierarchical-context-parallel-sizes) and at
-CP=2 x DP=2 (with our --cp-ring-exchange batched-keep), all with the distributed optimizer, dropout off, to 1e-5 relative; a torch_dist
-checkpoint saved at CP=4 and loaded at CP=2 x DP=2 continues with the uninterrupted losses;
-Megatron-LM's own log lines (iteration, lm loss, throughput) are printed.
+CP=2 x DP=2 (with our --cp-ring-exchange batched-keep), all with the distributed optimizer,
+dropout off, to 1e-5 relative; TP=2 x CP=2 with sequence parallelism is TP=1 and PP=2 x CP=2
+is PP=2 x CP=1; a torch_dist checkpoint saved at CP=4 and loaded at CP=2 x DP=2 continues
+with the uninterrupted losses; Megatron-LM's own log lines (iteration, lm loss, throughput)
+are printed.
 """
 
 import contextlib
@@ -87,6 +89,29 @@ def test_cp_matches_cp1_under_megatron_lm(baseline, tiny_data, tmp_path, extra):
     reference, _ = baseline
     losses, _ = train(tmp_path, "cp", tiny_data, *extra)
     assert sorted(losses) == list(range(1, ITERS + 1))
+    for iteration, loss in reference.items():
+        assert losses[iteration] == pytest.approx(loss, rel=1e-5), iteration
+
+
+@pytest.mark.parametrize("reference_flags,flags", [
+    (["--use-cpu-initialization"],
+     ["--use-cpu-initialization", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+      "--context-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]),
+    (["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1"],
+     ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
+      "--context-parallel-size", "2"]),
+], ids=["tp2-sp-cp2", "pp2-cp2"])
+def test_tensor_and_pipeline_parallel_cp_match_under_megatron_lm(tiny_data, tmp_path,
+                                                                  reference_flags, flags):
+    """TP x CP with sequence parallelism == TP=1 x CP=1 (both initialised on the CPU, as one
+    master weight split, so TP=2 holds the TP=1 model; the vocabulary, 257 with the null
+    tokenizer's EoD, is padded to a multiple of divisible-by x TP, so halving divisible-by
+    keeps 384 rows); PP x CP == PP x CP=1 (Megatron-LM seeds each pipeline stage apart, so
+    PP=1 is another model). Megatron-LM's own schedules carry the packed EoD micro-batches
+    between stages."""
+    reference, _ = train(tmp_path, "reference", tiny_data, *reference_flags)
+    losses, _ = train(tmp_path, "parallel", tiny_data, *flags)
+    assert sorted(losses) == sorted(reference) == list(range(1, ITERS + 1))
     for iteration, loss in reference.items():
         assert losses[iteration] == pytest.approx(loss, rel=1e-5), iteration
 
