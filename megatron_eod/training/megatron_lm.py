@@ -75,6 +75,11 @@ class EodProviders:
         if config is None:
             config = importlib.import_module(
                 "megatron.training.arguments").core_transformer_config_from_args(args)
+        if args.pipeline_model_parallel_size > 1 and args.micro_batch_size > 1:
+            # Megatron-LM's schedule shapes stage-to-stage buffers [s/cp, mbs, h]; an EoD
+            # micro-batch travels packed as [mbs*s/cp, 1, h]. Stages then send the shape
+            # first (three int64 per transfer). Megatron-LM has no flag for it.
+            config.variable_seq_lengths = True
         te = getattr(args, "transformer_impl", "local") == "transformer_engine"
         spec = wiring.block_spec(self.registry, config, args, te and has_transformer_engine())
         gpt = import_megatron("megatron.core.models.gpt")

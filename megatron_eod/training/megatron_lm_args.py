@@ -165,13 +165,6 @@ def _refuse(args) -> None:
     if not args.calculate_per_token_loss:
         raise FlagError("--calculate-per-token-loss is off: each CP rank would divide its loss "
                         "by its own token count; EoD providers need per-token loss")
-    if (args.pipeline_model_parallel_size > 1 and args.micro_batch_size > 1
-            and not getattr(args, "variable_seq_lengths", False)):
-        raise FlagError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} "
-                        f"with --micro-batch-size {args.micro_batch_size}: Megatron-LM's "
-                        f"schedule shapes stage-to-stage buffers [s/cp, mbs, h] but EoD "
-                        f"micro-batches travel packed as [mbs*s/cp, 1, h]; use "
-                        f"--micro-batch-size 1 or --variable-seq-lengths")
     if not getattr(args, "mock_data", False) and not getattr(args, "data_path", None):
         raise FlagError("EoD providers read --data-path (blended prefixes allowed) or "
                         "--mock-data; --train-data-path/--valid-data-path/--test-data-path "

@@ -77,7 +77,6 @@ REFUSALS = {
     "degree-vs-sizes": (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
                          "--hierarchical-context-parallel-sizes", "2", "2",
                          "--ulysses-degree-in-cp", "4"], "--ulysses-degree-in-cp 4 contradicts"),
-    "pp-packed": (["--pipeline-model-parallel-size", "2"], "--micro-batch-size 1 or"),
     "per-split-data": (["--train-data-path", "a"], "--train-data-path"),
 }
 

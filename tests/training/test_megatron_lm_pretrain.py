@@ -98,17 +98,19 @@ def test_cp_matches_cp1_under_megatron_lm(baseline, tiny_data, tmp_path, extra):
      ["--use-cpu-initialization", "--tensor-model-parallel-size", "2", "--sequence-parallel",
       "--context-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]),
     (["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1"],
-     ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
+     ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
       "--context-parallel-size", "2"]),
-], ids=["tp2-sp-cp2", "pp2-cp2"])
+], ids=["tp2-sp-cp2", "pp2-cp2-mbs2"])
 def test_tensor_and_pipeline_parallel_cp_match_under_megatron_lm(tiny_data, tmp_path,
                                                                   reference_flags, flags):
     """TP x CP with sequence parallelism == TP=1 x CP=1 (both initialised on the CPU, as one
     master weight split, so TP=2 holds the TP=1 model; the vocabulary, 257 with the null
     tokenizer's EoD, is padded to a multiple of divisible-by x TP, so halving divisible-by
     keeps 384 rows); PP x CP == PP x CP=1 (Megatron-LM seeds each pipeline stage apart, so
-    PP=1 is another model). Megatron-LM's own schedules carry the packed EoD micro-batches
-    between stages."""
+    PP=1 is another model). Megatron-LM's own schedule carries the packed EoD micro-batches
+    between stages; at 2 sequences a micro-batch they are [2*s/cp, 1, h], not the
+    [s/cp, 2, h] it shapes its buffers for, so the shapes travel too (per-token loss: the
+    global batch's loss does not depend on how it is cut into micro-batches)."""
     reference, _ = train(tmp_path, "reference", tiny_data, *reference_flags)
     losses, _ = train(tmp_path, "parallel", tiny_data, *flags)
     assert sorted(losses) == sorted(reference) == list(range(1, ITERS + 1))
