@@ -1,11 +1,12 @@
 """All of a group's ring steps as one exchange and one kernel call (the batched ring).
 
 One job: a group's `BatchedExchange`: every key/value row it sends, to all peers, as runs of
-its local rows (views, nothing gathered); every row it receives, from all peers, in one buffer laid out in the order
-its ONE non-causal varlen call reads them; that call, in which each query piece attends to
-all the received rows of its document before it, whichever peer they came from. A group then
-makes two attention calls per layer and direction (the local call and this one) and one
-log-sum-exp merge, whatever the ring size, instead of one call and one merge per step.
+its local rows (views, nothing gathered); every row it receives, from all peers, in one
+buffer laid out in the order its ONE non-causal varlen call reads them; that call, in which
+each query piece attends to all the received rows of its document before it, whichever peer
+they came from. A group then makes two attention calls per layer and direction (the local
+call and this one) and one log-sum-exp merge, whatever the ring size, instead of one call and
+one merge per step.
 
 The receive buffer is the call's keys exactly, query piece after query piece, each piece's
 keys peer after peer (in ring-step order, a non-causal call does not care about key order),

@@ -2,9 +2,9 @@
 row's local gradient plus every gradient returned for it, summed, then rounded ONCE to the
 kernel's dtype, on each of its paths: the rows sent as one run, each once by index, a row sent
 several times (summed in float32 over the run covering the rows sent, or over all rows;
-message by message, or cast and index_added).
-The values are multiples of 1/64 below 4 (8 bits: exact in bf16 and float32), whose sums need more bits than
-bf16 has: a second rounding (an add in bf16 before the sum is complete) changes some of them.
+message by message, or cast and index_added). The values are multiples of 1/64 below 4 (8
+bits: exact in bf16 and float32), whose sums need more bits than bf16 has: a second rounding
+(an add in bf16 before the sum is complete) changes some of them.
 """
 
 import numpy as np
