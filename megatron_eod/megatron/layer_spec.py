@@ -5,7 +5,8 @@ installed and asked for) with the `core_attention` slot replaced by `EodCoreAtte
 to the model's context registry. Build the GPTModel with position_embedding_type="none":
 RoPE is applied inside the attention at the reset position ids. Without TransformerEngine the
 norms are `norm.TorchNorm` (megatron-core's torch wrapper refuses sequence parallelism);
-`get_gpt_eod_block_spec` also sets the block's final norm, for this pipeline stage's layers.
+`get_gpt_eod_block_spec` also sets the block's final norm, for this pipeline stage's layers
+(one model chunk's, given `vp_stage`).
 The rotary arguments are GPTModel's (`rotary_base`, `rotary_percent`, `rope_scaling`, ...):
 give them here, since the GPTModel itself is built without position embeddings or with
 learned absolute ones. `qk_layernorm` is megatron-core's (norms on q and k per head).
@@ -48,10 +49,13 @@ def get_gpt_layer_eod_spec(registry, use_transformer_engine: bool = False,
     return spec
 
 
-def get_gpt_eod_block_spec(registry, config, use_transformer_engine: bool = False, **kwargs):
-    """TransformerBlockSubmodules for this pipeline stage: its layers and the final norm."""
+def get_gpt_eod_block_spec(registry, config, use_transformer_engine: bool = False,
+                           vp_stage=None, **kwargs):
+    """TransformerBlockSubmodules for this pipeline stage (model chunk `vp_stage` of it under
+    virtual pipeline stages): its layers and the final norm."""
     block = import_megatron("megatron.core.transformer.transformer_block")
     layer = get_gpt_layer_eod_spec(registry, use_transformer_engine, **kwargs)
     norm = block.LayerNormImpl if use_transformer_engine else TorchNorm
     return block.TransformerBlockSubmodules(
-        layer_specs=[layer] * block.get_num_layers_to_build(config), layer_norm=norm)
+        layer_specs=[layer] * block.get_num_layers_to_build(config, vp_stage=vp_stage),
+        layer_norm=norm)

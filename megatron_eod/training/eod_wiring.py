@@ -23,11 +23,12 @@ __all__ = ["block_spec", "gpt_position_embedding_type", "datasets", "check_datas
            "hybrid_groups"]
 
 
-def block_spec(registry, config, args, use_transformer_engine: bool):
-    """This pipeline stage's block spec with EoD attention and the args' RoPE settings."""
+def block_spec(registry, config, args, use_transformer_engine: bool, vp_stage=None):
+    """This pipeline stage's (model chunk's) block spec with EoD attention and the args' RoPE
+    settings."""
     rope = args.position_embedding_type == "rope"
     return get_gpt_eod_block_spec(
-        registry, config, use_transformer_engine=use_transformer_engine,
+        registry, config, use_transformer_engine=use_transformer_engine, vp_stage=vp_stage,
         rotary_base=args.rotary_base, rotary_percent=args.rotary_percent if rope else 0.0,
         rope_scaling=getattr(args, "use_rope_scaling", False),
         rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),

@@ -13,8 +13,13 @@ One job: adapt Megatron-LM's provider signatures to the pieces our lean trainer 
 EoD layer spec, our GPTDataset builder, `EodGPTSteps`); flags are read and checked by
 megatron_lm_args.py. `megatron.training` is imported only when a provider is called.
 
-What it does not do: no virtual pipeline stages, no multi-token prediction, no MoE, no dense
-masks (see megatron_lm_args.REFUSED).
+Virtual pipeline stages (the interleaved schedule): Megatron-LM builds one data iterator per
+model chunk, so every chunk of a stage reads and plans the micro-batches itself (each
+iterator is its own stream in plan_ahead.py) and finds its own context in the registry, which
+is sized for every micro-batch the schedule holds between forward and backward.
+
+What it does not do: no multi-token prediction, no MoE, no dense masks (see
+megatron_lm_args.REFUSED).
 """
 
 from __future__ import annotations
@@ -28,7 +33,19 @@ from megatron_eod.megatron.steps import EodGPTSteps
 from megatron_eod.training import eod_wiring as wiring
 from megatron_eod.training.megatron_lm_args import add_eod_args, eod_args_from_megatron
 
-__all__ = ["EodProviders", "add_eod_args", "plans_ahead"]
+__all__ = ["EodProviders", "add_eod_args", "contexts_in_flight", "plans_ahead"]
+
+
+def contexts_in_flight(args) -> int:
+    """The most batch contexts a rank needs at once under Megatron-LM's schedules: one per
+    (model chunk, micro-batch) forward not yet run backward (on pipeline rank 0 the
+    interleaved schedule warms up 2 (pp - 1) + (chunks - 1) x group of them, the group being
+    megatron-core's `microbatch_group_size_per_vp_stage`, pp unless set; 1F1B pp - 1), the
+    one running, and one for an evaluation in between."""
+    pp = args.pipeline_model_parallel_size
+    chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    group = getattr(args, "microbatch_group_size_per_vp_stage", None) or pp
+    return 2 * (pp - 1) + (chunks - 1) * group + 2
 
 
 def plans_ahead(args) -> bool:
@@ -72,6 +89,7 @@ class EodProviders:
     def model_provider(self, pre_process=True, post_process=True, vp_stage=None, config=None,
                        pg_collection=None, **_unused):
         args = self._args()
+        self.registry.capacity = max(self.registry.capacity, contexts_in_flight(args))
         if config is None:
             config = importlib.import_module(
                 "megatron.training.arguments").core_transformer_config_from_args(args)
@@ -81,7 +99,8 @@ class EodProviders:
             # first (three int64 per transfer). Megatron-LM has no flag for it.
             config.variable_seq_lengths = True
         te = getattr(args, "transformer_impl", "local") == "transformer_engine"
-        spec = wiring.block_spec(self.registry, config, args, te and has_transformer_engine())
+        spec = wiring.block_spec(self.registry, config, args, te and has_transformer_engine(),
+                                 vp_stage)
         gpt = import_megatron("megatron.core.models.gpt")
         # RoPE is applied inside the attention; learned positions by the embedding, both at
         # the reset position ids get_batch hands the model.
@@ -92,9 +111,11 @@ class EodProviders:
             fp16_lm_cross_entropy=getattr(args, "fp16_lm_cross_entropy", False),
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             position_embedding_type=wiring.gpt_position_embedding_type(args),
-            pg_collection=pg_collection)
+            pg_collection=pg_collection, **({} if vp_stage is None else {"vp_stage": vp_stage}))
 
-    def datasets_provider(self, train_val_test_num_samples):
+    def datasets_provider(self, train_val_test_num_samples, vp_stage=None):
+        """The same datasets for every model chunk (`vp_stage`): each chunk reads every
+        micro-batch, since each chunk's attention needs its plan."""
         args = self._args()
         return wiring.datasets(args, self._training().get_tokenizer(), train_val_test_num_samples)
 

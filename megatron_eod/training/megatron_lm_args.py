@@ -14,9 +14,10 @@ groups); saying both and differently is an error.
 
 Honoured: RoPE (base, percent, interleaved, Llama-3 scaling, interpolation) at reset
 positions, learned absolute positions at reset positions, `--position-embedding-type none`,
-`--qk-layernorm`, GQA, `--transformer-impl local|transformer_engine`, TP/PP/CP/DP, the
-distributed optimizer, torch_dist checkpoints. Per-token loss is the default here
-(`--calculate-per-token-loss` on): otherwise each CP rank divides by its own token count.
+`--qk-layernorm`, GQA, `--transformer-impl local|transformer_engine`, TP/PP/CP/DP, virtual
+pipeline stages, the distributed optimizer, torch_dist checkpoints. Per-token loss is the
+default here (`--calculate-per-token-loss` on): otherwise each CP rank divides by its own
+token count.
 Everything else EoD attention cannot run is in REFUSED, with the reason.
 """
 
@@ -58,11 +59,6 @@ REFUSED = {
                                       "use --cp-comm-type a2a+p2p (our hybrid)"),
     "sft": (bool, "the EoD providers build pretraining GPTDatasets"),
     "fim_data": (bool, "the EoD providers build pretraining GPTDatasets"),
-    "num_layers_per_virtual_pipeline_stage": (bool, "virtual pipeline stages are not "
-                                                    "supported with EoD attention"),
-    "num_virtual_stages_per_pipeline_rank": (lambda v: v is not None and v > 1,
-                                             "virtual pipeline stages are not supported with "
-                                             "EoD attention"),
 }
 
 

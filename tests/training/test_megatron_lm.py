@@ -130,3 +130,33 @@ def test_plans_ahead_only_where_megatron_lm_replays_nothing(capsys):
     assert "--rerun-mode disabled to plan ahead" in capsys.readouterr().out
     args.rerun_mode, args.plan_ahead = "disabled", False  # --no-plan-ahead
     assert plans_ahead(args) is False
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 8, 64])
+@pytest.mark.parametrize("chunks", [None, 2, 8])
+@pytest.mark.parametrize("group", [None, 1, 5])
+def test_registry_holds_every_context_megatron_core_schedules_keep(pp, chunks, group):
+    """The batch contexts a rank needs at once are its forwards not yet run backward:
+    megatron-core's own warm-up count (`get_pp_rank_microbatches`, every pipeline rank, many
+    micro-batches) + the forward running + an evaluation's. The registry is at least that."""
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
+
+    from megatron_eod.training.megatron_lm import contexts_in_flight
+
+    if chunks is not None and pp == 1:
+        pytest.skip("Megatron-LM needs pipeline-model-parallel-size > 1 for virtual stages")
+    args = types.SimpleNamespace(pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=chunks,
+                                 microbatch_group_size_per_vp_stage=group)
+    bound = contexts_in_flight(args)
+    most = 0
+    for rank in range(pp):
+        comm = types.SimpleNamespace(
+            pp_group=types.SimpleNamespace(size=lambda: pp, rank=lambda r=rank: r),
+            virtual_pipeline_model_parallel_size=chunks)
+        _, _, warmup, _ = get_pp_rank_microbatches(1000, chunks or 1, group or pp,
+                                                   p2p_communicator=comm)
+        most = max(most, warmup + 2)
+    assert most <= bound
+    if chunks is not None:  # exact for the interleaved schedule (its contexts stay on the GPU)
+        assert bound == most

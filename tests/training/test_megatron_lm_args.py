@@ -58,10 +58,6 @@ REFUSALS = {
     "dynamic-hybrid-cp": (["--hybrid-context-parallel"], "--hybrid-context-parallel"),
     "sft": (["--sft"], "--sft"),
     "fim": (["--fim-data"], "--fim-data"),
-    "vpp": (["--num-layers-per-virtual-pipeline-stage", "1"],
-            "--num-layers-per-virtual-pipeline-stage 1"),
-    "vpp-ranks": (["--num-virtual-stages-per-pipeline-rank", "2"],
-                  "--num-virtual-stages-per-pipeline-rank 2"),
     "position": (["--position-embedding-type", "mrope"], "--position-embedding-type mrope"),
     "impl": (["--transformer-impl", "inference_optimized"],
              "--transformer-impl inference_optimized"),
@@ -157,3 +153,16 @@ def test_honoured_model_flags_pass():
                    "--group-query-attention", "--num-query-groups", "2")
     assert args.qk_layernorm and args.rotary_interleaved and args.use_rope_scaling
     assert checked().position_embedding_type == "learned_absolute"  # Megatron-LM's default
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--num-layers-per-virtual-pipeline-stage", 1),
+    ("--num-virtual-stages-per-pipeline-rank", 2),
+    ("--pipeline-model-parallel-layout", "Et|t|t|tL"),
+], ids=["layers-per-stage", "stages-per-rank", "layout"])
+def test_virtual_pipeline_stages_pass(flag, value):
+    """Each way Megatron-LM spells virtual pipeline stages (its run under CP is in
+    test_megatron_lm_pretrain.py)."""
+    args = checked("--num-layers", "4", "--pipeline-model-parallel-size", "2", flag,
+                   str(value))
+    assert getattr(args, flag[2:].replace("-", "_")) == value

@@ -56,8 +56,8 @@ def _train(rank, world, argv, log):
     except SystemExit as stop:  # --exit-interval: Megatron-LM's train() exits with 0
         if stop.code not in (0, None):
             raise
-    if rank == world - 1:
-        with open(log, "w") as f:
+    if rank in (0, world - 1):  # Megatron-LM logs iterations on the last, the setup on rank 0
+        with open(log if rank else f"{log}.rank0", "w") as f:
             f.write(out.getvalue())
 
 
@@ -159,3 +159,31 @@ def test_megatron_lm_default_learned_positions_under_cp(tiny_data, tmp_path):
     assert sorted(losses) == sorted(reference) == list(range(1, ITERS + 1))
     for iteration, loss in reference.items():
         assert losses[iteration] == pytest.approx(loss, rel=1e-5), iteration
+
+
+def test_virtual_pipeline_stages_under_cp_continue_a_plain_pipeline_run(tiny_data, tmp_path):
+    """Virtual pipeline stages (Megatron-LM's interleaved schedule: each model chunk reads
+    its own data iterator and keeps its own batch contexts, several micro-batches in flight)
+    at PP=2 x 2 chunks x CP=2, 2 sequences a micro-batch, continue a torch_dist checkpoint of
+    a plain PP=2 x CP=1 run at micro-batch 1 (1F1B) on that run's own losses. A checkpoint,
+    because Megatron-LM seeds each pipeline stage apart and chunks hold other layers, so the
+    two layouts would not start from the same model. Full recompute reads each chunk's
+    contexts again in backward, several micro-batches later; `--rerun-mode disabled` plans
+    one micro-batch ahead, each chunk's iterator a stream of its own."""
+    ckpt = str(tmp_path / "ckpt")
+    common = ["--num-layers", "5", "--pipeline-model-parallel-size", "2", "--ckpt-format",
+              "torch_dist", "--dist-ckpt-optim-fully-reshardable"]
+    reference, _ = train(tmp_path, "pp2", tiny_data, *common, "--micro-batch-size", "1",
+                         "--pipeline-model-parallel-layout", "Ettt|ttL", "--save", ckpt,
+                         "--save-interval", "2")
+    resumed, _ = train(tmp_path, "vpp", tiny_data, *common, "--context-parallel-size", "2",
+                       "--pipeline-model-parallel-layout", "Ett|t|t|tL", "--load", ckpt,
+                       "--ckpt-step", "2", "--recompute-granularity", "full",
+                       "--recompute-method", "uniform", "--recompute-num-layers", "1",
+                       "--rerun-mode", "disabled")
+    assert sorted(reference) == list(range(1, ITERS + 1))
+    assert sorted(resumed) == [3, 4]
+    setup = (tmp_path / "vpp.log.rank0").read_text()
+    assert "Number of virtual stages per pipeline stage: 2" in setup
+    for iteration in (3, 4):
+        assert resumed[iteration] == pytest.approx(reference[iteration], rel=1e-5), iteration
