@@ -8,8 +8,9 @@ Megatron-LM way, --cp-comm-type a2a+p2p with --hierarchical-context-parallel-siz
 CP=2 x DP=2 (with our --cp-ring-exchange batched-keep), all with the distributed optimizer,
 dropout off, to 1e-5 relative; TP=2 x CP=2 with sequence parallelism is TP=1 and PP=2 x CP=2
 is PP=2 x CP=1; a torch_dist checkpoint saved at CP=4 and loaded at CP=2 x DP=2 continues
-with the uninterrupted losses; Megatron-LM's own log lines (iteration, lm loss, throughput)
-are printed.
+with the uninterrupted losses, and one saved by plain PP=2 continues at PP=2 with virtual
+pipeline stages x CP=2; Megatron-LM's own log lines (iteration, lm loss, throughput) are
+printed.
 """
 
 import contextlib
