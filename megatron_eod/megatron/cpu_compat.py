@@ -31,6 +31,10 @@ Scope "core" (every CPU run, both trainers):
 | `filesystem_async._get_write_results_queue`      | spawns a Manager process per rank (~270 MB|
 |                                                  | each, outlives forked ranks); a sync save |
 |                                                  | needs an in-process queue only            |
+| `schedules.deallocate_output_tensor`             | frees a stage output while gloo's async   |
+|                                                  | send still reads it (the interleaved      |
+|                                                  | schedule sent garbage): kept until its    |
+|                                                  | backward                                  |
 
 Scope "torch-adamw" (with "core" on CPU; `apply_torch_adamw_fixes()` on ANY device where
 megatron-core falls back to torch's AdamW, i.e. neither TransformerEngine nor Apex):
@@ -214,6 +218,8 @@ PATCHES: List[Tuple[str, str, Callable[[], object], str]] = [
     (_DIST_OPT, "load_state_dict", _load_state_dict_with_own_steps, "torch-adamw"),
     ("megatron.core.dist_checkpointing.strategies.filesystem_async",
      "_get_write_results_queue", _in_process_results_queue, "core"),
+    ("megatron.core.pipeline_parallel.schedules", "deallocate_output_tensor",
+     lambda: stand_ins.deallocate_output_after_send, "core"),
     ("sys:modules", _BATCH_INVARIANT, _batch_invariant_kernels, "megatron-lm"),
     ("megatron.training.initialize", "torch",
      lambda: stand_ins.TorchOnCpu(claims_device=True), "megatron-lm"),

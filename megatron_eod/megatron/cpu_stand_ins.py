@@ -16,7 +16,7 @@ import types
 import torch
 
 __all__ = ["TorchOnCpu", "cpu_rng_tracker_class", "clip_grad_by_total_norm_fp32",
-           "parameter_type", "batch_invariant_kernels_module"]
+           "parameter_type", "batch_invariant_kernels_module", "deallocate_output_after_send"]
 
 
 def _on_cpu(device):
@@ -174,6 +174,22 @@ def parameter_type(self, dtype=None, non_blocking=False, **kwargs):
     if dtype is None and result.startswith("torch.") and not result.startswith("torch.cuda."):
         return "torch.cuda." + result[len("torch."):]
     return result
+
+
+def deallocate_output_after_send(out, deallocate_pipeline_outputs=False):
+    """megatron-core's `deallocate_output_tensor` frees a stage's output right after handing
+    it to an asynchronous send, by swapping its `.data` for one element. On a GPU the caching
+    allocator keeps the old memory until NCCL's stream has read it. Gloo sends from a
+    background thread out of the old memory, which was then free: the interleaved schedule
+    (virtual pipeline stages, overlapped p2p) sent whatever reused it, and losses changed
+    from run to run. Swap as the original does (its backward expects one element), but keep
+    the old memory alive with the tensor, until the schedule drops it after backward."""
+    if out is None or not deallocate_pipeline_outputs:
+        return
+    if not isinstance(out, torch.Tensor) or out._base is not None:
+        raise AssertionError("expected a Tensor that is not a view, the schedule's output")
+    out._eod_sent_data = out.data  # same memory as the send reads
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
 
 
 def batch_invariant_kernels_module():

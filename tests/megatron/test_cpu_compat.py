@@ -103,6 +103,31 @@ def test_apply_is_idempotent_and_removable():
     assert mc_utils.get_default_causal_mask is original and not cpu_compat.is_applied()
 
 
+def test_pipeline_output_memory_outlives_its_gloo_send():
+    """The schedules free a stage's output (`.data` swapped for one element) right after an
+    asynchronous send; gloo reads the old memory from a background thread. On CPU the swap
+    still happens (custom_backward asserts it) but the sent memory stays with the tensor."""
+    from megatron.core.pipeline_parallel import schedules
+
+    original = schedules.deallocate_output_tensor
+    try:
+        assert cpu_compat.apply(force=True)
+        out = torch.arange(6.0).reshape(2, 3).clone().requires_grad_()
+        sent = out.data
+        schedules.deallocate_output_tensor(out, True)
+        assert out.numel() == 1
+        assert out._eod_sent_data.data_ptr() == sent.data_ptr()
+        assert torch.equal(out._eod_sent_data, torch.arange(6.0).reshape(2, 3))
+        kept = torch.ones(3)
+        schedules.deallocate_output_tensor(kept, False)  # the flag off: untouched
+        assert kept.numel() == 3 and not hasattr(kept, "_eod_sent_data")
+        with pytest.raises(AssertionError, match="not a view"):
+            schedules.deallocate_output_tensor(torch.ones(4)[:2], True)
+    finally:
+        cpu_compat.remove()
+    assert schedules.deallocate_output_tensor is original
+
+
 def test_rng_tracker_forks_a_separate_stream():
     from megatron.core.tensor_parallel import random as mc_random
 

@@ -162,29 +162,46 @@ def test_megatron_lm_default_learned_positions_under_cp(tiny_data, tmp_path):
         assert losses[iteration] == pytest.approx(loss, rel=1e-5), iteration
 
 
-def test_virtual_pipeline_stages_under_cp_continue_a_plain_pipeline_run(tiny_data, tmp_path):
-    """Virtual pipeline stages (Megatron-LM's interleaved schedule: each model chunk reads
-    its own data iterator and keeps its own batch contexts, several micro-batches in flight)
-    at PP=2 x 2 chunks x CP=2, 2 sequences a micro-batch, continue a torch_dist checkpoint of
-    a plain PP=2 x CP=1 run at micro-batch 1 (1F1B) on that run's own losses. A checkpoint,
-    because Megatron-LM seeds each pipeline stage apart and chunks hold other layers, so the
-    two layouts would not start from the same model. Full recompute reads each chunk's
-    contexts again in backward, several micro-batches later; `--rerun-mode disabled` plans
-    one micro-batch ahead, each chunk's iterator a stream of its own."""
-    ckpt = str(tmp_path / "ckpt")
-    common = ["--num-layers", "5", "--pipeline-model-parallel-size", "2", "--ckpt-format",
-              "torch_dist", "--dist-ckpt-optim-fully-reshardable"]
-    reference, _ = train(tmp_path, "pp2", tiny_data, *common, "--micro-batch-size", "1",
-                         "--pipeline-model-parallel-layout", "Ettt|ttL", "--save", ckpt,
-                         "--save-interval", "2")
-    resumed, _ = train(tmp_path, "vpp", tiny_data, *common, "--context-parallel-size", "2",
+@pytest.mark.parametrize("extra", [
+    ["--micro-batch-size", "1"],
+    ["--context-parallel-size", "2", "--recompute-granularity", "full", "--recompute-method",
+     "uniform", "--recompute-num-layers", "1", "--rerun-mode", "disabled"],
+], ids=["cp1-mbs1", "cp2-mbs2-recompute-planahead"])
+def test_virtual_pipeline_stages_continue_a_plain_pipeline_run(tiny_data, tmp_path_factory,
+                                                               plain_pp2_checkpoint, extra):
+    """Virtual pipeline stages (Megatron-LM's interleaved schedule with overlapped p2p: each
+    model chunk reads its own data iterator and keeps its own batch contexts, several
+    micro-batches in flight), PP=2 x 2 chunks of an uneven layout, continue a torch_dist
+    checkpoint of a plain PP=2 x CP=1 run at micro-batch 1 (1F1B) on that run's own losses:
+    at CP=1, micro-batch 1 (where gloo used to send freed stage outputs: cpu_compat), and at
+    CP=2 with 2 sequences a micro-batch, full recompute (each chunk's contexts read again in
+    backward, micro-batches later) and plans made one micro-batch ahead (each chunk's
+    iterator a stream of its own). A checkpoint, because Megatron-LM seeds each pipeline
+    stage apart and chunks hold other layers: the layouts would not start from one model."""
+    reference, ckpt = plain_pp2_checkpoint
+    tmp_path = tmp_path_factory.mktemp("vpp")
+    resumed, _ = train(tmp_path, "vpp", tiny_data, *_PP2_CHECKPOINT_FLAGS,
                        "--pipeline-model-parallel-layout", "Ett|t|t|tL", "--load", ckpt,
-                       "--ckpt-step", "2", "--recompute-granularity", "full",
-                       "--recompute-method", "uniform", "--recompute-num-layers", "1",
-                       "--rerun-mode", "disabled")
-    assert sorted(reference) == list(range(1, ITERS + 1))
+                       "--ckpt-step", "2", *extra)
     assert sorted(resumed) == [3, 4]
     setup = (tmp_path / "vpp.log.rank0").read_text()
     assert "Number of virtual stages per pipeline stage: 2" in setup
     for iteration in (3, 4):
         assert resumed[iteration] == pytest.approx(reference[iteration], rel=1e-5), iteration
+
+
+_PP2_CHECKPOINT_FLAGS = ["--num-layers", "5", "--pipeline-model-parallel-size", "2",
+                         "--ckpt-format", "torch_dist", "--dist-ckpt-optim-fully-reshardable"]
+
+
+@pytest.fixture(scope="module")
+def plain_pp2_checkpoint(tiny_data, tmp_path_factory):
+    """A plain PP=2 x CP=1 run at micro-batch 1, 5 layers split 3 + 2, saved at iteration 2:
+    its losses and the checkpoint directory."""
+    tmp_path = tmp_path_factory.mktemp("pp2")
+    ckpt = str(tmp_path / "ckpt")
+    losses, _ = train(tmp_path, "pp2", tiny_data, *_PP2_CHECKPOINT_FLAGS, "--micro-batch-size",
+                      "1", "--pipeline-model-parallel-layout", "Ettt|ttL", "--save", ckpt,
+                      "--save-interval", "2")
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    return losses, ckpt
