@@ -13,6 +13,8 @@ One job: adapt Megatron-LM's provider signatures to the pieces our lean trainer 
 EoD layer spec, our GPTDataset builder, `EodGPTSteps`); flags are read and checked by
 megatron_lm_args.py. `megatron.training` is imported only when a provider is called.
 
+Pipeline stages hand each other a micro-batch packed as one row, [mbs*s/cp, 1, h]; the model
+provider makes Megatron-LM's schedules shape their buffers so (`pack_stage_shapes`).
 Virtual pipeline stages (the interleaved schedule): Megatron-LM builds one data iterator per
 model chunk, so every chunk of a stage reads and plans the micro-batches itself (each
 iterator is its own stream in plan_ahead.py) and finds its own context in the registry, which
@@ -24,7 +26,9 @@ megatron_lm_args.REFUSED).
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 
 from megatron_eod.attention.backends import has_transformer_engine
 from megatron_eod.megatron.batch_context import EodContextRegistry
@@ -33,7 +37,8 @@ from megatron_eod.megatron.steps import EodGPTSteps
 from megatron_eod.training import eod_wiring as wiring
 from megatron_eod.training.megatron_lm_args import add_eod_args, eod_args_from_megatron
 
-__all__ = ["EodProviders", "add_eod_args", "contexts_in_flight", "plans_ahead"]
+__all__ = ["EodProviders", "add_eod_args", "contexts_in_flight", "pack_stage_shapes",
+           "plans_ahead"]
 
 
 def contexts_in_flight(args) -> int:
@@ -46,6 +51,38 @@ def contexts_in_flight(args) -> int:
     chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     group = getattr(args, "microbatch_group_size_per_vp_stage", None) or pp
     return 2 * (pp - 1) + (chunks - 1) * group + 2
+
+
+def pack_stage_shapes(training) -> None:
+    """Make Megatron-LM's schedules shape the tensors between pipeline stages as an EoD
+    micro-batch travels: packed, [mbs*s/cp, 1, h] (one row; the plan, not the row, separates
+    documents), not [s/cp, mbs, h]. The same elements, so `training.get_forward_backward_func`
+    is wrapped to ask for `seq_length` x mbs at micro-batch 1, as our lean trainer does.
+    Not `variable_seq_lengths`: its shape exchange costs a round trip per transfer, crosses
+    the shapes at PP=2 with virtual stages and deadlocks batched p2p at PP >= 4 in
+    megatron-core 0.16-0.19 (Megatron-LM issues #1450, #5100). Idempotent."""
+    original = training.get_forward_backward_func
+    if getattr(original, "_eod_packed", False):
+        return
+
+    def get_forward_backward_func(*args, **kwargs):
+        schedule = original(*args, **kwargs)
+        signature = inspect.signature(schedule)
+
+        def forward_backward(*call_args, **call_kwargs):
+            bound = signature.bind(*call_args, **call_kwargs)
+            mbs = bound.arguments.get("micro_batch_size", 1)
+            if mbs > 1:
+                for name in ("seq_length", "decoder_seq_length"):
+                    if bound.arguments.get(name) is not None:
+                        bound.arguments[name] *= mbs
+                bound.arguments["micro_batch_size"] = 1
+            return schedule(*bound.args, **bound.kwargs)
+
+        return functools.wraps(schedule)(forward_backward)
+
+    get_forward_backward_func._eod_packed = True
+    training.get_forward_backward_func = get_forward_backward_func
 
 
 def plans_ahead(args) -> bool:
@@ -93,11 +130,8 @@ class EodProviders:
         if config is None:
             config = importlib.import_module(
                 "megatron.training.arguments").core_transformer_config_from_args(args)
-        if args.pipeline_model_parallel_size > 1 and args.micro_batch_size > 1:
-            # Megatron-LM's schedule shapes stage-to-stage buffers [s/cp, mbs, h]; an EoD
-            # micro-batch travels packed as [mbs*s/cp, 1, h]. Stages then send the shape
-            # first (three int64 per transfer). Megatron-LM has no flag for it.
-            config.variable_seq_lengths = True
+        if args.pipeline_model_parallel_size > 1:
+            pack_stage_shapes(importlib.import_module("megatron.training.training"))
         te = getattr(args, "transformer_impl", "local") == "transformer_engine"
         spec = wiring.block_spec(self.registry, config, args, te and has_transformer_engine(),
                                  vp_stage)

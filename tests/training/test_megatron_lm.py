@@ -160,3 +160,29 @@ def test_registry_holds_every_context_megatron_core_schedules_keep(pp, chunks, g
     assert most <= bound
     if chunks is not None:  # exact for the interleaved schedule (its contexts stay on the GPU)
         assert bound == most
+
+
+def test_pipeline_stage_buffers_are_shaped_as_the_packed_micro_batch():
+    """Under PP, Megatron-LM's schedules are asked for the packed shape [mbs*s/cp, 1, h]
+    (seq_length x mbs at micro-batch 1, decoder_seq_length too when given) by every schedule
+    `get_forward_backward_func` returns, keyword or positional; micro-batch 1 unchanged;
+    wrapping twice is wrapping once."""
+    from megatron_eod.training.megatron_lm import pack_stage_shapes
+
+    calls = []
+
+    def schedule(forward_step_func, *, seq_length, micro_batch_size, decoder_seq_length=None,
+                 forward_only=False):
+        calls.append((seq_length, micro_batch_size, decoder_seq_length, forward_only))
+        return "losses"
+
+    training = types.SimpleNamespace(get_forward_backward_func=lambda **kw: schedule)
+    pack_stage_shapes(training)
+    wrapped = training.get_forward_backward_func
+    pack_stage_shapes(training)
+    assert training.get_forward_backward_func is wrapped
+    run = training.get_forward_backward_func(schedule_pg_collection=None)
+    assert run(print, seq_length=128, micro_batch_size=4, forward_only=True) == "losses"
+    run(forward_step_func=print, seq_length=128, micro_batch_size=1)
+    run(print, seq_length=64, micro_batch_size=2, decoder_seq_length=32)
+    assert calls == [(512, 1, None, True), (128, 1, None, False), (128, 1, 64, False)]

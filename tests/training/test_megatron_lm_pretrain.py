@@ -110,8 +110,8 @@ def test_tensor_and_pipeline_parallel_cp_match_under_megatron_lm(tiny_data, tmp_
     keeps 384 rows); PP x CP == PP x CP=1 (Megatron-LM seeds each pipeline stage apart, so
     PP=1 is another model). Megatron-LM's own schedule carries the packed EoD micro-batches
     between stages; at 2 sequences a micro-batch they are [2*s/cp, 1, h], not the
-    [s/cp, 2, h] it shapes its buffers for, so the shapes travel too (per-token loss: the
-    global batch's loss does not depend on how it is cut into micro-batches)."""
+    [s/cp, 2, h] it shapes its buffers for unless told (`pack_stage_shapes`; per-token loss:
+    the global batch's loss does not depend on how it is cut into micro-batches)."""
     reference, _ = train(tmp_path, "reference", tiny_data, *reference_flags)
     losses, _ = train(tmp_path, "parallel", tiny_data, *flags)
     assert sorted(losses) == sorted(reference) == list(range(1, ITERS + 1))
