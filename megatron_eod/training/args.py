@@ -157,7 +157,10 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     """Parse `argv` (default sys.argv[1:]) and `validate_args`; unknown flags are a FlagError."""
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:
-        raise FlagError(f"unrecognized flags: {' '.join(unknown)}")
+        raise FlagError(f"unrecognized flags: {' '.join(unknown)} (the lean trainer's flags: "
+                        f"--help; Megatron-LM's own trainer, --trainer megatron-lm where "
+                        f"megatron.training is installed, takes all of Megatron-LM's flags, "
+                        f"virtual pipeline stages included)")
     if world_size is None:
         try:
             world_size = int(os.environ.get("WORLD_SIZE", 1))
