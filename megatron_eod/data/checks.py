@@ -19,7 +19,7 @@ What it does not do: no repair, no reading of whole large files (the scan is bou
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy
 
@@ -41,9 +41,12 @@ class DatasetError(ValueError):
 SCAN_TOKENS = 1 << 24
 
 
-def check_dataset(prefix: str, tokenizer, scan_tokens: Optional[int] = None) -> None:
+def check_dataset(prefix: str, tokenizer, scan_tokens: Optional[int] = None,
+                  eod_flags: Optional[Callable[[int], Optional[str]]] = None) -> None:
     """Raise DatasetError unless `prefix`.bin/.idx is whole and fits `tokenizer`. Without
-    metadata, at most `scan_tokens` (default SCAN_TOKENS; 0: no scan) tokens are read."""
+    metadata, at most `scan_tokens` (default SCAN_TOKENS; 0: no scan) tokens are read.
+    `eod_flags(eod)`, where given, names the training flags that give the tokenizer that EoD
+    id (for an EoD mismatch's message)."""
     scan_tokens = SCAN_TOKENS if scan_tokens is None else scan_tokens
     idx, bin_ = prefix + ".idx", prefix + ".bin"
     dtype, lengths, pointers, documents = _read_index(idx)
@@ -60,7 +63,7 @@ def check_dataset(prefix: str, tokenizer, scan_tokens: Optional[int] = None) -> 
     meta = read_sidecar(prefix)
     if meta is not None:
         _check_against_metadata(prefix, meta, numpy.dtype(dtype).name, len(documents) - 1,
-                                tokens, size, tokenizer)
+                                tokens, size, tokenizer, eod_flags)
         return
     if scan_tokens <= 0:
         return
@@ -113,7 +116,8 @@ def _read_index(idx: str):
     return _DTYPES[code], lengths, pointers, documents
 
 
-def _check_against_metadata(prefix, meta, dtype, documents, tokens, size, tokenizer):
+def _check_against_metadata(prefix, meta, dtype, documents, tokens, size, tokenizer,
+                            eod_flags):
     where = sidecar_path(prefix)
     recorded = (meta.get("dtype"), meta.get("documents"), meta.get("tokens"),
                 meta.get("bin_bytes"))
@@ -124,10 +128,11 @@ def _check_against_metadata(prefix, meta, dtype, documents, tokens, size, tokeni
                            f"ones preprocessing wrote (re-run tools/preprocess_data.py)")
     made = meta.get("tokenizer", {})
     if made.get("eod") != tokenizer.eod:
+        flags = eod_flags(made["eod"]) if eod_flags and isinstance(made.get("eod"), int) else None
         raise DatasetError(f"{where}: the data was made with EoD id {made.get('eod')} "
                            f"({made.get('class')}, vocab {made.get('vocab_size')}), the training "
                            f"tokenizer's EoD id is {tokenizer.eod}: pass the tokenizer flags the "
-                           f"data was made with")
+                           f"data was made with" + (f" ({flags})" if flags else ""))
     if meta.get("max_token_id", -1) >= tokenizer.vocab_size:
         raise DatasetError(f"{where}: the data holds token id {meta['max_token_id']}, outside "
                            f"the training tokenizer's vocabulary ({tokenizer.vocab_size})")

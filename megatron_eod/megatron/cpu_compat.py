@@ -180,11 +180,14 @@ _CORE_TORCH = [  # megatron-core modules whose global `torch` becomes TorchOnCpu
     "megatron.core.pipeline_parallel.p2p_communication",
 ]
 _MEGATRON_LM_TORCH = [  # Megatron-LM's trainer modules whose global `torch` becomes TorchOnCpu
-    "megatron.training.training", "megatron.training.utils", "megatron.training.checkpointing",
+    "megatron.training.training", "megatron.training.checkpointing",
+    "megatron.training.utils.common_utils|megatron.training.utils",  # a package from 0.17
 ]
 
 # (target, attribute, replacement factory, scope). A target is a module, a class inside one
-# ("package.module:Class") or a dict ("sys:modules", the attribute is then a key). Factories
+# ("package.module:Class") or a dict ("sys:modules", the attribute is then a key); "a|b" in
+# either names what a later megatron-core moved or renamed: the first the installed one has;
+# "module?" a module a later version dropped (the row is then skipped). Factories
 # run at apply() time, after every original of the scope is saved.
 PATCHES: List[Tuple[str, str, Callable[[], object], str]] = [
     ("torch.cuda", "current_device", lambda: (lambda: "cpu"), "core"),
@@ -216,15 +219,16 @@ PATCHES: List[Tuple[str, str, Callable[[], object], str]] = [
     (_DIST_OPT, "_set_main_param_and_optimizer_states", _set_states_without_step,
      "torch-adamw"),
     (_DIST_OPT, "load_state_dict", _load_state_dict_with_own_steps, "torch-adamw"),
-    ("megatron.core.dist_checkpointing.strategies.filesystem_async",
-     "_get_write_results_queue", _in_process_results_queue, "core"),
+    ("megatron.core.dist_checkpointing.strategies.filesystem_async",  # public from 0.17
+     "_get_write_results_queue|get_write_results_queue", _in_process_results_queue, "core"),
     ("megatron.core.pipeline_parallel.schedules", "deallocate_output_tensor",
      lambda: stand_ins.deallocate_output_after_send, "core"),
     ("sys:modules", _BATCH_INVARIANT, _batch_invariant_kernels, "megatron-lm"),
     ("megatron.training.initialize", "torch",
      lambda: stand_ins.TorchOnCpu(claims_device=True), "megatron-lm"),
     *[(module, "torch", _TORCH_ON_CPU, "megatron-lm") for module in _MEGATRON_LM_TORCH],
-    ("megatron.legacy.fused_kernels", "load", lambda: (lambda args: None), "megatron-lm"),
+    ("megatron.legacy.fused_kernels?", "load", lambda: (lambda args: None),  # gone from 0.17
+     "megatron-lm"),
     ("megatron.training.initialize", "_warmup_jit_function",  # 0.19 adds tp_size=
      lambda: (lambda *args, **kwargs: None), "megatron-lm"),
 ]
@@ -238,6 +242,29 @@ def _target(name: str):
     module_name, _, inner = name.partition(":")
     module = importlib.import_module(module_name)
     return getattr(module, inner) if inner else module
+
+
+def _resolve(name: str, attr: str):
+    """The spellings of a row ("a|b" in target or attribute: moved or renamed in a later
+    megatron-core) that the installed version has: the first target that imports, and its
+    first attribute found. None for an optional row ("module?") when no target imports."""
+    names, spellings = name.rstrip("?").split("|"), attr.split("|")
+    if len(names) == len(spellings) == 1 and not name.endswith("?"):
+        return name, attr
+    imported = False
+    for candidate in names:
+        try:
+            target = _target(candidate)
+        except ImportError:
+            continue
+        imported = True
+        for spelling in spellings:
+            if (spelling in target) if isinstance(target, dict) else hasattr(target, spelling):
+                return candidate, spelling
+    if name.endswith("?") and not imported:
+        return None
+    raise AttributeError(f"none of {names} has any of {spellings} (megatron-core "
+                         f"{importlib.import_module('megatron.core').__version__})")
 
 
 def _get(name: str, attr: str):
@@ -303,11 +330,13 @@ def _apply_scopes(wanted) -> None:
             continue
         rows = [row for row in PATCHES if row[3] == scope]
         # The Triton stand-in must be in place before Megatron-LM's modules are imported.
-        for name, attr, make, _ in sorted(rows, key=lambda row: row[0] != "sys:modules"):
+        rows = [(*_resolve(name, attr), make) for name, attr, make, _ in rows
+                if _resolve(name, attr) is not None]
+        for name, attr, make in sorted(rows, key=lambda row: row[0] != "sys:modules"):
             _originals[(name, attr)] = _get(name, attr)
             if name == "sys:modules":
                 _set(name, attr, make())
-        for name, attr, make, _ in rows:
+        for name, attr, make in rows:
             if name != "sys:modules":
                 _set(name, attr, make())
         _scopes.append(scope)

@@ -186,6 +186,10 @@ def deallocate_output_after_send(out, deallocate_pipeline_outputs=False):
     the old memory alive with the tensor, until the schedule drops it after backward."""
     if out is None or not deallocate_pipeline_outputs:
         return
+    if isinstance(out, (list, dict)):  # from megatron-core 0.17: a stage's outputs
+        for item in out.values() if isinstance(out, dict) else out:
+            deallocate_output_after_send(item, deallocate_pipeline_outputs)
+        return
     if not isinstance(out, torch.Tensor) or out._base is not None:
         raise AssertionError("expected a Tensor that is not a view, the schedule's output")
     out._eod_sent_data = out.data  # same memory as the send reads

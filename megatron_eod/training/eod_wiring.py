@@ -48,7 +48,8 @@ def datasets(args, tokenizer, sizes):
     """Train/valid/test GPTDatasets on the ranks that read data (None elsewhere), after every
     rank checked every dataset against itself and the tokenizer (data/checks.py)."""
     if not getattr(args, "mock_data", False):
-        check_datasets(parse_data_path(args.data_path)[0], tokenizer)
+        check_datasets(parse_data_path(args.data_path)[0], tokenizer,
+                       null_tokenizer_eod_flags(args, tokenizer))
     return build_gpt_datasets(
         None if getattr(args, "mock_data", False) else args.data_path, args.seq_length,
         tokenizer, list(sizes), split=args.split, seed=args.seed,
@@ -57,7 +58,19 @@ def datasets(args, tokenizer, sizes):
         path_to_cache=args.data_cache_path, is_built_on_rank=is_dataset_built_on_rank)
 
 
-def check_datasets(prefixes, tokenizer) -> None:
+def null_tokenizer_eod_flags(args, tokenizer):
+    """For --tokenizer-type NullTokenizer: the flags that give it another EoD id. Its EoD is
+    --vocab-size in megatron-core 0.16 and --vocab-size - 1 (or --null-tokenizer-eod-id) from
+    0.17, so data made under one version needs other flags under the next."""
+    if getattr(args, "tokenizer_type", None) != "NullTokenizer" or not args.vocab_size:
+        return None
+    if getattr(args, "null_tokenizer_eod_id", None) is not None:
+        return lambda eod: f"--null-tokenizer-eod-id {eod}"
+    offset = args.vocab_size - tokenizer.eod
+    return lambda eod: f"--tokenizer-type NullTokenizer --vocab-size {eod + offset}"
+
+
+def check_datasets(prefixes, tokenizer, eod_flags=None) -> None:
     """data/checks.py on every prefix: the cheap index/size/metadata checks on every rank (a
     node may hold its own, damaged copy), the bounded token scan on rank 0 only (no heavy
     reads multiplied by the world size); every rank raises the first rank's error, so none is
@@ -66,7 +79,8 @@ def check_datasets(prefixes, tokenizer) -> None:
     error = None
     try:
         for prefix in prefixes:
-            check_dataset(prefix, tokenizer, scan_tokens=None if rank == 0 else 0)
+            check_dataset(prefix, tokenizer, scan_tokens=None if rank == 0 else 0,
+                          eod_flags=eod_flags)
     except DatasetError as found:
         error = str(found)
     if dist.is_initialized():

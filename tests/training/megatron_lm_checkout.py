@@ -33,3 +33,11 @@ def import_megatron_lm():
             cpu_compat.apply(force=True, megatron_lm=True)
             cpu_compat.remove()
         _IMPORTED = True
+
+
+def null_tokenizer_vocab_size(eod: int) -> int:
+    """The --vocab-size that gives megatron-core's NullTokenizer the EoD id `eod`: the value
+    itself in 0.16, the value - 1 from 0.17."""
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    return eod + (eod - NullTokenizer(eod).eod)

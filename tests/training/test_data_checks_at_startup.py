@@ -1,6 +1,9 @@
 """The trainer refuses a dataset that does not fit its tokenizer before the first step, on
 every rank, with the file and the rule (exit 2), instead of training with the wrong EoD id."""
 
+import re
+
+from megatron_eod.data import NullTokenizer
 from tests.functional.tiny_gpt import tiny_flags
 from tests.harness import run_ranks
 from tests.training.test_nan_stop import _train
@@ -14,3 +17,7 @@ def test_a_tokenizer_that_does_not_match_the_data_stops_the_start(tiny_data):
     message = results[0][1]
     assert "pretrain_gpt.py: error:" in message and "_text_document.json" in message
     assert "EoD id 256" in message and "iteration" not in message
+    # The message names the --vocab-size that gives NullTokenizer the data's EoD id (the
+    # flag's value in megatron-core 0.16, the value - 1 from 0.17).
+    hint = re.search(r"--tokenizer-type NullTokenizer --vocab-size (\d+)\)", message)
+    assert hint and NullTokenizer(int(hint.group(1))).eod == 256, message

@@ -21,7 +21,8 @@ import os
 import pytest
 
 from tests.harness import run_ranks
-from tests.training.megatron_lm_checkout import import_megatron_lm, needs_megatron_lm
+from tests.training.megatron_lm_checkout import (import_megatron_lm, needs_megatron_lm,
+                                                 null_tokenizer_vocab_size)
 
 pytestmark = [needs_megatron_lm, pytest.mark.timeout(300)]
 
@@ -34,7 +35,8 @@ def flags(data, metrics, *extra):
             "--max-position-embeddings", "128", "--micro-batch-size", "2",
             "--global-batch-size", "8", "--train-iters", str(ITERS), "--lr", "2e-3",
             "--lr-decay-iters", "10", "--data-path", data, "--split", "90,8,2",
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+            "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", str(null_tokenizer_vocab_size(256)),  # byte data: EoD 256
             "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
             "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1",
             "--log-throughput", "--seed", "1234", "--hidden-dropout", "0",
