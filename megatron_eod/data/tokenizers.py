@@ -9,7 +9,9 @@ into the `.bin` files is the one `build_doc_layout` looks for.
   are the UTF-8 bytes, 256 is EoD, 257 is pad. The embedding is padded for efficiency by
   `padded_vocab_size` (Megatron's `--make-vocab-size-divisible-by` rule: 258 -> 384).
 * `NullTokenizer` (`--vocab-size V`): Megatron's semantics, wrapping megatron-core's own class:
-  text is space-separated integer ids, EoD is V, `vocab_size` is V + 1; no pad id.
+  text is space-separated integer ids; EoD is V and `vocab_size` V + 1 in megatron-core 0.16,
+  EoD V - 1 and `vocab_size` V from 0.17 (Megatron-LM's own flag changed meaning; the
+  dataset checks name the --vocab-size that fits data made under the other); no pad id.
 * `HuggingFaceTokenizer` (`--tokenizer-model DIR_OR_tokenizer.json`) and `GPT2BPETokenizer`
   (`--vocab-file --merge-file`): a tokenizer.json is read with the `tokenizers` package, its
   EoD is the eos token its tokenizer_config.json / special_tokens_map.json name (as
@@ -73,7 +75,8 @@ class ByteTokenizer:
 
 
 class NullTokenizer:
-    """Megatron's NullTokenizer: space-separated ids in, EoD = `vocab_size` (the flag's value)."""
+    """Megatron's NullTokenizer: space-separated ids in; EoD is megatron-core's (the flag's
+    value in 0.16, the value - 1 from 0.17)."""
 
     def __init__(self, vocab_size: Optional[int]):
         if vocab_size is None or int(vocab_size) <= 0:
@@ -84,7 +87,7 @@ class NullTokenizer:
             NullTokenizer as _MegatronNull,
         )
 
-        self._inner = _MegatronNull(int(vocab_size))
+        self._inner, self._flag = _MegatronNull(int(vocab_size)), int(vocab_size)
 
     @property
     def eod(self) -> int:
@@ -108,7 +111,8 @@ class NullTokenizer:
         bad = [i for i in ids if not 0 <= i < self.eod]
         if bad:
             raise ValueError(
-                f"NullTokenizer id {bad[0]} is outside [0, {self.eod}) (--vocab-size {self.eod})"
+                f"NullTokenizer id {bad[0]} is outside [0, {self.eod}) (below the EoD id "
+                f"{self.eod} of --vocab-size {self._flag})"
             )
         return ids
 

@@ -328,17 +328,22 @@ def _apply_scopes(wanted) -> None:
     for scope in wanted:
         if scope in _scopes:
             continue
-        rows = [row for row in PATCHES if row[3] == scope]
-        # The Triton stand-in must be in place before Megatron-LM's modules are imported.
-        rows = [(*_resolve(name, attr), make) for name, attr, make, _ in rows
-                if _resolve(name, attr) is not None]
-        for name, attr, make in sorted(rows, key=lambda row: row[0] != "sys:modules"):
-            _originals[(name, attr)] = _get(name, attr)
+        # The Triton stand-in must be in place before Megatron-LM's modules are imported
+        # (resolving a row imports its module).
+        rows = sorted((row for row in PATCHES if row[3] == scope),
+                      key=lambda row: row[0] != "sys:modules")
+        resolved = []
+        for name, attr, make, _ in rows:
+            found = _resolve(name, attr)
+            if found is None:
+                continue
+            _originals[found] = _get(*found)
             if name == "sys:modules":
-                _set(name, attr, make())
-        for name, attr, make in rows:
-            if name != "sys:modules":
-                _set(name, attr, make())
+                _set(*found, make())
+            else:
+                resolved.append((*found, make))
+        for name, attr, make in resolved:
+            _set(name, attr, make())
         _scopes.append(scope)
 
 

@@ -7,7 +7,8 @@ schedule), so `get_batch` finds its plan ready instead of computing it before th
 Reading stays on the step's thread and in lockstep over the tensor-parallel group, because
 only the TP source rank holds the iterator: each call first broadcasts a small fixed-size
 header from the source (which stream, whether a batch of it is already read, a stream to
-forget, which reads happened and which hit the end), then the batches read. Peers key their
+forget, which reads happened and what each holds: its rows, or 0 at the end), then the
+batches read. Peers key their
 pending batch by the stream number the source sent, so the train and validation streams never
 mix, and an exhausted iterator raises StopIteration on every TP rank at the same call instead
 of hanging the peers in a broadcast. Samples keep their order: the batch read ahead is the
@@ -37,15 +38,19 @@ class PlanAhead:
         the batches `batches_in(header)` marks present, broadcast to the TP group (the
         identity without TP); peers pass [] and [];
     plan(batch) -> planned: host work, run on the worker thread;
-    worker_init: run once on the worker thread first (e.g. select the CUDA device).
+    worker_init: run once on the worker thread first (e.g. select the CUDA device);
+    size(batch) -> a positive int the header announces for each batch read, for peers to
+        allocate it (e.g. its rows: training and evaluation micro-batches may differ).
     """
 
-    HEADER_SIZE = 6  # stream, pending, stream to forget (-1: none), reads, read 1 ok, read 2 ok
+    HEADER_SIZE = 6  # stream, pending, stream to forget (-1: none), reads, read 1 and read 2
+    #                  sizes (0: the stream ended)
 
     def __init__(self, read: Callable, share: Callable, plan: Callable, is_source: bool,
-                 worker_init: Optional[Callable[[], None]] = None):
+                 worker_init: Optional[Callable[[], None]] = None,
+                 size: Callable[[Batch], int] = lambda batch: 1):
         self.read, self.share, self.plan, self.is_source = read, share, plan, is_source
-        self.worker_init = worker_init
+        self.worker_init, self.size = worker_init, size
         self.waited_s = 0.0  # seconds `next` waited for a plan (the step's cost of planning)
         self._iterators: Dict[int, Callable[[], object]] = {}  # source: stream -> (weak) ref
         self._streams_seen = 0
@@ -53,9 +58,9 @@ class PlanAhead:
         self._pool: Optional[ThreadPoolExecutor] = None
 
     @staticmethod
-    def batches_in(header: List[int]) -> List[bool]:
-        """Which of the batches a header announces are present (False: the stream ended)."""
-        return [bool(flag) for flag in header[4:4 + header[3]]]
+    def batches_in(header: List[int]) -> List[int]:
+        """The sizes of the batches a header announces (0: the stream ended)."""
+        return list(header[4:4 + header[3]])
 
     def next(self, iterator):
         header, read = self._read(iterator) if self.is_source else ([], [])
@@ -90,8 +95,8 @@ class PlanAhead:
             reads.append(self.read(iterator))
         if (reads[-1] if reads else self._pending[stream][0]) is not None:
             reads.append(self.read(iterator))  # the next one, to plan while this one trains
-        flags = [int(b is not None) for b in reads] + [0] * (2 - len(reads))
-        return [stream, int(pending), forget, len(reads)] + flags, reads
+        sizes = [self.size(b) if b is not None else 0 for b in reads] + [0] * (2 - len(reads))
+        return [stream, int(pending), forget, len(reads)] + sizes, reads
 
     def _stream(self, iterator) -> int:
         """Source rank: the stream number of an iterator; a weak reference where the type

@@ -45,6 +45,10 @@ def _ps():
     return import_megatron("megatron.core.parallel_state")
 
 
+def _rows(batch) -> int:
+    return batch["tokens"].shape[0]
+
+
 def _add_host_tokens(batch) -> None:
     """A CPU copy of the batch's tokens for the planner thread. On a GPU it is started
     without a host sync; the thread waits on the `tokens_ready` event, not the step."""
@@ -78,9 +82,15 @@ class EodGPTSteps:
                  algo: str = "ring", ulysses_degree: Optional[int] = None,
                  reset_position_ids: bool = True, reset_attention_mask: bool = True,
                  eod_mask_loss: bool = False, pad_token_id: Optional[int] = None,
-                 device: Optional[torch.device] = None, plan_ahead: bool = True):
+                 device: Optional[torch.device] = None, plan_ahead: bool = True,
+                 eval_micro_batch_size: Optional[int] = None):
         self.eod, self.registry = eod_token_id, registry
-        self.shape = (micro_batch_size, seq_length)
+        self.seq_length = seq_length
+        # Rows a micro-batch may have: training's, and evaluation's where Megatron-LM (>= 0.17,
+        # --eval-micro-batch-size) reads validation and test data in other micro-batches.
+        self.rows = {micro_batch_size: "--micro-batch-size"}
+        if eval_micro_batch_size not in (None, micro_batch_size):
+            self.rows[eval_micro_batch_size] = "--eval-micro-batch-size"
         self.algo, self.ulysses_degree = algo, ulysses_degree
         self.flags = dict(reset_position_ids=reset_position_ids,
                           reset_attention_mask=reset_attention_mask,
@@ -110,11 +120,14 @@ class EodGPTSteps:
         except StopIteration:
             return None
         batch = {}
+        rows = tuple(sample["tokens"].shape)[0] if sample["tokens"].dim() == 2 else None
         for key in _KEYS:
             t = sample[key]
-            if tuple(t.shape) != self.shape:
+            if rows not in self.rows or tuple(t.shape) != (rows, self.seq_length):
+                expected = " or ".join(f"[{flag}, --seq-length] = [{n}, {self.seq_length}]"
+                                       for n, flag in self.rows.items())
                 raise ValueError(f"get_batch: {key} has shape {tuple(t.shape)}, expected "
-                                 f"[--micro-batch-size, --seq-length] = {list(self.shape)}")
+                                 f"{expected}")
             # Not blocking: a blocking copy would drain the device's queue per micro-batch.
             batch[key] = t.to(self.device, _DTYPES[key], non_blocking=True)
         batch["tokens_cpu"] = sample["tokens"].to("cpu", torch.int64)
@@ -133,12 +146,13 @@ class EodGPTSteps:
         header = head.tolist()  # the host needs it to know what follows (as Megatron's own
         source = ps.get_tensor_model_parallel_rank() == 0  # get_batch, which sends sizes)
         shared = []
-        for i, present in enumerate(PlanAhead.batches_in(header)):
-            if not present:
+        for i, rows in enumerate(PlanAhead.batches_in(header)):
+            if not rows:
                 shared.append(None)
                 continue
             batch = batches[i] if source else {key: torch.empty(
-                self.shape, device=self.device, dtype=_DTYPES[key]) for key in _KEYS}
+                (rows, self.seq_length), device=self.device, dtype=_DTYPES[key])
+                for key in _KEYS}
             for key in _KEYS:
                 dist.broadcast(batch[key], src=src, group=group)
             if not source:
@@ -167,11 +181,11 @@ class EodGPTSteps:
         if self.plan_ahead:
             if self._ahead is None:
                 self._ahead = PlanAhead(self._read, self._share, self._plan, source,
-                                        _worker_init(self.device))
+                                        _worker_init(self.device), size=_rows)
             data, planned = self._ahead.next(data_iterator)
         else:
             read = [self._read(data_iterator)] if source else []
-            flags = [int(r is not None) for r in read] or [0]
+            flags = [_rows(r) if r is not None else 0 for r in read] or [0]
             _, (data,) = self._share([0, 0, -1, 1] + flags + [0], read)
             if data is None:
                 raise StopIteration

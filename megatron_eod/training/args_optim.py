@@ -12,12 +12,14 @@ What it does not do: no Muon, no CPU offload, no decoupled LR, no async or local
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 
 from megatron_eod.training.cp_flags import FlagError
 
 __all__ = ["add_optimizer_args", "add_schedule_args", "add_checkpoint_args",
            "check_optimizer", "check_schedule", "check_checkpoint", "check_batch_sizes",
-           "train_iters_for_samples"]
+           "train_iters_for_samples", "rampup_as_step_schedule", "ramps_by_step_schedule"]
 
 
 def _require(ok: bool, message: str) -> None:
@@ -235,6 +237,40 @@ def check_batch_sizes(args) -> None:
              f"--rampup-batch-size start {start} and increment {increment} must be multiples of "
              f"--micro-batch-size {mbs} x data-parallel size {dp} (or pass "
              f"--decrease-batch-size-if-needed)")
+    _require(not (args.decrease_batch_size_if_needed and ramps_by_step_schedule()),
+             "--rampup-batch-size with --decrease-batch-size-if-needed: this megatron-core "
+             "ramps by a step schedule, which cannot decrease the batch; drop one of them")
+
+
+def ramps_by_step_schedule() -> bool:
+    """Whether the installed megatron-core ramps the batch only by a step schedule and ignores
+    rampup_batch_size (>= 0.18)."""
+    calculator = importlib.import_module("megatron.core.num_microbatches_calculator")
+    return "step_batch_size_schedule" in inspect.signature(
+        calculator.init_num_microbatches_calculator).parameters
+
+
+def rampup_as_step_schedule(start: int, increment: int, samples: int,
+                            global_batch_size: int) -> str:
+    """--rampup-batch-size START INCREMENT SAMPLES as megatron-core's step schedule
+    ("THRESHOLD:BATCH ..." in samples), the same batch at every consumed-sample count:
+    megatron-core >= 0.18 ignores rampup_batch_size (deprecated for step_batch_size_schedule).
+    The ramp: START + INCREMENT x int(consumed / (SAMPLES / increments)) up to SAMPLES, then
+    the global batch; each threshold is the first sample count its step reaches."""
+    increments = (global_batch_size - start) // increment
+    per_increment = samples / increments  # a float, as megatron-core's ramp computes it
+
+    def step(consumed: int) -> int:
+        return increments if consumed > samples else int(consumed / per_increment)
+
+    schedule = {0: start}  # threshold -> batch; several steps may share a threshold
+    for k in range(1, increments + 1):
+        threshold = max(0, int(k * per_increment) - 1)
+        while step(threshold) < k:
+            threshold += 1
+        schedule[threshold] = start + k * increment
+    schedule = sorted(schedule.items())
+    return " ".join(f"{threshold}:{batch}" for threshold, batch in schedule)
 
 
 def check_checkpoint(args) -> None:

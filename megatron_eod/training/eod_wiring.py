@@ -97,7 +97,8 @@ def steps(args, registry, eod_token_id: int, pad_token_id, plan_ahead: bool) -> 
         algo=args.context_parallel_algo, ulysses_degree=args.ulysses_degree,
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        pad_token_id=pad_token_id, plan_ahead=plan_ahead)
+        pad_token_id=pad_token_id, plan_ahead=plan_ahead,
+        eval_micro_batch_size=getattr(args, "eval_micro_batch_size", None))
 
 
 def hybrid_groups(args) -> bool:

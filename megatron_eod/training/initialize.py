@@ -5,7 +5,8 @@ already up") to "ready to build the model". NCCL on GPUs, gloo on CPUs; on a mac
 CUDA the megatron-core CPU patches are applied (cpu_compat). For Hybrid CP, parallel_state
 builds the Ulysses (consecutive) and Ring (strided) sub-groups as its hierarchical CP groups
 and they are handed to the attention (`register_hybrid_groups`). megatron-core's
-micro-batch calculator is set up for --global-batch-size / --rampup-batch-size. Seeds follow
+micro-batch calculator is set up for --global-batch-size / --rampup-batch-size (as a step
+schedule where megatron-core >= 0.18 ignores the ramp). Seeds follow
 Megatron:
 seed + 100 * pipeline rank for the default generators, and megatron-core's model-parallel
 RNG tracker (`model_parallel_cuda_manual_seed`).
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from megatron_eod.megatron import cpu_compat
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.training import eod_wiring as wiring
+from megatron_eod.training.args_optim import ramps_by_step_schedule, rampup_as_step_schedule
 from megatron_eod.training.parent_watch import exit_with_parent, launched_by_torchrun
 
 __all__ = ["initialize", "shutdown"]
@@ -63,12 +65,22 @@ def initialize(args):
     calculator = import_megatron("megatron.core.num_microbatches_calculator")
     calculator.init_num_microbatches_calculator(
         dist.get_rank(), args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
-        args.data_parallel_size, args.decrease_batch_size_if_needed)
+        args.data_parallel_size, args.decrease_batch_size_if_needed,
+        **_ramp_as_steps(args))
     seed = args.seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     import_megatron("megatron.core.tensor_parallel").model_parallel_cuda_manual_seed(seed)
+
+
+def _ramp_as_steps(args) -> dict:
+    """megatron-core >= 0.18 ignores rampup_batch_size (deprecated, with a warning only) for
+    its step_batch_size_schedule: hand it the same ramp as a step schedule there."""
+    if args.rampup_batch_size is None or not ramps_by_step_schedule():
+        return {}
+    return {"step_batch_size_schedule": rampup_as_step_schedule(*args.rampup_batch_size,
+                                                                args.global_batch_size)}
 
 
 def shutdown():

@@ -23,6 +23,7 @@ Everything else EoD attention cannot run is in REFUSED, with the reason.
 
 from __future__ import annotations
 
+from megatron_eod.training.args_optim import ramps_by_step_schedule, rampup_as_step_schedule
 from megatron_eod.training.cp_flags import (CP_ALGO_ALIASES, RING_EXCHANGE_HELP, RING_EXCHANGES,
                                             FlagError, check_context_parallel)
 
@@ -59,6 +60,16 @@ REFUSED = {
                                       "use --cp-comm-type a2a+p2p (our hybrid)"),
     "sft": (bool, "the EoD providers build pretraining GPTDatasets"),
     "fim_data": (bool, "the EoD providers build pretraining GPTDatasets"),
+    # From Megatron-LM 0.17-0.19:
+    "dataloader_inter_document_masking": (bool, "Megatron-LM's own document masking "
+                                                "(documents from the index, balanced per "
+                                                "sequence); EoD providers mask at EoD tokens: "
+                                                "pass --reset-attention-mask "
+                                                "--reset-position-ids"),
+    "logits_load_dir": (lambda v: v is not None, "distillation from cached logits replaces "
+                                                 "the loss function the EoD providers use"),
+    "logits_save_dir": (lambda v: v is not None, "a CP rank holds its tokens in its plan's "
+                                                 "order, not the sequence's"),
 }
 
 
@@ -90,6 +101,39 @@ def eod_args_from_megatron(args) -> None:
     _resolve_context_parallel(args)
     check_context_parallel(args)
     _refuse(args)
+    _check_sequence_parallel_rows(args)
+    _check_rampup(args)
+
+
+def _check_rampup(args) -> None:
+    """Megatron-LM >= 0.18 accepts --rampup-batch-size and then trains at the full batch (its
+    megatron-core ignores the ramp, with a deprecation warning): say so, with the schedule
+    that ramps the same way."""
+    if getattr(args, "rampup_batch_size", None) is None or not ramps_by_step_schedule():
+        return
+    start, increment, samples = map(int, args.rampup_batch_size)
+    if getattr(args, "step_batch_size_schedule", None):
+        raise FlagError(f"--rampup-batch-size {start} {increment} {samples}: this Megatron-LM "
+                        f"ignores it beside --step-batch-size-schedule; drop it")
+    schedule = rampup_as_step_schedule(start, increment, samples, args.global_batch_size)
+    raise FlagError(f"--rampup-batch-size {start} {increment} {samples}: this Megatron-LM "
+                    f"ignores it and trains at the full batch from the start; pass "
+                    f"--step-batch-size-schedule \"{schedule}\" (the same ramp) instead")
+
+
+def _check_sequence_parallel_rows(args) -> None:
+    """Sequence parallelism splits a rank's packed micro-batch over the TP group, training's
+    and (from Megatron-LM 0.17) evaluation's: caught here, not at the first evaluation."""
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    if not args.sequence_parallel or tp == 1:
+        return
+    for dest in ("micro_batch_size", "eval_micro_batch_size"):
+        rows = getattr(args, dest, None)
+        if rows is not None and rows * args.seq_length // cp % tp:
+            raise FlagError(f"--sequence-parallel needs --{dest.replace('_', '-')} x "
+                            f"--seq-length / --context-parallel-size = "
+                            f"{rows * args.seq_length // cp} tokens divisible by "
+                            f"--tensor-model-parallel-size {tp}")
 
 
 def _resolve_context_parallel(args) -> None:

@@ -1,10 +1,11 @@
 """`EodGPTSteps.get_batch` on real ranks: TP 2 x CP 2 over gloo, a train and a validation
-stream read alternately until both run out, with and without planning ahead.
+stream read alternately until both run out, with and without planning ahead; validation
+micro-batches have other rows (Megatron-LM's --eval-micro-batch-size).
 
 What this shows: TP peers (which hold no iterator) get the source's batches of the right
-stream in the right order, every rank ends a stream at the same call (nobody hangs in a
+stream, size and order, every rank ends a stream at the same call (nobody hangs in a
 broadcast), CP ranks compute identical plans (compared by a digest of the pieces), and
-planning ahead changes nothing.
+planning ahead changes nothing; a micro-batch of neither size is refused naming both flags.
 """
 
 import hashlib
@@ -17,16 +18,16 @@ from megatron_eod.megatron.batch_context import EodContextRegistry
 from megatron_eod.megatron.steps import EodGPTSteps
 from tests.harness import run_ranks
 
-EOD, SEQ, MBS = 9, 32, 2
+EOD, SEQ, MBS, EVAL_MBS = 9, 32, 2, 3
 ORDER = "ttvtvvvtttt"  # t: train (5 micro-batches), v: validation (3)
 
 
-def stream(seed, n):
+def stream(seed, n, rows=MBS):
     gen = torch.Generator().manual_seed(seed)
     for i in range(n):
-        tokens = torch.randint(0, 10, (MBS, SEQ), generator=gen)
+        tokens = torch.randint(0, 10, (rows, SEQ), generator=gen)
         tokens[0, 0] = 100 * seed + i  # names the sample
-        yield {"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_mask": torch.ones(MBS, SEQ)}
+        yield {"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_mask": torch.ones(rows, SEQ)}
 
 
 def _rank(rank, world, plan_ahead):
@@ -36,21 +37,22 @@ def _rank(rank, world, plan_ahead):
     ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
     try:
         steps = EodGPTSteps(EOD, EodContextRegistry(), SEQ, MBS, algo="ring",
-                            ulysses_degree=1, plan_ahead=plan_ahead)
+                            ulysses_degree=1, plan_ahead=plan_ahead,
+                            eval_micro_batch_size=EVAL_MBS)
         source = ps.get_tensor_model_parallel_rank() == 0
-        train, valid = (stream(1, 5), stream(2, 3)) if source else (None, None)
+        train, valid = (stream(1, 5), stream(2, 3, EVAL_MBS)) if source else (None, None)
         seen = []
         for which in ORDER:
             try:
                 batch = steps.get_batch(train if which == "t" else valid)
             except StopIteration:
-                seen.append((which, "end", None))
+                seen.append((which, "end", None, 0))
                 continue
             p = batch.plan.pieces
             digest = hashlib.sha1(b"".join(a.tobytes() for a in (p.start, p.end, p.group)))
             name = int(batch.tokens.flatten()[(batch.tokens.flatten() >= 100)].max()) \
                 if (batch.tokens >= 100).any() else None
-            seen.append((which, digest.hexdigest(), name))
+            seen.append((which, digest.hexdigest(), name, batch.tokens.numel()))
         steps.close()
         return ps.get_context_parallel_rank(), seen
     finally:
@@ -63,8 +65,13 @@ def test_tp_peers_follow_each_stream_and_stop_together(plan_ahead):
     by_rank = [seen for _, seen in results]
     # Each stream's samples in order, then its end (and again when asked again).
     assert [s[0] for s in by_rank[0]] == list(ORDER)
-    names = [s[2] if s[1] != "end" else "end" for s in by_rank[0]]
+    # The sample's name lands on one of the CP ranks (0 and 2; 0/1 and 2/3 are TP pairs).
+    names = [max(filter(None, (a[2], b[2])), default=None) if a[1] != "end" else "end"
+             for a, b in zip(by_rank[0], by_rank[2])]
     assert names == [100, 101, 200, 102, 201, 202, "end", 103, 104, "end", "end"]
+    # This CP rank's share of each micro-batch: its rows x SEQ / CP.
+    assert [s[3] for s in by_rank[0] if s[1] != "end"] == [
+        (EVAL_MBS if which == "v" else MBS) * SEQ // 2 for which in "ttvtvvtt"]
     # Every rank saw the same plans (identical on every CP rank, and on TP peers).
     digests = [[s[1] for s in seen] for seen in by_rank]
     assert all(d == digests[0] for d in digests)
@@ -76,6 +83,16 @@ def test_planning_ahead_gives_the_same_batches():
     ahead = run_ranks(_rank, 4, True, timeout=120)
     now = run_ranks(_rank, 4, False, timeout=120)
     assert ahead == now
+
+
+def test_a_micro_batch_of_neither_size_names_both_flags():
+    steps = EodGPTSteps(EOD, EodContextRegistry(), SEQ, MBS, eval_micro_batch_size=EVAL_MBS)
+    with pytest.raises(ValueError, match=r"tokens has shape \(4, 32\), expected "
+                                         r"\[--micro-batch-size, --seq-length\] = \[2, 32\] "
+                                         r"or \[--eval-micro-batch-size, --seq-length\] = "
+                                         r"\[3, 32\]"):
+        steps._read(stream(1, 1, rows=4))
+    assert steps._read(stream(1, 1, rows=EVAL_MBS))["tokens"].shape == (EVAL_MBS, SEQ)
 
 
 @pytest.mark.gpu

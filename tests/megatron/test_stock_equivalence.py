@@ -28,7 +28,8 @@ VARIANTS = {
     "llama3-scaling": dict(model=dict(rope_scaling=True, rope_scaling_factor=8.0,
                                       rotary_base=500000)),
     "interpolation": dict(model=dict(seq_len_interpolation_factor=4.0)),
-    "qk-layernorm-mha": dict(qk_layernorm=True, config=dict(num_query_groups=4)),
+    "qk-layernorm-mha": dict(qk_layernorm=True, config=dict(num_query_groups=4,
+                                                             qk_layernorm=True)),
     "learned-absolute": dict(position="learned_absolute"),
 }
 

@@ -2,6 +2,7 @@
 ../shared/megatron-lm (core_v0.16.1's megatron/training and pretrain_gpt.py). Tests that need
 it carry `needs_megatron_lm` and skip, saying where they looked, when it is absent."""
 
+import argparse
 import contextlib
 import io
 import os
@@ -41,3 +42,12 @@ def null_tokenizer_vocab_size(eod: int) -> int:
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
     return eod + (eod - NullTokenizer(eod).eod)
+
+
+def megatron_lm_knows(flag: str) -> bool:
+    """Whether the Megatron-LM under test has `flag` (versions add and drop some)."""
+    import_megatron_lm()
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(add_help=False))
+    return flag in parser._option_string_actions

@@ -3,8 +3,11 @@ checkpoint flags, what they derive, and every FlagError rule (through `parse_arg
 no process groups)."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_eod.training.args import FlagError, parse_args
+from megatron_eod.training.args_optim import rampup_as_step_schedule
 from tests.training.test_args import MODEL, parse
 
 BAD = [
@@ -106,3 +109,40 @@ def test_decrease_batch_size_if_needed_relaxes_divisibility():
     args = parse("--global-batch-size", 6, "--micro-batch-size", 4,
                  "--decrease-batch-size-if-needed")
     assert args.num_micro_batches == 1
+
+
+def _batch_at(schedule: str, consumed: int) -> int:
+    """A step schedule's batch at `consumed` samples (megatron-core >= 0.18's rule: the batch
+    of the last threshold reached)."""
+    batch = None
+    for entry in schedule.split():
+        threshold, size = map(int, entry.split(":"))
+        if consumed >= threshold:
+            batch = size
+    return batch
+
+
+@settings(max_examples=300, deadline=None)
+@given(start=st.integers(1, 64), increment=st.integers(1, 32), increments=st.integers(1, 40),
+       samples=st.integers(1, 5000))
+def test_rampup_as_a_step_schedule_is_megatron_cores_ramp(start, increment, increments,
+                                                          samples):
+    """megatron-core >= 0.18 ignores --rampup-batch-size; the step schedule the trainers use
+    instead gives megatron-core <= 0.17's own ramp (RampupBatchsizeNumMicroBatchesCalculator)
+    its batch at every consumed-sample count."""
+    calculators = pytest.importorskip("megatron.core.num_microbatches_calculator")
+    ramp_class = getattr(calculators, "RampupBatchsizeNumMicroBatchesCalculator", None)
+    if ramp_class is None:
+        pytest.skip("this megatron-core has no batch ramp-up of its own (>= 0.18)")
+    gbs = start + increment * increments
+    schedule = rampup_as_step_schedule(start, increment, samples, gbs)
+    thresholds = [int(entry.split(":")[0]) for entry in schedule.split()]
+    assert thresholds[0] == 0 and thresholds == sorted(set(thresholds))
+    ramp = ramp_class(global_batch_size=gbs, micro_batch_size=1, data_parallel_size=1,
+                      decrease_batch_size_if_needed=False, rank=1,
+                      start_global_batch_size=start, batch_size_increment=increment,
+                      ramup_samples=samples)
+    for consumed in sorted({*range(0, min(samples, 400) + 3), *thresholds,
+                            *(t - 1 for t in thresholds if t), samples, samples + 1}):
+        ramp.update(consumed, consistency_check=False)
+        assert _batch_at(schedule, consumed) == ramp.get_current_global_batch_size(), consumed

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from megatron_eod.training.args import FlagError
-from tests.training.megatron_lm_checkout import import_megatron_lm, needs_megatron_lm
+from tests.training.megatron_lm_checkout import (import_megatron_lm, megatron_lm_knows,
+                                                 needs_megatron_lm)
 
 pytestmark = needs_megatron_lm
 
@@ -74,6 +75,21 @@ REFUSALS = {
                          "--hierarchical-context-parallel-sizes", "2", "2",
                          "--ulysses-degree-in-cp", "4"], "--ulysses-degree-in-cp 4 contradicts"),
     "per-split-data": (["--train-data-path", "a"], "--train-data-path"),
+    "sequence-parallel-rows": (["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                "--micro-batch-size", "1", "--seq-length", "129"],
+                               "--sequence-parallel needs --micro-batch-size x --seq-length / "
+                               "--context-parallel-size = 129 tokens divisible by "
+                               "--tensor-model-parallel-size 2"),
+    # Megatron-LM >= 0.17 only (skipped where the parser lacks the flag):
+    "eval-rows": (["--eval-micro-batch-size", "1", "--tensor-model-parallel-size", "2",
+                   "--sequence-parallel", "--seq-length", "129"],
+                  "--eval-micro-batch-size x --seq-length / --context-parallel-size = 129"),
+    "inter-document-masking": (["--dataloader-inter-document-masking"],
+                               "--dataloader-inter-document-masking: .*pass "
+                               "--reset-attention-mask"),
+    "distillation": (["--logits-load-dir", "teacher"], "--logits-load-dir teacher"),
+    "logits-save": (["--logits-save-dir", "out", "--logits-save-top-k", "4"],
+                    "--logits-save-dir out"),
 }
 
 
@@ -85,17 +101,6 @@ def test_refused_flags_are_named(name):
         pytest.skip(f"this Megatron-LM has no {flags[0]}")
     with pytest.raises(FlagError, match=message):
         checked(*flags, base=base)
-
-
-def megatron_lm_knows(flag):
-    """Whether the Megatron-LM under test has `flag` (later versions dropped some)."""
-    import_megatron_lm()
-    import argparse
-
-    from megatron.training.arguments import add_megatron_arguments
-
-    parser = add_megatron_arguments(argparse.ArgumentParser(add_help=False))
-    return flag in parser._option_string_actions
 
 
 @pytest.mark.parametrize("drop,message", [
@@ -179,3 +184,20 @@ def test_virtual_pipeline_stages_pass(flag, value):
     args = checked("--num-layers", "4", "--pipeline-model-parallel-size", "2", flag,
                    str(value))
     assert getattr(args, flag[2:].replace("-", "_")) == value
+
+
+def test_a_batch_ramp_this_megatron_lm_would_ignore_is_refused_with_its_schedule():
+    """Megatron-LM >= 0.18 accepts --rampup-batch-size and trains at the full batch (its
+    megatron-core dropped the ramp for --step-batch-size-schedule): refused, naming the
+    schedule that ramps the same way; where the ramp is honoured (<= 0.17) it passes."""
+    import_megatron_lm()
+    from megatron_eod.training.args_optim import ramps_by_step_schedule
+
+    ramp = ["--rampup-batch-size", "8", "8", "64", "--global-batch-size", "32"]
+    if not ramps_by_step_schedule():
+        assert checked(*ramp).rampup_batch_size == [8, 8, 64]
+        return
+    with pytest.raises(FlagError, match=r"--rampup-batch-size 8 8 64: this Megatron-LM ignores "
+                                        r"it .* pass --step-batch-size-schedule "
+                                        r"\"0:8 22:16 43:24 64:32\""):
+        checked(*ramp)

@@ -21,8 +21,8 @@ import os
 import pytest
 
 from tests.harness import run_ranks
-from tests.training.megatron_lm_checkout import (import_megatron_lm, needs_megatron_lm,
-                                                 null_tokenizer_vocab_size)
+from tests.training.megatron_lm_checkout import (import_megatron_lm, megatron_lm_knows,
+                                                 needs_megatron_lm, null_tokenizer_vocab_size)
 
 pytestmark = [needs_megatron_lm, pytest.mark.timeout(300)]
 
@@ -190,6 +190,26 @@ def test_virtual_pipeline_stages_continue_a_plain_pipeline_run(tiny_data, tmp_pa
     assert "Number of virtual stages per pipeline stage: 2" in setup
     for iteration in (3, 4):
         assert resumed[iteration] == pytest.approx(reference[iteration], rel=1e-5), iteration
+
+
+def test_evaluation_in_micro_batches_of_its_own(tiny_data, tmp_path):
+    """Megatron-LM >= 0.17 reads validation and test data in --eval-micro-batch-size rows. At
+    PP=2 x CP=2 (the stage tensors packed for the evaluation's rows, the plans made for them,
+    TP-less peers told their size), evaluating 4 sequences a micro-batch gives the validation
+    and test losses of evaluating 2, and training is untouched."""
+    if not megatron_lm_knows("--eval-micro-batch-size"):
+        pytest.skip("this Megatron-LM has no --eval-micro-batch-size (from 0.17)")
+    common = ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2",
+              "--eval-iters", "2", "--rerun-mode", "disabled"]
+    reference, reference_log = train(tmp_path, "eval2", tiny_data, *common)
+    losses, log = train(tmp_path, "eval4", tiny_data, *common, "--eval-micro-batch-size", "4")
+    assert losses == pytest.approx(reference, rel=1e-6)
+    expected = json.loads(reference_log.splitlines()[-1])
+    evaluations = json.loads(log.splitlines()[-1])
+    assert set(evaluations) == set(expected) == {"valid", "test"}
+    for kind in expected:
+        assert evaluations[kind]["lm_loss"] == pytest.approx(expected[kind]["lm_loss"],
+                                                             rel=1e-5), kind
 
 
 _PP2_CHECKPOINT_FLAGS = ["--num-layers", "5", "--pipeline-model-parallel-size", "2",
