@@ -119,6 +119,7 @@ def _check_optimizer_state(args, sharding, same_tp_pp, folder):
 def _finish(args, loaded, load_optim, load_rng, optimizer, scheduler):
     if load_optim:
         flag_lrs = [(g.get("max_lr"), g.get("min_lr")) for g in optimizer.param_groups]
+        saved = _schedule_values_to_flags(loaded["optimizer"], optimizer.param_groups)
         optimizer.load_state_dict(loaded["optimizer"])
         if args.override_opt_param_scheduler:
             # The loaded param groups carry the checkpoint's per-group max/min LR, which the
@@ -126,11 +127,61 @@ def _finish(args, loaded, load_optim, load_rng, optimizer, scheduler):
             # core 0.16.1 alone would keep the checkpoint's, unlike the flag's documentation).
             for group, (max_lr, min_lr) in zip(optimizer.param_groups, flag_lrs):
                 group["max_lr"], group["min_lr"] = max_lr, min_lr
+        elif args.use_checkpoint_opt_param_scheduler:
+            for group, values in zip(optimizer.param_groups, saved):
+                group.update(values)
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     elif args.bf16 or args.fp16:
         optimizer.reload_model_params()  # float32 main weights follow the loaded ones
     if load_rng:
         _set_rng_state(loaded["rng_state"][0])
+
+
+_SCHEDULED = ("max_lr", "min_lr", "start_wd", "end_wd")  # per group, read by the scheduler
+
+
+def _schedule_values_to_flags(loaded_optimizer, current_groups):
+    """megatron-core 0.19 pairs each saved optimizer param group with a current one by its
+    identifier keys, the schedule's per-group values (max/min LR, start/end weight decay)
+    among them: a resume with another --lr found no group and stopped in the optimizer's
+    load, before the scheduler's own rule (--override-opt_param-scheduler /
+    --use-checkpoint-opt_param-scheduler) had a say. Give each saved group the current
+    group's values (paired by the other keys; earlier versions pair without them) and return
+    the saved values per current group, for the run where the checkpoint wins (all three
+    cases then as in megatron-core 0.16)."""
+    saved_values = [{} for _ in current_groups]
+    for groups in _saved_param_groups(loaded_optimizer):
+        for group in groups:
+            key = _structural_key(group)
+            matches = [i for i, g in enumerate(current_groups) if _structural_key(g) == key]
+            if len(matches) != 1:
+                continue  # no or several candidates: left to megatron-core's own pairing
+            current = current_groups[matches[0]]
+            for name in _SCHEDULED:
+                if name in group and name in current:
+                    saved_values[matches[0]][name] = group[name]
+                    group[name] = current[name]
+    return saved_values
+
+
+def _structural_key(group) -> tuple:
+    """megatron-core's own identifier of a param group, less the schedule's values."""
+    keys = import_megatron("megatron.core.optimizer").param_group_identifier_keys
+    return tuple(group.get(k) for k in keys if k not in _SCHEDULED)
+
+
+def _saved_param_groups(state):
+    """Every param-group list in a loaded optimizer state (megatron-core nests it in its
+    wrappers: mixed precision, chained and distributed optimizers)."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            if key == "param_groups" and isinstance(value, list):
+                yield value
+            else:
+                yield from _saved_param_groups(value)
+    elif isinstance(state, (list, tuple)):
+        for item in state:
+            yield from _saved_param_groups(item)
 
 
 def _load_torch(args, root, folder, finetune, model, optimizer, scheduler):

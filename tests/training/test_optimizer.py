@@ -117,29 +117,21 @@ def test_scaler_and_optimizer_flags_reach_megatron_core():
     assert (sgd.optimizer, sgd.sgd_momentum) == ("sgd", 0.5)
 
 
-def _groups_keyed_by_lr() -> bool:
-    """megatron-core 0.19 matches saved optimizer param groups to the current ones by
-    their max_lr/min_lr among other keys: a resume with another --lr fails in its optimizer
-    load, before the scheduler's rule (a known limit of the lean trainer there)."""
-    from megatron.core import optimizer
-
-    return "max_lr" in getattr(optimizer, "param_group_identifier_keys", ())
-
-
-@pytest.mark.xfail(_groups_keyed_by_lr(), strict=True, reason="megatron-core 0.19 keys "
-                   "optimizer param groups by max_lr: another --lr cannot load the optimizer")
-def test_resuming_with_another_lr_needs_a_scheduler_choice(tiny_data, tmp_path):
+@pytest.mark.parametrize("optimizer", [[], ["--use-distributed-optimizer"]],
+                         ids=["regular", "distributed"])
+def test_resuming_with_another_lr_needs_a_scheduler_choice(tiny_data, tmp_path, optimizer):
     """Megatron's rule: the checkpoint's schedule and the flags must agree, unless
     --override-opt_param-scheduler (the flags win) or --use-checkpoint-opt_param-scheduler
-    (the checkpoint wins)."""
+    (the checkpoint wins); with megatron-core 0.19 too, whose optimizer pairs saved param
+    groups by their max/min LR (a new --lr found none)."""
     save = str(tmp_path / "ckpt")
-    train(1, tiny_data, "--save", save, "--exit-interval", "4")
+    train(1, tiny_data, "--save", save, "--exit-interval", "4", *optimizer)
     with pytest.raises(AssertionError, match="learning rate do not match"):
-        train(1, tiny_data, "--load", save, "--lr", "1e-3", drop=("--lr",))
+        train(1, tiny_data, "--load", save, "--lr", "1e-3", *optimizer, drop=("--lr",))
     _, flags_win = run(tmp_path, "override", 1, tiny_data, "--load", save, "--lr", "1e-3",
-                       "--override-opt_param-scheduler", drop=("--lr",))
+                       "--override-opt_param-scheduler", *optimizer, drop=("--lr",))
     _, ckpt_wins = run(tmp_path, "checkpoint", 1, tiny_data, "--load", save, "--lr", "1e-3",
-                       "--use-checkpoint-opt_param-scheduler", drop=("--lr",))
+                       "--use-checkpoint-opt_param-scheduler", *optimizer, drop=("--lr",))
     assert flags_win[0]["iteration"] == ckpt_wins[0]["iteration"] == 5
     assert flags_win[0]["lr"] < 1e-3 < ckpt_wins[0]["lr"] <= 2e-3
 
