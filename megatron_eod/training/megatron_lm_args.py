@@ -103,6 +103,29 @@ def eod_args_from_megatron(args) -> None:
     _refuse(args)
     _check_sequence_parallel_rows(args)
     _check_rampup(args)
+    _check_cuda_graphs(args)
+
+
+def _check_cuda_graphs(args) -> None:
+    """A CUDA graph replays the kernels it captured, with the index tensors of the CP plan
+    it saw; EoD attention plans every micro-batch anew. Graphs of MLP/MoE parts only are
+    fine; a scope that holds attention (empty = the whole layer, "attn", a full iteration)
+    would silently reuse one batch's plan for the next."""
+    impl = getattr(args, "cuda_graph_impl", "none") or "none"
+    legacy = [f for f in ("enable_cuda_graph", "external_cuda_graph") if getattr(args, f, False)]
+    if impl == "none" and not legacy:
+        return
+    scope = list(getattr(args, "cuda_graph_modules", None) or
+                 getattr(args, "cuda_graph_scope", None) or [])
+    names = [str(getattr(s, "name", s)).lower() for s in scope]
+    if legacy or impl == "full_iteration" or not names or any(
+            "attn" in n or "full" in n for n in names):
+        shown = (f"--{legacy[0].replace('_', '-')}" if legacy else f"--cuda-graph-impl {impl}") \
+            + (f" with scope {' '.join(names)}" if names else "")
+        raise FlagError(f"{shown}: a CUDA graph would replay one micro-batch's CP plan for "
+                        f"the next (EoD attention plans each anew); capture mlp/moe parts "
+                        f"only (--cuda-graph-scope or, from Megatron-LM 0.19, "
+                        f"--cuda-graph-modules), or no graphs")
 
 
 def _check_rampup(args) -> None:

@@ -80,6 +80,9 @@ REFUSALS = {
                                "--sequence-parallel needs --micro-batch-size x --seq-length / "
                                "--context-parallel-size = 129 tokens divisible by "
                                "--tensor-model-parallel-size 2"),
+    "cuda-graph-layer": (["--cuda-graph-impl", "local"], "--cuda-graph-impl local: a CUDA "
+                         "graph would replay one micro-batch's CP plan"),
+    "cuda-graph-legacy": (["--enable-cuda-graph"], "--enable-cuda-graph: a CUDA graph"),
     # Megatron-LM >= 0.17 only (skipped where the parser lacks the flag):
     "eval-rows": (["--eval-micro-batch-size", "1", "--tensor-model-parallel-size", "2",
                    "--sequence-parallel", "--seq-length", "129"],
@@ -201,3 +204,14 @@ def test_a_batch_ramp_this_megatron_lm_would_ignore_is_refused_with_its_schedule
                                         r"it .* pass --step-batch-size-schedule "
                                         r"\"0:8 22:16 43:24 64:32\""):
         checked(*ramp)
+
+
+def test_cuda_graphs_capture_only_what_holds_no_attention():
+    """Graphs of the MLP pass; a scope with attention is refused (the graph would replay one
+    micro-batch's plan)."""
+    scope = "--cuda-graph-modules" if megatron_lm_knows("--cuda-graph-modules") else \
+        "--cuda-graph-scope"  # Megatron-LM 0.19 renamed it
+    assert checked("--cuda-graph-impl", "local", scope, "mlp").cuda_graph_impl == "local"
+    with pytest.raises(FlagError, match="--cuda-graph-impl transformer_engine with scope "
+                                        "attn mlp: a CUDA graph would replay"):
+        checked("--cuda-graph-impl", "transformer_engine", scope, "attn", "mlp")
