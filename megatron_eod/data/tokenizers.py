@@ -10,7 +10,7 @@ into the `.bin` files is the one `build_doc_layout` looks for.
   `padded_vocab_size` (Megatron's `--make-vocab-size-divisible-by` rule: 258 -> 384).
 * `NullTokenizer` (`--vocab-size V`): Megatron's semantics, wrapping megatron-core's own class:
   text is space-separated integer ids; EoD is V and `vocab_size` V + 1 in megatron-core 0.16,
-  EoD V - 1 and `vocab_size` V from 0.17 (Megatron-LM's own flag changed meaning; the
+  EoD V - 1 and `vocab_size` V from 0.18 (Megatron-LM's own flag changed meaning; the
   dataset checks name the --vocab-size that fits data made under the other); no pad id.
 * `HuggingFaceTokenizer` (`--tokenizer-model DIR_OR_tokenizer.json`) and `GPT2BPETokenizer`
   (`--vocab-file --merge-file`): a tokenizer.json is read with the `tokenizers` package, its
@@ -76,7 +76,7 @@ class ByteTokenizer:
 
 class NullTokenizer:
     """Megatron's NullTokenizer: space-separated ids in; EoD is megatron-core's (the flag's
-    value in 0.16, the value - 1 from 0.17)."""
+    value up to 0.17, the value - 1 from 0.18)."""
 
     def __init__(self, vocab_size: Optional[int]):
         if vocab_size is None or int(vocab_size) <= 0:

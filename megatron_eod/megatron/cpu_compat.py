@@ -181,7 +181,7 @@ _CORE_TORCH = [  # megatron-core modules whose global `torch` becomes TorchOnCpu
 ]
 _MEGATRON_LM_TORCH = [  # Megatron-LM's trainer modules whose global `torch` becomes TorchOnCpu
     "megatron.training.training", "megatron.training.checkpointing",
-    "megatron.training.utils.common_utils|megatron.training.utils",  # a package from 0.17
+    "megatron.training.utils.common_utils|megatron.training.utils",  # a package from 0.18
 ]
 
 # (target, attribute, replacement factory, scope). A target is a module, a class inside one
@@ -227,7 +227,7 @@ PATCHES: List[Tuple[str, str, Callable[[], object], str]] = [
     ("megatron.training.initialize", "torch",
      lambda: stand_ins.TorchOnCpu(claims_device=True), "megatron-lm"),
     *[(module, "torch", _TORCH_ON_CPU, "megatron-lm") for module in _MEGATRON_LM_TORCH],
-    ("megatron.legacy.fused_kernels?", "load", lambda: (lambda args: None),  # gone from 0.17
+    ("megatron.legacy.fused_kernels?", "load", lambda: (lambda args: None),  # not in wheels
      "megatron-lm"),
     ("megatron.training.initialize", "_warmup_jit_function",  # 0.19 adds tp_size=
      lambda: (lambda *args, **kwargs: None), "megatron-lm"),

@@ -86,7 +86,7 @@ class EodGPTSteps:
                  eval_micro_batch_size: Optional[int] = None):
         self.eod, self.registry = eod_token_id, registry
         self.seq_length = seq_length
-        # Rows a micro-batch may have: training's, and evaluation's where Megatron-LM (>= 0.17,
+        # Rows a micro-batch may have: training's, and evaluation's where Megatron-LM (>= 0.18,
         # --eval-micro-batch-size) reads validation and test data in other micro-batches.
         self.rows = {micro_batch_size: "--micro-batch-size"}
         if eval_micro_batch_size not in (None, micro_batch_size):

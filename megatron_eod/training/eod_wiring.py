@@ -60,8 +60,8 @@ def datasets(args, tokenizer, sizes):
 
 def null_tokenizer_eod_flags(args, tokenizer):
     """For --tokenizer-type NullTokenizer: the flags that give it another EoD id. Its EoD is
-    --vocab-size in megatron-core 0.16 and --vocab-size - 1 (or --null-tokenizer-eod-id) from
-    0.17, so data made under one version needs other flags under the next."""
+    --vocab-size up to megatron-core 0.17 and --vocab-size - 1 (or --null-tokenizer-eod-id)
+    from 0.18, so data made under one version needs other flags under the next."""
     if getattr(args, "tokenizer_type", None) != "NullTokenizer" or not args.vocab_size:
         return None
     if getattr(args, "null_tokenizer_eod_id", None) is not None:

@@ -60,7 +60,7 @@ REFUSED = {
                                       "use --cp-comm-type a2a+p2p (our hybrid)"),
     "sft": (bool, "the EoD providers build pretraining GPTDatasets"),
     "fim_data": (bool, "the EoD providers build pretraining GPTDatasets"),
-    # From Megatron-LM 0.17-0.19:
+    # From Megatron-LM 0.19:
     "dataloader_inter_document_masking": (bool, "Megatron-LM's own document masking "
                                                 "(documents from the index, balanced per "
                                                 "sequence); EoD providers mask at EoD tokens: "
@@ -146,7 +146,7 @@ def _check_rampup(args) -> None:
 
 def _check_sequence_parallel_rows(args) -> None:
     """Sequence parallelism splits a rank's packed micro-batch over the TP group, training's
-    and (from Megatron-LM 0.17) evaluation's: caught here, not at the first evaluation."""
+    and (from Megatron-LM 0.18) evaluation's: caught here, not at the first evaluation."""
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     if not args.sequence_parallel or tp == 1:
         return

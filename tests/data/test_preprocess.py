@@ -149,7 +149,7 @@ def test_skip_bad_lines_counts_and_keeps_the_rest(tmp_path):
 
 def test_null_tokenizer_rejects_out_of_vocab_ids_with_line(tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2 3"}, {"text": "4 50"}])
-    tok = build_tokenizer("NullTokenizer", vocab_size=10)  # EoD 10 (0.16) or 9 (>= 0.17)
+    tok = build_tokenizer("NullTokenizer", vocab_size=10)  # EoD 10 (<= 0.17) or 9 (>= 0.18)
     with pytest.raises(PreprocessError, match=rf"in\.jsonl:2: .*outside \[0, {tok.eod}\) "
                                               rf"\(below the EoD id {tok.eod} of --vocab-size "
                                               rf"10\)"):

@@ -27,8 +27,8 @@ def test_null_tokenizer_has_megatron_semantics():
 
     tok = build_tokenizer("NullTokenizer", vocab_size=1000)
     assert isinstance(tok, NullTokenizer)
-    # megatron-core's own semantics, which changed: EoD 1000 of 1001 ids in 0.16, 999 of 1000
-    # from 0.17.
+    # megatron-core's own semantics, which changed: EoD 1000 of 1001 ids up to 0.17, 999 of
+    # 1000 from 0.18.
     assert (tok.eod, tok.vocab_size) == (core(1000).eod, core(1000).vocab_size)
     assert (tok.eod, tok.vocab_size) in ((1000, 1001), (999, 1000))
     assert tok.tokenize("5 17 998") == [5, 17, 998]

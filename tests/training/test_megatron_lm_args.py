@@ -83,7 +83,7 @@ REFUSALS = {
     "cuda-graph-layer": (["--cuda-graph-impl", "local"], "--cuda-graph-impl local: a CUDA "
                          "graph would replay one micro-batch's CP plan"),
     "cuda-graph-legacy": (["--enable-cuda-graph"], "--enable-cuda-graph: a CUDA graph"),
-    # Megatron-LM >= 0.17 only (skipped where the parser lacks the flag):
+    # Megatron-LM >= 0.18 / 0.19 only (skipped where the parser lacks the flag):
     "eval-rows": (["--eval-micro-batch-size", "1", "--tensor-model-parallel-size", "2",
                    "--sequence-parallel", "--seq-length", "129"],
                   "--eval-micro-batch-size x --seq-length / --context-parallel-size = 129"),

@@ -193,12 +193,12 @@ def test_virtual_pipeline_stages_continue_a_plain_pipeline_run(tiny_data, tmp_pa
 
 
 def test_evaluation_in_micro_batches_of_its_own(tiny_data, tmp_path):
-    """Megatron-LM >= 0.17 reads validation and test data in --eval-micro-batch-size rows. At
+    """Megatron-LM >= 0.18 reads validation and test data in --eval-micro-batch-size rows. At
     PP=2 x CP=2 (the stage tensors packed for the evaluation's rows, the plans made for them,
     TP-less peers told their size), evaluating 4 sequences a micro-batch gives the validation
     and test losses of evaluating 2, and training is untouched."""
     if not megatron_lm_knows("--eval-micro-batch-size"):
-        pytest.skip("this Megatron-LM has no --eval-micro-batch-size (from 0.17)")
+        pytest.skip("this Megatron-LM has no --eval-micro-batch-size (from 0.18)")
     common = ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2",
               "--eval-iters", "2", "--rerun-mode", "disabled"]
     reference, reference_log = train(tmp_path, "eval2", tiny_data, *common)
