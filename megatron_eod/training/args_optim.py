@@ -251,12 +251,14 @@ def ramps_by_step_schedule() -> bool:
 
 
 def rampup_as_step_schedule(start: int, increment: int, samples: int,
-                            global_batch_size: int) -> str:
+                            global_batch_size: int, tokens_per_sample: int = 1) -> str:
     """--rampup-batch-size START INCREMENT SAMPLES as megatron-core's step schedule
-    ("THRESHOLD:BATCH ..." in samples), the same batch at every consumed-sample count:
-    megatron-core >= 0.18 ignores rampup_batch_size (deprecated for step_batch_size_schedule).
-    The ramp: START + INCREMENT x int(consumed / (SAMPLES / increments)) up to SAMPLES, then
-    the global batch; each threshold is the first sample count its step reaches."""
+    ("THRESHOLD:BATCH ...", thresholds in samples x `tokens_per_sample`: Megatron-LM hands
+    the calculator its --seq-length, which makes them tokens), the same batch at every
+    consumed-sample count: megatron-core >= 0.18 ignores rampup_batch_size (deprecated for
+    step_batch_size_schedule). The ramp: START + INCREMENT x int(consumed / (SAMPLES /
+    increments)) up to SAMPLES, then the global batch; each threshold is the first sample
+    count its step reaches."""
     increments = (global_batch_size - start) // increment
     per_increment = samples / increments  # a float, as megatron-core's ramp computes it
 
@@ -270,7 +272,7 @@ def rampup_as_step_schedule(start: int, increment: int, samples: int,
             threshold += 1
         schedule[threshold] = start + k * increment
     schedule = sorted(schedule.items())
-    return " ".join(f"{threshold}:{batch}" for threshold, batch in schedule)
+    return " ".join(f"{threshold * tokens_per_sample}:{batch}" for threshold, batch in schedule)
 
 
 def check_checkpoint(args) -> None:

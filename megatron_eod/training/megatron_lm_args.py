@@ -130,18 +130,25 @@ def _check_cuda_graphs(args) -> None:
 
 def _check_rampup(args) -> None:
     """Megatron-LM >= 0.18 accepts --rampup-batch-size and then trains at the full batch (its
-    megatron-core ignores the ramp, with a deprecation warning): say so, with the schedule
-    that ramps the same way."""
+    megatron-core ignores the ramp, with a deprecation warning only): hand it the same ramp
+    as its --step-batch-size-schedule (thresholds in tokens, as it reads them), and say so."""
     if getattr(args, "rampup_batch_size", None) is None or not ramps_by_step_schedule():
         return
     start, increment, samples = map(int, args.rampup_batch_size)
+    given = f"--rampup-batch-size {start} {increment} {samples}"
     if getattr(args, "step_batch_size_schedule", None):
-        raise FlagError(f"--rampup-batch-size {start} {increment} {samples}: this Megatron-LM "
-                        f"ignores it beside --step-batch-size-schedule; drop it")
-    schedule = rampup_as_step_schedule(start, increment, samples, args.global_batch_size)
-    raise FlagError(f"--rampup-batch-size {start} {increment} {samples}: this Megatron-LM "
-                    f"ignores it and trains at the full batch from the start; pass "
-                    f"--step-batch-size-schedule \"{schedule}\" (the same ramp) instead")
+        raise FlagError(f"{given}: this Megatron-LM ignores it beside "
+                        f"--step-batch-size-schedule; drop one of them")
+    if args.decrease_batch_size_if_needed:
+        raise FlagError(f"{given} with --decrease-batch-size-if-needed: this Megatron-LM ramps "
+                        f"only by a step schedule, which cannot decrease the batch; drop one")
+    args.step_batch_size_schedule = rampup_as_step_schedule(
+        start, increment, samples, args.global_batch_size, tokens_per_sample=args.seq_length)
+    args.rampup_batch_size = None
+    if getattr(args, "rank", 0) == 0:
+        print(f" megatron-eod: {given} runs as --step-batch-size-schedule "
+              f"\"{args.step_batch_size_schedule}\" (tokens; this Megatron-LM's megatron-core "
+              f"ignores the ramp)", flush=True)
 
 
 def _check_sequence_parallel_rows(args) -> None:

@@ -178,7 +178,8 @@ class _Metrics:
         if loss is None:
             return  # not the last pipeline stage, or a skipped iteration
         args = importlib.import_module("megatron.training").get_args()
-        tokens = args.global_batch_size * args.seq_length
+        calculator = importlib.import_module("megatron.core.num_microbatches_calculator")
+        tokens = calculator.get_current_global_batch_size() * args.seq_length  # ramps too
         self._write({"iteration": iteration, "lm_loss": float(loss),
                      "grad_norm": None if grad_norm is None else float(grad_norm),
                      "lr": None if lr is None else float(lr), "skipped": int(skipped),

@@ -189,21 +189,24 @@ def test_virtual_pipeline_stages_pass(flag, value):
     assert getattr(args, flag[2:].replace("-", "_")) == value
 
 
-def test_a_batch_ramp_this_megatron_lm_would_ignore_is_refused_with_its_schedule():
+def test_a_batch_ramp_this_megatron_lm_would_ignore_runs_as_its_step_schedule():
     """Megatron-LM >= 0.18 accepts --rampup-batch-size and trains at the full batch (its
-    megatron-core dropped the ramp for --step-batch-size-schedule): refused, naming the
-    schedule that ramps the same way; where the ramp is honoured (<= 0.17) it passes."""
+    megatron-core dropped the ramp for --step-batch-size-schedule, which it reads in tokens):
+    the rules hand it the same ramp as that schedule; where the ramp is honoured (<= 0.17)
+    nothing changes. Beside a schedule, or with --decrease-batch-size-if-needed, refused."""
     import_megatron_lm()
     from megatron_eod.training.args_optim import ramps_by_step_schedule
 
     ramp = ["--rampup-batch-size", "8", "8", "64", "--global-batch-size", "32"]
+    args = checked(*ramp)
     if not ramps_by_step_schedule():
-        assert checked(*ramp).rampup_batch_size == [8, 8, 64]
+        assert args.rampup_batch_size == [8, 8, 64]
         return
-    with pytest.raises(FlagError, match=r"--rampup-batch-size 8 8 64: this Megatron-LM ignores "
-                                        r"it .* pass --step-batch-size-schedule "
-                                        r"\"0:8 22:16 43:24 64:32\""):
-        checked(*ramp)
+    assert args.rampup_batch_size is None  # samples 0, 22, 43, 64 x --seq-length 128
+    assert args.step_batch_size_schedule == "0:8 2816:16 5504:24 8192:32"
+    with pytest.raises(FlagError, match="--rampup-batch-size 8 8 64 with "
+                                        "--decrease-batch-size-if-needed"):
+        checked(*ramp, "--decrease-batch-size-if-needed")
 
 
 def test_cuda_graphs_capture_only_what_holds_no_attention():
