@@ -25,7 +25,8 @@ from megatron_eod.attention.backends import has_transformer_engine
 from megatron_eod.data.tokenizers import SENTENCEPIECE_TYPES, TOKENIZER_TYPES
 from megatron_eod.training import args_optim as optim
 from megatron_eod.training.cp_flags import (CP_ALGO_ALIASES, RING_EXCHANGE_HELP, RING_EXCHANGES,
-                                            FlagError, check_context_parallel)
+                                            FlagError, check_context_parallel,
+                                            check_sequence_parallel_rows)
 
 __all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "check_context_parallel", "parse_args",
            "validate_args"]
@@ -259,14 +260,9 @@ def _check_model(args) -> None:
 
 
 def _check_sequence_parallel(args) -> None:
-    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
-    if tp == 1:
+    if args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # as Megatron: nothing to shard at TP 1
-    tokens = args.micro_batch_size * args.seq_length // cp
-    _require(not args.sequence_parallel or tokens % tp == 0,
-             f"--sequence-parallel needs --micro-batch-size x --seq-length / "
-             f"--context-parallel-size = {tokens} tokens divisible by "
-             f"--tensor-model-parallel-size {tp}")
+    check_sequence_parallel_rows(args)
 
 
 def _check_training(args, cuda_available: bool) -> None:

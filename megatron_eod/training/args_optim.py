@@ -19,7 +19,8 @@ from megatron_eod.training.cp_flags import FlagError
 
 __all__ = ["add_optimizer_args", "add_schedule_args", "add_checkpoint_args",
            "check_optimizer", "check_schedule", "check_checkpoint", "check_batch_sizes",
-           "train_iters_for_samples", "rampup_as_step_schedule", "ramps_by_step_schedule"]
+           "train_iters_for_samples", "ramp_as_step_schedule", "rampup_as_step_schedule",
+           "ramps_by_step_schedule"]
 
 
 def _require(ok: bool, message: str) -> None:
@@ -237,9 +238,27 @@ def check_batch_sizes(args) -> None:
              f"--rampup-batch-size start {start} and increment {increment} must be multiples of "
              f"--micro-batch-size {mbs} x data-parallel size {dp} (or pass "
              f"--decrease-batch-size-if-needed)")
-    _require(not (args.decrease_batch_size_if_needed and ramps_by_step_schedule()),
-             "--rampup-batch-size with --decrease-batch-size-if-needed: this megatron-core "
-             "ramps by a step schedule, which cannot decrease the batch; drop one of them")
+    ramp_as_step_schedule(args)  # its rules, where megatron-core needs the ramp so
+
+
+def ramp_as_step_schedule(args, tokens_per_sample: int = 1):
+    """The --rampup-batch-size ramp as a step schedule (`rampup_as_step_schedule`) where the
+    installed megatron-core ignores rampup_batch_size (>= 0.18, a deprecation warning and
+    then the full batch), None where it ramps itself or no ramp is asked for. There a ramp
+    beside --step-batch-size-schedule, or with --decrease-batch-size-if-needed (a step
+    schedule cannot decrease the batch), is a FlagError."""
+    if getattr(args, "rampup_batch_size", None) is None or not ramps_by_step_schedule():
+        return None
+    start, increment, samples = map(int, args.rampup_batch_size)
+    given = f"--rampup-batch-size {start} {increment} {samples}"
+    _require(not getattr(args, "step_batch_size_schedule", None),
+             f"{given}: this megatron-core ignores it beside --step-batch-size-schedule; drop "
+             f"one of them")
+    _require(not args.decrease_batch_size_if_needed,
+             f"{given} with --decrease-batch-size-if-needed: this megatron-core ramps only by "
+             f"a step schedule, which cannot decrease the batch; drop one of them")
+    return rampup_as_step_schedule(start, increment, samples, args.global_batch_size,
+                                   tokens_per_sample)
 
 
 def ramps_by_step_schedule() -> bool:

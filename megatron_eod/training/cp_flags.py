@@ -3,7 +3,8 @@
 One job: `check_context_parallel(args)` on any namespace with Megatron's attribute names (the
 lean trainer's args, or Megatron-LM's after megatron_lm_args maps its --cp-comm-type):
 normalises `context_parallel_algo` (the Ascend spellings too), sets `ulysses_degree` from the
-plan's one rule, and raises `FlagError` naming the flags.
+plan's one rule, and raises `FlagError` naming the flags; `check_sequence_parallel_rows(args)`
+checks that sequence parallelism can split a rank's packed micro-batch over TP.
 
 What it does not do: no parsing (args.py, megatron_lm_args.py).
 """
@@ -16,7 +17,7 @@ from megatron_eod.attention.ring import RING_EXCHANGES
 from megatron_eod.plan import ulysses_degree_for
 
 __all__ = ["CP_ALGO_ALIASES", "FlagError", "RING_EXCHANGES", "RING_EXCHANGE_HELP",
-           "check_context_parallel"]
+           "check_context_parallel", "check_sequence_parallel_rows"]
 
 RING_EXCHANGE_HELP = ("how ring and hybrid CP move keys/values: batched (default: all of a "
                       "layer's transfers at once, 2 attention calls per direction), "
@@ -81,3 +82,19 @@ def check_context_parallel(args) -> None:
     if exchange != "batched" and (cp == 1 or algo == "ulysses"):
         warnings.warn(f"--cp-ring-exchange {exchange} has no effect with "
                       f"--context-parallel-size {cp} --context-parallel-algo {algo} (no ring)")
+
+
+def check_sequence_parallel_rows(args) -> None:
+    """Sequence parallelism splits a rank's packed micro-batch, mbs x s / cp tokens, over the
+    TP group: training's, and evaluation's where Megatron-LM (>= 0.18) has its own
+    --eval-micro-batch-size. Caught at start-up, not at the first step or evaluation."""
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    if not args.sequence_parallel or tp == 1:
+        return
+    for dest in ("micro_batch_size", "eval_micro_batch_size"):
+        rows = getattr(args, dest, None)
+        tokens = None if rows is None else rows * args.seq_length // cp
+        _require(tokens is None or tokens % tp == 0,
+                 f"--sequence-parallel needs --{dest.replace('_', '-')} x --seq-length / "
+                 f"--context-parallel-size = {tokens} tokens divisible by "
+                 f"--tensor-model-parallel-size {tp}")

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron_eod.megatron import cpu_compat
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.training import eod_wiring as wiring
-from megatron_eod.training.args_optim import ramps_by_step_schedule, rampup_as_step_schedule
+from megatron_eod.training.args_optim import ramp_as_step_schedule
 from megatron_eod.training.parent_watch import exit_with_parent, launched_by_torchrun
 
 __all__ = ["initialize", "shutdown"]
@@ -66,7 +66,7 @@ def initialize(args):
     calculator.init_num_microbatches_calculator(
         dist.get_rank(), args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
         args.data_parallel_size, args.decrease_batch_size_if_needed,
-        **_ramp_as_steps(args))
+        **_step_schedule(ramp_as_step_schedule(args)))
     seed = args.seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
@@ -74,13 +74,8 @@ def initialize(args):
     import_megatron("megatron.core.tensor_parallel").model_parallel_cuda_manual_seed(seed)
 
 
-def _ramp_as_steps(args) -> dict:
-    """megatron-core >= 0.18 ignores rampup_batch_size (deprecated, with a warning only) for
-    its step_batch_size_schedule: hand it the same ramp as a step schedule there."""
-    if args.rampup_batch_size is None or not ramps_by_step_schedule():
-        return {}
-    return {"step_batch_size_schedule": rampup_as_step_schedule(*args.rampup_batch_size,
-                                                                args.global_batch_size)}
+def _step_schedule(schedule) -> dict:
+    return {} if schedule is None else {"step_batch_size_schedule": schedule}
 
 
 def shutdown():

@@ -23,9 +23,10 @@ Everything else EoD attention cannot run is in REFUSED, with the reason.
 
 from __future__ import annotations
 
-from megatron_eod.training.args_optim import ramps_by_step_schedule, rampup_as_step_schedule
+from megatron_eod.training.args_optim import ramp_as_step_schedule
 from megatron_eod.training.cp_flags import (CP_ALGO_ALIASES, RING_EXCHANGE_HELP, RING_EXCHANGES,
-                                            FlagError, check_context_parallel)
+                                            FlagError, check_context_parallel,
+                                            check_sequence_parallel_rows)
 
 __all__ = ["REFUSED", "add_eod_args", "eod_args_from_megatron"]
 
@@ -101,7 +102,7 @@ def eod_args_from_megatron(args) -> None:
     _resolve_context_parallel(args)
     check_context_parallel(args)
     _refuse(args)
-    _check_sequence_parallel_rows(args)
+    check_sequence_parallel_rows(args)
     _check_rampup(args)
     _check_cuda_graphs(args)
 
@@ -130,40 +131,16 @@ def _check_cuda_graphs(args) -> None:
 
 def _check_rampup(args) -> None:
     """Megatron-LM >= 0.18 accepts --rampup-batch-size and then trains at the full batch (its
-    megatron-core ignores the ramp, with a deprecation warning only): hand it the same ramp
-    as its --step-batch-size-schedule (thresholds in tokens, as it reads them), and say so."""
-    if getattr(args, "rampup_batch_size", None) is None or not ramps_by_step_schedule():
+    megatron-core ignores the ramp): hand it the same ramp as its --step-batch-size-schedule
+    (thresholds in tokens, as it reads them, with its --seq-length), and say so."""
+    schedule = ramp_as_step_schedule(args, tokens_per_sample=args.seq_length)
+    if schedule is None:
         return
-    start, increment, samples = map(int, args.rampup_batch_size)
-    given = f"--rampup-batch-size {start} {increment} {samples}"
-    if getattr(args, "step_batch_size_schedule", None):
-        raise FlagError(f"{given}: this Megatron-LM ignores it beside "
-                        f"--step-batch-size-schedule; drop one of them")
-    if args.decrease_batch_size_if_needed:
-        raise FlagError(f"{given} with --decrease-batch-size-if-needed: this Megatron-LM ramps "
-                        f"only by a step schedule, which cannot decrease the batch; drop one")
-    args.step_batch_size_schedule = rampup_as_step_schedule(
-        start, increment, samples, args.global_batch_size, tokens_per_sample=args.seq_length)
-    args.rampup_batch_size = None
+    given = "--rampup-batch-size " + " ".join(map(str, args.rampup_batch_size))
+    args.step_batch_size_schedule, args.rampup_batch_size = schedule, None
     if getattr(args, "rank", 0) == 0:
-        print(f" megatron-eod: {given} runs as --step-batch-size-schedule "
-              f"\"{args.step_batch_size_schedule}\" (tokens; this Megatron-LM's megatron-core "
-              f"ignores the ramp)", flush=True)
-
-
-def _check_sequence_parallel_rows(args) -> None:
-    """Sequence parallelism splits a rank's packed micro-batch over the TP group, training's
-    and (from Megatron-LM 0.18) evaluation's: caught here, not at the first evaluation."""
-    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
-    if not args.sequence_parallel or tp == 1:
-        return
-    for dest in ("micro_batch_size", "eval_micro_batch_size"):
-        rows = getattr(args, dest, None)
-        if rows is not None and rows * args.seq_length // cp % tp:
-            raise FlagError(f"--sequence-parallel needs --{dest.replace('_', '-')} x "
-                            f"--seq-length / --context-parallel-size = "
-                            f"{rows * args.seq_length // cp} tokens divisible by "
-                            f"--tensor-model-parallel-size {tp}")
+        print(f" megatron-eod: {given} runs as --step-batch-size-schedule \"{schedule}\" "
+              f"(tokens; this Megatron-LM's megatron-core ignores the ramp)", flush=True)
 
 
 def _resolve_context_parallel(args) -> None:
