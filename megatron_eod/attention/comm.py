@@ -7,10 +7,11 @@ plan, so a skipped send always meets a skipped receive). NCCL allows a batched p
 only some ranks of a group only after the group's first collective: `warm_up(group)` runs one
 (an all-reduce of one element) the first time a group is used, on every rank of it.
 
-Host staging (tests only): gloo moves CPU tensors only, so the multi-process CUDA tests, which
-run several processes on ONE GPU over gloo, stage every transfer through host memory
-(`host_staging()`, or MEGATRON_EOD_HOST_STAGING=1 in a launched process). Production runs
-use NCCL, which moves device memory directly; nothing stages there.
+Host staging: gloo moves CPU tensors only, so runs with gloo on CUDA (the multi-process GPU
+tests: several processes on ONE GPU) stage every transfer through host memory
+(`host_staging()`, `set_host_staging()`, which the lean trainer calls for gloo on CUDA, or
+MEGATRON_EOD_HOST_STAGING=1 in a launched process). NCCL moves device memory directly;
+nothing stages there.
 
 What it does not do: no attention math, no global process-group state.
 """
@@ -26,21 +27,26 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Exchange", "exchange", "exchange_many", "all_to_all_equal", "is_warm", "warm_up",
-           "host_staging"]
+           "host_staging", "set_host_staging"]
 
 _WARM = []  # groups that have run a collective (kept alive, compared by identity)
 _STAGING = [os.environ.get("MEGATRON_EOD_HOST_STAGING") == "1"]
 
 
+def set_host_staging(enabled: bool) -> bool:
+    """Stage transfers through host memory from now on, or stop; the previous setting."""
+    before, _STAGING[0] = _STAGING[0], bool(enabled)
+    return before
+
+
 @contextlib.contextmanager
 def host_staging(enabled: bool = True):
-    """Tests only: stage transfers through host memory (see the module docstring)."""
-    before = _STAGING[0]
-    _STAGING[0] = enabled
+    """Stage transfers through host memory inside the block (see the module docstring)."""
+    before = set_host_staging(enabled)
     try:
         yield
     finally:
-        _STAGING[0] = before
+        set_host_staging(before)
 
 
 class Exchange:

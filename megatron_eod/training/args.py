@@ -314,6 +314,12 @@ def _check_device_flags(args, cuda_available: bool) -> None:
         args.distributed_backend = "nccl" if cuda_available else "gloo"
     _require(args.distributed_backend != "nccl" or cuda_available,
              "--distributed-backend nccl needs CUDA; use --distributed-backend gloo on CPU")
+    if cuda_available and args.distributed_backend == "gloo":
+        for flag in ("overlap_grad_reduce", "overlap_param_gather"):
+            _require(not getattr(args, flag),
+                     f"--{flag.replace('_', '-')} needs --distributed-backend nccl on CUDA "
+                     "(with gloo, CUDA gradients are reduced one bucket at a time, "
+                     "synchronously)")
 
 
 def _check_data(args) -> None:

@@ -2,7 +2,8 @@
 
 One job: bring a rank from "launched by torchrun" (or "forked by a test with a process group
 already up") to "ready to build the model". NCCL on GPUs, gloo on CPUs; on a machine without
-CUDA the megatron-core CPU patches are applied (cpu_compat). For Hybrid CP, parallel_state
+CUDA the megatron-core CPU patches are applied (cpu_compat), and gloo on CUDA gets its two
+stand-ins (gloo_on_cuda). For Hybrid CP, parallel_state
 builds the Ulysses (consecutive) and Ring (strided) sub-groups as its hierarchical CP groups
 and they are handed to the attention (`register_hybrid_groups`). megatron-core's
 micro-batch calculator is set up for --global-batch-size / --rampup-batch-size (as a step
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_eod.megatron import cpu_compat
+from megatron_eod.megatron import cpu_compat, gloo_on_cuda
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.training import eod_wiring as wiring
 from megatron_eod.training.args_optim import ramp_as_step_schedule
@@ -40,6 +41,8 @@ def initialize(args):
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         cpu_compat.apply_torch_adamw_fixes()  # only where megatron-core uses torch's AdamW
+        if args.distributed_backend == "gloo":
+            gloo_on_cuda.apply()
     else:
         cpu_compat.apply()
     if launched_by_torchrun():
@@ -86,3 +89,4 @@ def shutdown():
         dist.destroy_process_group()
         _OWNS_PROCESS_GROUP = False
     cpu_compat.remove()
+    gloo_on_cuda.remove()

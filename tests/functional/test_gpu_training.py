@@ -109,11 +109,10 @@ SHARED_RUNS = [(2, ["ring"]), (4, ["hybrid", "--ulysses-degree-in-cp", "2"]), (2
                          ids=[f"{a[0]}{cp}" for cp, a in SHARED_RUNS])
 def test_bf16_cp_processes_sharing_one_gpu_match_cp1(gpu_cp1, tiny_data, tmp_path, cp, algo):
     """Issue 11 item 4: CP ranks as processes on ONE GPU (every LOCAL_RANK maps to device 0),
-    gloo for the collectives, the attention's transfers staged through host memory
-    (MEGATRON_EOD_HOST_STAGING=1, a test-only transport): the same CUDA code as multi-GPU
-    runs, minus NCCL."""
+    gloo for the collectives: the lean trainer itself stages the attention's transfers
+    through host memory and reduces gradients bucket by bucket (gloo_on_cuda); the same CUDA
+    code as multi-GPU runs, minus NCCL."""
     losses = train_on_gpus(cp, tiny_data, tmp_path, "--context-parallel-size", str(cp),
-                           "--context-parallel-algo", *algo, "--distributed-backend", "gloo",
-                           env={"MEGATRON_EOD_HOST_STAGING": "1"})
+                           "--context-parallel-algo", *algo, "--distributed-backend", "gloo")
     assert_close(losses, gpu_cp1, CP_TOL,
                  f"bf16 CP={cp} {' '.join(algo)}, {cp} processes sharing one GPU, vs CP=1")

@@ -1,0 +1,61 @@
+"""Lean trainer with `--distributed-backend gloo` on CUDA (several ranks sharing one GPU, as the
+GPU tests run them, or a machine whose NCCL is unusable): what gloo cannot do with device
+tensors, done another way.
+
+One job, two changes, both made by `apply()` and undone by `remove()`:
+- megatron-core's DDP coalesces each bucket group's gradient reduction (and the distributed
+  optimizer's parameter gather) with `torch.distributed._coalescing_manager`, which hands
+  gloo `allreduce_coalesced`: CPU tensors only ("unsupported device type cuda"). The stand-in
+  issues each bucket's collective on its own (gloo runs a single all-reduce, reduce-scatter
+  or all-gather on CUDA tensors). It is synchronous: the trainer refuses --overlap-grad-reduce
+  and --overlap-param-gather with gloo on CUDA (args_optim), so megatron-core never asks it
+  for a handle to wait on later.
+- the attention's p2p and all-to-all go through host memory (comm's host staging): gloo
+  sends and receives CPU tensors only.
+
+NCCL runs (every production GPU run) touch neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from megatron_eod.attention import comm
+from megatron_eod.megatron.imports import import_megatron
+
+__all__ = ["apply", "remove", "uncoalesced"]
+
+_SAVED = {}
+
+
+class _NothingInFlight:
+    """What the stand-in yields: every collective inside it has already finished."""
+
+    works = ()
+
+    def wait(self) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def uncoalesced(group=None, device=None, async_ops: bool = False):
+    """`_coalescing_manager`'s signature; each collective inside runs on its own."""
+    if async_ops:
+        raise AssertionError("gloo on CUDA runs gradient collectives synchronously: "
+                             "--overlap-grad-reduce and --overlap-param-gather are refused")
+    yield _NothingInFlight()
+
+
+def apply() -> None:
+    buffers = import_megatron("megatron.core.distributed.param_and_grad_buffer")
+    if "coalescing" not in _SAVED:
+        _SAVED["coalescing"] = buffers._coalescing_manager
+        _SAVED["staging"] = comm.set_host_staging(True)
+    buffers._coalescing_manager = uncoalesced
+
+
+def remove() -> None:
+    if "coalescing" in _SAVED:
+        import_megatron("megatron.core.distributed.param_and_grad_buffer")._coalescing_manager = \
+            _SAVED.pop("coalescing")
+        comm.set_host_staging(_SAVED.pop("staging"))
