@@ -13,6 +13,9 @@ time (it sets the step time), forward, backward (forward+backward minus forward)
   ours ring (steps)  the same plan, one call and one merge per ring step (--cp-ring-exchange
                steps)
   ours hybrid  Ulysses degree 2: a group's time over its 2 ranks (batched, and steps)
+  ours ... (one call)  the same placement's rank (group) work as ONE causal call with every
+               key in place before timing: what no executor of that placement can beat
+               (no merge, no second pass over the queries; the gap to it is the executor's)
   contiguous   row cut in cp pieces; each piece attends to its documents' earlier keys
   doc-zigzag   every document padded to 2*cp and zigzagged (TransformerEngine THD layout);
                computed here as ONE call per rank (generous: TE makes one per ring step)
@@ -132,6 +135,16 @@ def prefix_calls(cu, owner_rows):
     return calls
 
 
+def plan_segments(plan, group, cu):
+    """A ring group's (start, end, document start) runs of stream positions: its pieces."""
+    tokens = plan.group_tokens(group).numpy()
+    doc = np.searchsorted(cu, tokens, side="right") - 1
+    cut = np.flatnonzero((np.diff(tokens) != 1) | (np.diff(doc) != 0)) + 1
+    starts, ends = np.r_[0, cut], np.r_[cut, tokens.size]
+    return [(int(tokens[a]), int(tokens[b - 1]) + 1, int(cu[doc[a]]))
+            for a, b in zip(starts, ends)]
+
+
 def contiguous_segments(cu, cp):
     n = int(cu[-1])
     out = []
@@ -209,6 +222,13 @@ def bench_row(cu, cp, args, device, dtype, backend):
         times[name] = busiest([(lambda g=g: sim.forward_group(g), lambda g=g: sim.run_group(g))
                                for g in range(plan.ring_size)], args.repeats, device, u or 1)
         tiles[name] = tiles_over_ideal(plan_calls(plan, exchange), cu, cp, u or 1)
+        if exchange == "batched":
+            one = f"{name} (one call)"
+            calls = [to_dev(c) for c in prefix_calls(
+                cu, [plan_segments(plan, g, cu) for g in range(plan.ring_size)])]
+            times[one] = busiest([fns(c, q, k, v, dout) for c in calls], args.repeats, device,
+                                 u or 1)
+            tiles[one] = tiles_over_ideal([[c] for c in calls], cu, cp, u or 1)
     calls = [to_dev(c) for c in prefix_calls(cu, contiguous_segments(cu, cp))]
     times["contiguous"] = busiest([fns(c, q, k, v, dout) for c in calls], args.repeats, device)
     tiles["contiguous"] = tiles_over_ideal([[c] for c in calls], cu, cp)

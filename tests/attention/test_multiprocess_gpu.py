@@ -5,8 +5,8 @@ CUDA tensors in every process, over gloo with transfers staged through host memo
   match the float64 dense reference to 1e-10 (the staging path itself is exercised).
 - On a GPU (marked `gpu`): 2 and 4 processes share device 0 (torchrun, fresh processes: CUDA
   cannot be used in forked ones); bf16 out/dq/dk/dv against the float64 reference and against
-  CP=1 in bf16. BF16_TOL is provisional until a GPU session measures the drift (then it becomes
-  ~3x the largest measured value and docs/BENCHMARKS.md records the figures).
+  CP=1 in bf16. BF16_TOL is ~3x the largest error measured on an H100 (2026-11-24, torch 2.11
+  varlen kernels: 5.8e-3 vs float64, 6.6e-3 vs CP=1, both dv or dq; docs/BENCHMARKS.md).
 """
 
 import json
@@ -22,7 +22,7 @@ from tests.attention.test_context_parallel_attention import _check_rank
 from tests.harness import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BF16_TOL = 3e-2  # relative to the reference's largest value; provisional (see above)
+BF16_TOL = 2e-2  # relative to the reference's largest value; measured (see above)
 
 
 def _staged_rank(*args, **kwargs):

@@ -148,6 +148,15 @@ def test_cuda_dtypes_and_backend(flags, dtype):
     assert parse(*flags, "--distributed-backend", "gloo", cuda=True).distributed_backend == "gloo"
 
 
+@pytest.mark.parametrize("flag", ["--overlap-grad-reduce", "--overlap-param-gather"])
+def test_gloo_on_cuda_refuses_overlapped_gradient_collectives(flag):
+    extra = ["--use-distributed-optimizer"] if flag == "--overlap-param-gather" else []
+    with pytest.raises(FlagError, match=flag + r" needs --distributed-backend nccl on CUDA"):
+        parse(flag, *extra, "--distributed-backend", "gloo", cuda=True)
+    assert getattr(parse(flag, *extra, cuda=True), flag[2:].replace("-", "_"))  # nccl
+    assert getattr(parse(flag, *extra), flag[2:].replace("-", "_"))  # gloo on CPU
+
+
 def test_flash_attn_available(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
     assert parse("--use-flash-attn", cuda=True).use_flash_attn
