@@ -1,5 +1,5 @@
 """tools/bench_cp_gpu.py runs on the CPU at a small size (the GPU session relies on it): every
-mix prints the seven layouts with forward, backward and both on the wall clock, both on the
+mix prints the nine layouts with forward, backward and both on the wall clock, both on the
 device-only clock, the tile floor, and the ideal row is 1.00 on each."""
 
 import os
@@ -9,7 +9,11 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 
 import bench_cp_gpu  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from megatron_eod import plan_context_parallel  # noqa: E402
 
 
 def test_small_cpu_run_prints_every_layout_fwd_bwd(capsys):
@@ -19,8 +23,9 @@ def test_small_cpu_run_prints_every_layout_fwd_bwd(capsys):
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ")
             and not line.startswith("| layout")]
     assert [r[0] for r in rows] == ["| " + name for name in (
-        "ideal", "ours ring", "ours ring (steps)", "ours hybrid u=2", "ours hybrid u=2 (steps)",
-        "contiguous", "doc-zigzag (padded)")] * 2
+        "ideal", "ours ring", "ours ring (one call)", "ours ring (steps)", "ours hybrid u=2",
+        "ours hybrid u=2 (one call)", "ours hybrid u=2 (steps)", "contiguous",
+        "doc-zigzag (padded)")] * 2
     for cells in rows:
         fwd, bwd, both = (float(x) for x in cells[1].split(" / "))
         # backward = both - forward, two timings: on a busy CPU it can come out <= 0
@@ -31,6 +36,27 @@ def test_small_cpu_run_prints_every_layout_fwd_bwd(capsys):
         assert tile_fwd >= 0.95 and tile_bwd >= 0.95  # no layout beats the whole row's tiles
     assert all(r[2] == "1.00 / 1.00 / 1.00" and r[3].endswith("(1.00)")
                and r[4] == "1.00 / 1.00" for r in rows if r[0] == "| ideal")
+
+
+@pytest.mark.parametrize("algo,u", [("ring", None), ("hybrid", 2)])
+def test_one_call_rows_cover_exactly_each_groups_pieces(algo, u):
+    """The "one call" layout: a group's runs of positions, each inside one document, together
+    exactly the positions the group holds, with its document's start as the keys' start."""
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        lengths = rng.integers(1, 300, size=rng.integers(1, 30))
+        n = -(-int(lengths.sum()) // 16) * 16
+        lengths[-1] += n - int(lengths.sum())
+        cu = np.r_[0, np.cumsum(lengths)]
+        plan = plan_context_parallel(torch.from_numpy(cu), 4, algo, u)
+        for g in range(plan.ring_size):
+            segments = bench_cp_gpu.plan_segments(plan, g, cu)
+            held = np.sort(plan.group_tokens(g).numpy())
+            covered = np.sort(np.concatenate([np.arange(a, b) for a, b, _ in segments]))
+            assert np.array_equal(covered, held)
+            for a, b, start in segments:
+                doc = np.searchsorted(cu, a, side="right") - 1
+                assert start == cu[doc] and b <= cu[doc + 1]
 
 
 @pytest.mark.gpu
