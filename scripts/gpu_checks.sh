@@ -11,7 +11,7 @@
 #                 CP in bf16, no host syncs in ring/hybrid steps, CUDA layouts
 #   multiprocess  2-4 processes sharing the GPU run the real context_parallel_attention
 #                 (bf16 vs float64 and vs CP=1: sets BF16_TOL)
-#   training      pretrain_gpt.py in bf16: CP=1 vs the CPU golden losses, CP=N on N GPUs,
+#   training      pretrain_gpt.py in bf16: CP=1 vs the CPU golden losses (both trainers), CP=N on N GPUs,
 #                 CP=2/4 processes sharing one GPU vs CP=1 (sets CP_TOL and GOLDEN_TOL)
 #   bench-cp      tools/bench_cp_gpu.py: busiest CP rank vs ideal, ring and hybrid
 #   profile       tools/profile_cp_step.py: that rank's time split into attention kernels,

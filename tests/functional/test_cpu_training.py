@@ -13,8 +13,11 @@ import os
 
 import pytest
 
-from tests.functional.tiny_gpt import ITERS, losses_of, tiny_flags, train_rank
+from tests.functional.tiny_gpt import (ITERS, losses_of, megatron_lm_tiny_flags, tiny_flags,
+                                      train_rank)
 from tests.harness import run_ranks
+from tests.training.megatron_lm_checkout import (import_megatron_lm, needs_megatron_lm,
+                                                 null_tokenizer_vocab_size)
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden_cpu_losses.json")
 TOL = 1e-5
@@ -48,6 +51,36 @@ def test_cp1_matches_golden_losses(cp1):
         golden = json.load(f)["lm_loss"]
     assert_same(cp1, golden, tol=1e-4)  # across machines: thread counts change sum orders
     assert cp1[-1] < cp1[0] - 0.3  # and it learns
+
+
+def _megatron_lm_rank(rank, world, argv):
+    import contextlib
+    import io
+
+    import pretrain_gpt
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    with contextlib.redirect_stdout(io.StringIO()):
+        pretrain_gpt.main(["--trainer", "megatron-lm", *argv])
+
+
+@needs_megatron_lm
+def test_megatron_lm_trainer_trains_like_the_lean_trainer(tiny_data, tmp_path):
+    """Megatron-LM's own `pretrain()` with our providers trains the tiny GPT to the golden
+    (lean trainer) losses: same initialisation (--use-cpu-initialization, as the lean trainer
+    always does without CUDA; Megatron-LM otherwise draws the weights from its model-parallel
+    generator), data order, schedule and loss (measured: equal to 5e-8).
+    tests/functional/test_gpu_training.py repeats it on a GPU."""
+    import_megatron_lm()
+    metrics = tmp_path / "megatron_lm.jsonl"
+    argv = megatron_lm_tiny_flags(tiny_data, null_tokenizer_vocab_size(256), "--metrics-file",
+                                  str(metrics), "--distributed-backend", "gloo",
+                                  "--eval-interval", "1000", "--use-cpu-initialization")
+    run_ranks(_megatron_lm_rank, 1, argv, timeout=200, daemon=False)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    with open(GOLDEN) as f:
+        golden = json.load(f)["lm_loss"]
+    assert_same([r["lm_loss"] for r in records if "kind" not in r], golden, tol=1e-4)
 
 
 @pytest.mark.parametrize("world,algo", [

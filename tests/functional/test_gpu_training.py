@@ -25,7 +25,9 @@ import sys
 import pytest
 import torch
 
-from tests.functional.tiny_gpt import ITERS, tiny_flags
+from tests.functional.tiny_gpt import ITERS, megatron_lm_tiny_flags, tiny_flags
+from tests.training.megatron_lm_checkout import (MEGATRON_LM, needs_megatron_lm,
+                                                 null_tokenizer_vocab_size)
 
 pytestmark = pytest.mark.gpu
 
@@ -44,15 +46,20 @@ def free_port():
         return s.getsockname()[1]
 
 
-def train_on_gpus(nproc, data, tmp_path, *extra, env=None):
+def train_on_gpus(nproc, data, tmp_path, *extra, env=None, trainer="lean"):
     """Run pretrain_gpt.py under torchrun on `nproc` GPUs (processes sharing GPUs when there
     are fewer); the per-iteration lm losses."""
     metrics = tmp_path / f"metrics_{nproc}_{'_'.join(extra) or 'cp1'}.jsonl"
+    flags = tiny_flags
+    if trainer == "megatron-lm":
+        flags = lambda *a: megatron_lm_tiny_flags(a[0], null_tokenizer_vocab_size(256), *a[1:])  # noqa: E731
+        env = dict(env or {}, PYTHONPATH=os.pathsep.join(
+            p for p in (REPO, os.environ.get("PYTHONPATH"), MEGATRON_LM) if p))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           os.path.join(REPO, "pretrain_gpt.py"), "--trainer", "lean",
-           *tiny_flags(data, "--bf16", "--use-cpu-initialization", "--metrics-file",
-                       str(metrics), *extra)]
+           os.path.join(REPO, "pretrain_gpt.py"), "--trainer", trainer,
+           *flags(data, "--bf16", "--use-cpu-initialization", "--metrics-file", str(metrics),
+                  *extra)]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                             env=dict(os.environ, **(env or {})))
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -84,6 +91,20 @@ def test_bf16_cp1_trains_like_the_cpu_golden_run(gpu_cp1):
         golden = json.load(f)["lm_loss"]
     assert_close(gpu_cp1, golden, GOLDEN_TOL, "GPU bf16 CP=1 vs CPU float32 golden")
     assert gpu_cp1[-1] < gpu_cp1[0] - 0.3
+
+
+@needs_megatron_lm
+def test_megatron_lm_trainer_bf16_trains_like_the_cpu_golden_run(tiny_data, tmp_path):
+    """The production entry: Megatron-LM's own `pretrain()` with our providers on a GPU (NCCL,
+    bf16, our varlen attention through its layer spec), the tiny GPT of the CPU golden run
+    (which Megatron-LM's trainer reproduces on CPU: test_cpu_training.py)."""
+    if gpus() < 1:
+        pytest.skip("needs a CUDA GPU")
+    losses = train_on_gpus(1, tiny_data, tmp_path, "--eval-interval", "1000",
+                           trainer="megatron-lm")
+    with open(GOLDEN) as f:
+        golden = json.load(f)["lm_loss"]
+    assert_close(losses, golden, GOLDEN_TOL, "Megatron-LM trainer, GPU bf16 CP=1 vs CPU golden")
 
 
 CP_RUNS = [(2, ["ring"]), (4, ["ring"]), (8, ["ring"]), (2, ["ulysses"]), (4, ["ulysses"]),

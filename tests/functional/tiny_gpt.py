@@ -32,6 +32,21 @@ def _tiny_flags(data_path):
             "--seed", "1234"]
 
 
+def megatron_lm_tiny_flags(data_path, vocab_size, *extra):
+    """The same tiny GPT for Megatron-LM's own trainer (`--trainer megatron-lm`): our byte
+    data through its NullTokenizer (`vocab_size`: the --vocab-size that makes 256 its EoD,
+    megatron_lm_checkout.null_tokenizer_vocab_size), the settings the lean trainer fixes
+    spelled out (RoPE, GQA, no attention dropout), its fused kernels off (they need
+    TransformerEngine or Apex, absent from the CPU and the lent GPU machine)."""
+    return tiny_flags(
+        data_path, "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab_size),
+        "--max-position-embeddings", "128", "--position-embedding-type", "rope",
+        "--group-query-attention", "--attention-dropout", "0", "--transformer-impl", "local",
+        "--no-gradient-accumulation-fusion", "--no-bias-dropout-fusion",
+        "--no-bias-gelu-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion",
+        "--no-persist-layer-norm", *extra)
+
+
 def train_rank(rank, world_size, argv):
     """Train on this forked rank; the last rank returns the per-iteration losses."""
     losses = pretrain(argv)
