@@ -1,8 +1,10 @@
-"""Lean trainer with `--distributed-backend gloo` on CUDA (several ranks sharing one GPU, as the
-GPU tests run them, or a machine whose NCCL is unusable): what gloo cannot do with device
+"""`--distributed-backend gloo` on CUDA (several ranks sharing one GPU, as the GPU tests run
+them, or a machine whose NCCL is unusable), in both trainers: what gloo cannot do with device
 tensors, done another way.
 
-One job, two changes, both made by `apply()` and undone by `remove()`:
+One job, two changes, both made by `apply()` (the lean trainer's initialize, or our hook
+after Megatron-LM's validate_args) and undone by `remove()`, plus the flags that cannot
+work there (`check_flags`):
 - megatron-core's DDP coalesces each bucket group's gradient reduction (and the distributed
   optimizer's parameter gather) with `torch.distributed._coalescing_manager`, which hands
   gloo `allreduce_coalesced`: CPU tensors only ("unsupported device type cuda"). The stand-in
@@ -22,8 +24,9 @@ import contextlib
 
 from megatron_eod.attention import comm
 from megatron_eod.megatron.imports import import_megatron
+from megatron_eod.training.cp_flags import FlagError
 
-__all__ = ["apply", "remove", "uncoalesced"]
+__all__ = ["apply", "check_flags", "remove", "uncoalesced", "wanted"]
 
 _SAVED = {}
 
@@ -44,6 +47,22 @@ def uncoalesced(group=None, device=None, async_ops: bool = False):
         raise AssertionError("gloo on CUDA runs gradient collectives synchronously: "
                              "--overlap-grad-reduce and --overlap-param-gather are refused")
     yield _NothingInFlight()
+
+
+def wanted(args, cuda_available: bool) -> bool:
+    """Whether these flags run gloo on CUDA."""
+    return bool(cuda_available) and args.distributed_backend == "gloo"
+
+
+def check_flags(args, cuda_available: bool) -> None:
+    """FlagError for what gloo on CUDA cannot overlap."""
+    if not wanted(args, cuda_available):
+        return
+    for flag in ("overlap_grad_reduce", "overlap_param_gather"):
+        if getattr(args, flag, False):
+            raise FlagError(f"--{flag.replace('_', '-')} needs --distributed-backend nccl on "
+                            f"CUDA (with gloo, CUDA gradients are reduced one bucket at a "
+                            f"time, synchronously)")
 
 
 def apply() -> None:

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_eod.attention.backends import has_transformer_engine
+from megatron_eod.megatron import gloo_on_cuda
 from megatron_eod.data.tokenizers import SENTENCEPIECE_TYPES, TOKENIZER_TYPES
 from megatron_eod.training import args_optim as optim
 from megatron_eod.training.cp_flags import (CP_ALGO_ALIASES, RING_EXCHANGE_HELP, RING_EXCHANGES,
@@ -314,12 +315,7 @@ def _check_device_flags(args, cuda_available: bool) -> None:
         args.distributed_backend = "nccl" if cuda_available else "gloo"
     _require(args.distributed_backend != "nccl" or cuda_available,
              "--distributed-backend nccl needs CUDA; use --distributed-backend gloo on CPU")
-    if cuda_available and args.distributed_backend == "gloo":
-        for flag in ("overlap_grad_reduce", "overlap_param_gather"):
-            _require(not getattr(args, flag),
-                     f"--{flag.replace('_', '-')} needs --distributed-backend nccl on CUDA "
-                     "(with gloo, CUDA gradients are reduced one bucket at a time, "
-                     "synchronously)")
+    gloo_on_cuda.check_flags(args, cuda_available)
 
 
 def _check_data(args) -> None:

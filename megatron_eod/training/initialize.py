@@ -41,7 +41,7 @@ def initialize(args):
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         cpu_compat.apply_torch_adamw_fixes()  # only where megatron-core uses torch's AdamW
-        if args.distributed_backend == "gloo":
+        if gloo_on_cuda.wanted(args, True):
             gloo_on_cuda.apply()
     else:
         cpu_compat.apply()

@@ -34,7 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_eod.megatron import cpu_compat
+from megatron_eod.megatron import cpu_compat, gloo_on_cuda
 from megatron_eod.training.cp_flags import FlagError
 from megatron_eod.training.megatron_lm import EodProviders
 from megatron_eod.training.megatron_lm_args import add_eod_args, eod_args_from_megatron
@@ -115,6 +115,8 @@ def _check_after_validate() -> None:
         def validate_args(args, *rest, _original=original, **kwargs):
             result = _original(args, *rest, **kwargs)
             eod_args_from_megatron(args)
+            if gloo_on_cuda.wanted(args, torch.cuda.is_available()):
+                gloo_on_cuda.apply()  # before Megatron-LM builds DDP and the attention runs
             return result
 
         validate_args._eod = True

@@ -137,3 +137,18 @@ def test_bf16_cp_processes_sharing_one_gpu_match_cp1(gpu_cp1, tiny_data, tmp_pat
                            "--context-parallel-algo", *algo, "--distributed-backend", "gloo")
     assert_close(losses, gpu_cp1, CP_TOL,
                  f"bf16 CP={cp} {' '.join(algo)}, {cp} processes sharing one GPU, vs CP=1")
+
+
+@needs_megatron_lm
+def test_megatron_lm_trainer_cp_processes_sharing_one_gpu_match_cp1(tiny_data, tmp_path):
+    """Megatron-LM's trainer at CP=2 (ring) as two processes on one GPU over gloo (our hook
+    after its validate_args applies gloo_on_cuda) against its own CP=1 run. Not yet run on a
+    GPU (written after the 2026-11-24 session's device time was spent)."""
+    if gpus() < 1:
+        pytest.skip("needs a CUDA GPU")
+    flags = ("--eval-interval", "1000", "--distributed-backend", "gloo")
+    cp1 = train_on_gpus(1, tiny_data, tmp_path, *flags, trainer="megatron-lm")
+    cp2 = train_on_gpus(2, tiny_data, tmp_path, *flags, "--context-parallel-size", "2",
+                        "--cp-comm-type", "p2p", trainer="megatron-lm")
+    assert_close(cp2, cp1, CP_TOL, "Megatron-LM trainer, bf16 CP=2 ring, 2 processes sharing "
+                                   "one GPU, vs CP=1")

@@ -218,3 +218,17 @@ def test_cuda_graphs_capture_only_what_holds_no_attention():
     with pytest.raises(FlagError, match="--cuda-graph-impl transformer_engine with scope "
                                         "attn mlp: a CUDA graph would replay"):
         checked("--cuda-graph-impl", "transformer_engine", scope, "attn", "mlp")
+
+
+@pytest.mark.parametrize("flag", ["--overlap-grad-reduce", "--overlap-param-gather"])
+def test_gloo_on_cuda_refuses_overlapped_gradient_collectives(monkeypatch, flag):
+    """gloo on CUDA reduces gradients bucket by bucket, synchronously (gloo_on_cuda): the
+    overlap flags are refused there, as in the lean trainer; nccl, and gloo on CPU, keep them."""
+    import torch
+
+    extra = [flag, "--use-distributed-optimizer"]
+    assert getattr(checked(*extra, "--distributed-backend", "gloo"), flag[2:].replace("-", "_"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert getattr(checked(*extra), flag[2:].replace("-", "_"))  # nccl
+    with pytest.raises(FlagError, match=flag + " needs --distributed-backend nccl on CUDA"):
+        checked(*extra, "--distributed-backend", "gloo")
