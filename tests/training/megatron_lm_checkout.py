@@ -4,9 +4,9 @@ it carry `needs_megatron_lm` and skip, saying where they looked, when it is abse
 
 import argparse
 import contextlib
-import io
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -19,6 +19,7 @@ needs_megatron_lm = pytest.mark.skipif(not HAVE_MEGATRON_LM, reason=(
     f"with megatron/training)"))
 
 _IMPORTED = False
+_QUIET = tempfile.TemporaryFile("w+")
 
 
 def import_megatron_lm():
@@ -30,7 +31,9 @@ def import_megatron_lm():
             sys.path.append(MEGATRON_LM)
         from megatron_eod.megatron import cpu_compat
 
-        with contextlib.redirect_stderr(io.StringIO()):
+        # A real file, kept open: importing Megatron-LM calls faulthandler.enable(), which
+        # needs the stderr of the moment to have a file descriptor (and keeps it).
+        with contextlib.redirect_stderr(_QUIET):
             cpu_compat.apply(force=True, megatron_lm=True)
             cpu_compat.remove()
         _IMPORTED = True
