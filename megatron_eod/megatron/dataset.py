@@ -53,10 +53,16 @@ def build_gpt_datasets(data_path, seq_length: int, tokenizer, num_samples: Seque
                        reset_position_ids: bool = True, reset_attention_mask: bool = True,
                        eod_mask_loss: bool = False, create_attention_mask: bool = False,
                        path_to_cache: Optional[str] = None,
-                       is_built_on_rank: Callable[[], bool] = lambda: True):
-    """-> (train, valid, test) megatron-core GPTDatasets (None for a split of size 0).
+                       is_built_on_rank: Callable[[], bool] = lambda: True,
+                       blend=None, blend_per_split=None, **settings):
+    """-> (train, valid, test) megatron-core GPTDatasets (None for a split of size 0; with
+    `multiple_validation_sets`, valid is a list).
 
-    `data_path=None` builds megatron-core's MockGPTDataset (synthetic documents, --mock-data).
+    `data_path=None` and no blends builds megatron-core's MockGPTDataset (synthetic
+    documents, --mock-data). `blend` / `blend_per_split`: blends already parsed
+    (Megatron-LM's (prefixes, weights) form) instead of `data_path`; a blend per split takes
+    no `split`. `settings`: further GPTDatasetConfig fields (Megatron-LM's data flags,
+    training/megatron_lm_data.py).
     """
     builder = import_megatron("megatron.core.datasets.blended_megatron_dataset_builder")
     gpt = import_megatron("megatron.core.datasets.gpt_dataset")
@@ -65,20 +71,24 @@ def build_gpt_datasets(data_path, seq_length: int, tokenizer, num_samples: Seque
         raise ValueError(f"--seq-length must be positive, got {seq_length}")
     if len(num_samples) != 3 or any(n < 0 for n in num_samples):
         raise ValueError(f"num_samples must be 3 non-negative sizes, got {list(num_samples)}")
-    blend, dataset_class = None, gpt.MockGPTDataset  # data_path None: megatron's mock data
+    dataset_class = gpt.MockGPTDataset  # no data: megatron's mock data
     if data_path is not None:
-        blend, dataset_class = parse_data_path(data_path), gpt.GPTDataset
+        blend = parse_data_path(data_path)
+    if blend is not None or blend_per_split is not None:
+        dataset_class = gpt.GPTDataset
     config = gpt.GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
         blend=blend,
-        split=split,
+        blend_per_split=blend_per_split,
+        split=None if blend_per_split is not None else split,
         tokenizer=tokenizer,
         reset_position_ids=reset_position_ids,
         reset_attention_mask=reset_attention_mask,
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=create_attention_mask,
         path_to_cache=path_to_cache,
+        **settings,
     )
     return builder.BlendedMegatronDatasetBuilder(dataset_class, list(num_samples),
                                                  is_built_on_rank, config).build()

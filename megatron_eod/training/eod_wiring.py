@@ -18,9 +18,10 @@ from megatron_eod.megatron.dataset import build_gpt_datasets, parse_data_path
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.megatron.layer_spec import get_gpt_eod_block_spec
 from megatron_eod.megatron.steps import EodGPTSteps, is_dataset_built_on_rank
+from megatron_eod.training import megatron_lm_data
 
-__all__ = ["block_spec", "gpt_position_embedding_type", "datasets", "check_datasets", "steps",
-           "hybrid_groups"]
+__all__ = ["block_spec", "gpt_position_embedding_type", "datasets", "megatron_lm_datasets",
+           "check_datasets", "steps", "hybrid_groups"]
 
 
 def block_spec(registry, config, args, use_transformer_engine: bool, vp_stage=None):
@@ -56,6 +57,22 @@ def datasets(args, tokenizer, sizes):
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         path_to_cache=args.data_cache_path, is_built_on_rank=is_dataset_built_on_rank)
+
+
+def megatron_lm_datasets(args, tokenizer, sizes):
+    """`datasets` for Megatron-LM's args: every data source and dataset-builder setting its
+    pretrain_gpt.py reads (megatron_lm_data), each prefix checked first."""
+    blend, blend_per_split = megatron_lm_data.blends(args)
+    if not getattr(args, "mock_data", False):
+        check_datasets(megatron_lm_data.blend_prefixes(blend, blend_per_split), tokenizer,
+                       null_tokenizer_eod_flags(args, tokenizer))
+    return build_gpt_datasets(
+        None, args.seq_length, tokenizer, list(sizes), split=args.split, seed=args.seed,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        path_to_cache=args.data_cache_path, is_built_on_rank=is_dataset_built_on_rank,
+        blend=blend, blend_per_split=blend_per_split,
+        **megatron_lm_data.builder_settings(args))
 
 
 def null_tokenizer_eod_flags(args, tokenizer):

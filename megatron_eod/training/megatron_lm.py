@@ -151,7 +151,8 @@ class EodProviders:
         """The same datasets for every model chunk (`vp_stage`): each chunk reads every
         micro-batch, since each chunk's attention needs its plan."""
         args = self._args()
-        return wiring.datasets(args, self._training().get_tokenizer(), train_val_test_num_samples)
+        return wiring.megatron_lm_datasets(args, self._training().get_tokenizer(),
+                                           train_val_test_num_samples)
 
     def forward_step(self, data_iterator, model, return_schedule_plan=False):
         if return_schedule_plan:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from megatron_eod.megatron import gloo_on_cuda
+from megatron_eod.training import megatron_lm_data
 from megatron_eod.training.args_optim import ramp_as_step_schedule
 from megatron_eod.training.cp_flags import (CP_ALGO_ALIASES, RING_EXCHANGE_HELP, RING_EXCHANGES,
                                             FlagError, check_context_parallel,
@@ -109,6 +110,7 @@ def eod_args_from_megatron(args) -> None:
     _check_rampup(args)
     _check_cuda_graphs(args)
     gloo_on_cuda.check_flags(args, torch.cuda.is_available())
+    _check_validation_data(args)
 
 
 def _check_cuda_graphs(args) -> None:
@@ -131,6 +133,19 @@ def _check_cuda_graphs(args) -> None:
                         f"the next (EoD attention plans each anew); capture mlp/moe parts "
                         f"only (--cuda-graph-scope or, from Megatron-LM 0.19, "
                         f"--cuda-graph-modules), or no graphs")
+
+
+def _check_validation_data(args) -> None:
+    """Megatron-LM evaluates whenever --eval-iters > 0 (or --full-validation), with or without
+    validation data: without, its evaluation reads from no iterator and the run stops at its
+    first evaluation, or at the end, after the whole training (every version to 0.19)."""
+    evaluates = getattr(args, "eval_iters", 0) > 0 or getattr(args, "full_validation", False)
+    if evaluates and megatron_lm_data.validation_source(args) is None:
+        given = (f"--split {args.split} gives none" if args.split is not None else
+                 "no --valid-data-path, or no \"valid\" in --per-split-data-args-path")
+        raise FlagError(f"no validation data ({given}) but "
+                        f"--eval-iters {args.eval_iters}: Megatron-LM would stop at its first "
+                        f"evaluation; pass --eval-iters 0, or validation data")
 
 
 def _check_rampup(args) -> None:
@@ -216,7 +231,9 @@ def _refuse(args) -> None:
     if not args.calculate_per_token_loss:
         raise FlagError("--calculate-per-token-loss is off: each CP rank would divide its loss "
                         "by its own token count; EoD providers need per-token loss")
-    if not getattr(args, "mock_data", False) and not getattr(args, "data_path", None):
-        raise FlagError("EoD providers read --data-path (blended prefixes allowed) or "
-                        "--mock-data; --train-data-path/--valid-data-path/--test-data-path "
-                        "and --per-split-data-args-path are not supported")
+    sources = ("data_path", "data_args_path", "train_data_path", "valid_data_path",
+               "test_data_path", "per_split_data_args_path", "mock_data")
+    if not any(getattr(args, source, None) for source in sources):
+        raise FlagError("no training data: pass --data-path (blended prefixes allowed), "
+                        "--data-args-path, --train-data-path/--valid-data-path/"
+                        "--test-data-path, --per-split-data-args-path or --mock-data")

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_eod.data.tokenizers import ByteTokenizer, padded_vocab_size
 from megatron_eod.megatron import cpu_compat
+from megatron_eod.megatron.dataset import parse_data_path
 from megatron_eod.training.args import FlagError, parse_args
 from megatron_eod.training.data import MicroBatches
 from megatron_eod.training.megatron_lm import EodProviders
@@ -46,8 +47,12 @@ def install_stand_in(args):
     arguments = types.ModuleType("megatron.training.arguments")
     arguments.core_transformer_config_from_args = transformer_config
     training.arguments = arguments
+    utils = types.ModuleType("megatron.training.utils")  # --data-path only, as these args have
+    utils.get_blend_and_blend_per_split = lambda a: (parse_data_path(a.data_path), None)
+    training.utils = utils
     sys.modules["megatron.training"] = training
     sys.modules["megatron.training.arguments"] = arguments
+    sys.modules["megatron.training.utils"] = utils
 
 
 def _first_loss(rank, world, data, extra):

@@ -74,7 +74,13 @@ REFUSALS = {
     "degree-vs-sizes": (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
                          "--hierarchical-context-parallel-sizes", "2", "2",
                          "--ulysses-degree-in-cp", "4"], "--ulysses-degree-in-cp 4 contradicts"),
-    "per-split-data": (["--train-data-path", "a"], "--train-data-path"),
+    "no-data": (["--split", "90,8,2"], "no training data: pass --data-path .*--data-args-path, "
+                "--train-data-path/--valid-data-path/--test-data-path, "
+                "--per-split-data-args-path or --mock-data"),
+    "no-validation-split": (["--split", "100,0,0"], "no validation data \\(--split 100,0,0 "
+                            "gives none\\) but --eval-iters 100: .*pass --eval-iters 0"),
+    "no-validation-blend": (["--train-data-path", "corpus"], "no validation data \\(no "
+                            "--valid-data-path.*\\) but --eval-iters 100"),
     "sequence-parallel-rows": (["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                 "--micro-batch-size", "1", "--seq-length", "129"],
                                "--sequence-parallel needs --micro-batch-size x --seq-length / "
@@ -99,7 +105,8 @@ REFUSALS = {
 @pytest.mark.parametrize("name", list(REFUSALS))
 def test_refused_flags_are_named(name):
     flags, message = REFUSALS[name]
-    base = [f for f in BASE if name != "per-split-data" or f not in ("--data-path", "corpus")]
+    base = [f for f in BASE if name not in ("no-data", "no-validation-blend")
+            or f not in ("--data-path", "corpus")]
     if not megatron_lm_knows(flags[0]):
         pytest.skip(f"this Megatron-LM has no {flags[0]}")
     with pytest.raises(FlagError, match=message):

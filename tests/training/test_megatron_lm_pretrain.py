@@ -64,14 +64,16 @@ def _train(rank, world, argv, log):
             f.write(out.getvalue())
 
 
-def train(tmp_path, name, data, *extra, drop_iters=False):
+def train(tmp_path, name, data, *extra, drop_iters=False, drop=()):
+    """`drop`: flags of `flags` to leave out, with their values."""
     import_megatron_lm()
     metrics, log = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.log"
     argv = flags(data, str(metrics), *extra)
     if drop_iters:  # a sample-based run: no --train-iters / --lr-decay-iters
-        for flag in ("--train-iters", "--lr-decay-iters"):
-            at = argv.index(flag)
-            del argv[at:at + 2]
+        drop = (*drop, "--train-iters", "--lr-decay-iters")
+    for flag in drop:
+        at = argv.index(flag)
+        del argv[at:at + 2]
     run_ranks(_train, 4, argv, str(log), timeout=240, daemon=False)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     losses = {r["iteration"]: r["lm_loss"] for r in records if "kind" not in r}
@@ -123,6 +125,29 @@ def test_tensor_and_pipeline_parallel_cp_match_under_megatron_lm(tiny_data, tmp_
     assert sorted(losses) == sorted(reference) == list(range(1, ITERS + 1))
     for iteration, loss in reference.items():
         assert losses[iteration] == pytest.approx(loss, rel=1e-5), iteration
+
+
+def test_every_data_source_megatron_lm_reads(baseline, tiny_data, tmp_path):
+    """Megatron-LM's other data sources mean what they mean there (its own
+    get_blend_and_blend_per_split): --data-args-path (the blend in a file) trains exactly as
+    --data-path; a blend per split (--train/--valid/--test-data-path) trains on the whole
+    train blend, as --data-path with --split 100,0,0 does, and evaluates on its own valid and
+    test blends. Both were refused before; Megatron-LM's other dataset-builder flags were
+    dropped."""
+    reference, _ = baseline
+    blend_file = tmp_path / "blend.txt"
+    blend_file.write_text(f"{tiny_data}\n")
+    losses, _ = train(tmp_path, "args_file", tiny_data, "--data-args-path", str(blend_file),
+                      drop=("--data-path",))
+    assert losses == pytest.approx(reference, rel=1e-6)
+    whole, _ = train(tmp_path, "whole", tiny_data, "--split", "100,0,0", "--eval-iters", "0")
+    per_split, log = train(tmp_path, "per_split", tiny_data, "--train-data-path", tiny_data,
+                           "--valid-data-path", tiny_data, "--test-data-path", tiny_data,
+                           "--no-mmap-bin-files", drop=("--data-path", "--split"))
+    assert sorted(per_split) == list(range(1, ITERS + 1))
+    assert per_split == pytest.approx(whole, rel=1e-6)
+    evaluations = json.loads(log.splitlines()[-1])
+    assert set(evaluations) == {"valid", "test"}
 
 
 def test_megatron_lm_log_lines(baseline):
