@@ -69,8 +69,10 @@ def build_gpt_datasets(data_path, seq_length: int, tokenizer, num_samples: Seque
 
     if seq_length <= 0:
         raise ValueError(f"--seq-length must be positive, got {seq_length}")
-    if len(num_samples) != 3 or any(n < 0 for n in num_samples):
-        raise ValueError(f"num_samples must be 3 non-negative sizes, got {list(num_samples)}")
+    if len(num_samples) != 3 or any(n is not None and n < 0 for n in num_samples):
+        # None: the whole split (Megatron-LM's --full-validation asks so for validation)
+        raise ValueError(f"num_samples must be 3 non-negative sizes or None, got "
+                         f"{list(num_samples)}")
     dataset_class = gpt.MockGPTDataset  # no data: megatron's mock data
     if data_path is not None:
         blend = parse_data_path(data_path)

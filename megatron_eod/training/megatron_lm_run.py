@@ -136,11 +136,12 @@ def _embedding_ranks(pp_ranks):
 class _Metrics:
     """--metrics-file under Megatron-LM's loop: the same JSON lines as the lean trainer's
     (iteration, lm_loss, grad_norm, lr, tokens, tokens_per_s, iteration_ms, plan_wait_ms;
-    kind "valid"/"test" for evaluations), written by the last rank."""
+    kind "valid"/"test" for evaluations, and "set": its index with --multiple-validation-sets),
+    written by the last rank."""
 
     def __init__(self, providers):
         self.providers, self.file, self.iteration = providers, None, 0
-        self.last, self.waited, self.eval_loss = time.perf_counter(), 0.0, None
+        self.last, self.waited, self.eval_losses = time.perf_counter(), 0.0, []
 
     def install(self, training):
         log, evaluate, report = (training.training_log, training.evaluate,
@@ -153,18 +154,20 @@ class _Metrics:
             self._iteration(loss_dict, learning_rate, iteration, skipped_iter, grad_norm)
             return result
 
-        def evaluate_(*args, **kwargs):
+        def evaluate_(*args, **kwargs):  # once per validation set
             result = evaluate(*args, **kwargs)
-            self.eval_loss = result[0].get("lm loss") if result and result[0] else None
+            self.eval_losses.append(result[0].get("lm loss") if result and result[0] else None)
             return result
 
         def evaluate_and_print_results(prefix, *args, **kwargs):
-            self.eval_loss = None
+            self.eval_losses = []
             result = report(prefix, *args, **kwargs)
-            if self.eval_loss is not None:
-                self._write({"kind": "test" if "test" in str(prefix) else "valid",
-                             "iteration": self.iteration,
-                             "lm_loss": float(self.eval_loss)})
+            kind = "test" if "test" in str(prefix) else "valid"
+            many = len(self.eval_losses) > 1  # --multiple-validation-sets
+            for index, loss in enumerate(self.eval_losses):
+                if loss is not None:
+                    self._write({"kind": kind, "iteration": self.iteration,
+                                 "lm_loss": float(loss), **({"set": index} if many else {})})
             return result
 
         training.training_log, training.evaluate = training_log, evaluate_

@@ -150,6 +150,21 @@ def test_every_data_source_megatron_lm_reads(baseline, tiny_data, tmp_path):
     assert set(evaluations) == {"valid", "test"}
 
 
+def test_multiple_validation_sets(tiny_data, tmp_path):
+    """--multiple-validation-sets (with --full-validation, which Megatron-LM requires): a
+    validation blend of two prefixes is evaluated as two sets, each whole, and
+    --metrics-file records each set's loss (the same data twice here: equal losses)."""
+    losses, log = train(tmp_path, "multi", tiny_data, "--train-data-path", tiny_data,
+                        "--valid-data-path", tiny_data, tiny_data, "--multiple-validation-sets",
+                        "--full-validation", drop=("--data-path", "--split"))
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    assert "validation-0 loss at iteration 4" in log and "validation-1 loss at iteration 4" in log
+    records = [json.loads(line) for line in (tmp_path / "multi.jsonl").read_text().splitlines()]
+    sets = [r for r in records if r.get("kind") == "valid"]
+    assert [(r["iteration"], r["set"]) for r in sets] == [(ITERS, 0), (ITERS, 1)]
+    assert sets[0]["lm_loss"] == pytest.approx(sets[1]["lm_loss"], rel=1e-6)
+
+
 def test_megatron_lm_log_lines(baseline):
     losses, log = baseline
     assert sorted(losses) == list(range(1, ITERS + 1))
