@@ -3,8 +3,8 @@ them, or a machine whose NCCL is unusable), in both trainers: what gloo cannot d
 tensors, done another way.
 
 One job, two changes, both made by `apply()` (the lean trainer's initialize, or our hook
-after Megatron-LM's validate_args) and undone by `remove()`, plus the flags that cannot
-work there (`check_flags`):
+after Megatron-LM's validate_args) and undone by `remove()` (the flags that cannot work
+there are refused by training/cp_flags.py's `check_gloo_on_cuda`):
 - megatron-core's DDP coalesces each bucket group's gradient reduction (and the distributed
   optimizer's parameter gather) with `torch.distributed._coalescing_manager`, which hands
   gloo `allreduce_coalesced`: CPU tensors only ("unsupported device type cuda"). The stand-in
@@ -24,9 +24,8 @@ import contextlib
 
 from megatron_eod.attention import comm
 from megatron_eod.megatron.imports import import_megatron
-from megatron_eod.training.cp_flags import FlagError
 
-__all__ = ["apply", "check_flags", "remove", "uncoalesced", "wanted"]
+__all__ = ["apply", "remove", "uncoalesced", "wanted"]
 
 _SAVED = {}
 
@@ -52,17 +51,6 @@ def uncoalesced(group=None, device=None, async_ops: bool = False):
 def wanted(args, cuda_available: bool) -> bool:
     """Whether these flags run gloo on CUDA."""
     return bool(cuda_available) and args.distributed_backend == "gloo"
-
-
-def check_flags(args, cuda_available: bool) -> None:
-    """FlagError for what gloo on CUDA cannot overlap."""
-    if not wanted(args, cuda_available):
-        return
-    for flag in ("overlap_grad_reduce", "overlap_param_gather"):
-        if getattr(args, flag, False):
-            raise FlagError(f"--{flag.replace('_', '-')} needs --distributed-backend nccl on "
-                            f"CUDA (with gloo, CUDA gradients are reduced one bucket at a "
-                            f"time, synchronously)")
 
 
 def apply() -> None:

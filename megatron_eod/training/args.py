@@ -22,12 +22,11 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_eod.attention.backends import has_transformer_engine
-from megatron_eod.megatron import gloo_on_cuda
 from megatron_eod.data.tokenizers import SENTENCEPIECE_TYPES, TOKENIZER_TYPES
 from megatron_eod.training import args_optim as optim
 from megatron_eod.training.cp_flags import (CP_ALGO_ALIASES, RING_EXCHANGE_HELP, RING_EXCHANGES,
                                             FlagError, check_context_parallel,
-                                            check_sequence_parallel_rows)
+                                            check_gloo_on_cuda, check_sequence_parallel_rows)
 
 __all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "check_context_parallel", "parse_args",
            "validate_args"]
@@ -315,7 +314,7 @@ def _check_device_flags(args, cuda_available: bool) -> None:
         args.distributed_backend = "nccl" if cuda_available else "gloo"
     _require(args.distributed_backend != "nccl" or cuda_available,
              "--distributed-backend nccl needs CUDA; use --distributed-backend gloo on CPU")
-    gloo_on_cuda.check_flags(args, cuda_available)
+    check_gloo_on_cuda(args, cuda_available)
 
 
 def _check_data(args) -> None:

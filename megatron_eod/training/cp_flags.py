@@ -4,7 +4,9 @@ One job: `check_context_parallel(args)` on any namespace with Megatron's attribu
 lean trainer's args, or Megatron-LM's after megatron_lm_args maps its --cp-comm-type):
 normalises `context_parallel_algo` (the Ascend spellings too), sets `ulysses_degree` from the
 plan's one rule, and raises `FlagError` naming the flags; `check_sequence_parallel_rows(args)`
-checks that sequence parallelism can split a rank's packed micro-batch over TP.
+checks that sequence parallelism can split a rank's packed micro-batch over TP;
+`check_gloo_on_cuda(args, cuda_available)` refuses what gloo on CUDA cannot overlap
+(megatron/gloo_on_cuda.py reduces gradients bucket by bucket there).
 
 What it does not do: no parsing (args.py, megatron_lm_args.py).
 """
@@ -17,7 +19,7 @@ from megatron_eod.attention.ring import RING_EXCHANGES
 from megatron_eod.plan import ulysses_degree_for
 
 __all__ = ["CP_ALGO_ALIASES", "FlagError", "RING_EXCHANGES", "RING_EXCHANGE_HELP",
-           "check_context_parallel", "check_sequence_parallel_rows"]
+           "check_context_parallel", "check_gloo_on_cuda", "check_sequence_parallel_rows"]
 
 RING_EXCHANGE_HELP = ("how ring and hybrid CP move keys/values: batched (default: all of a "
                       "layer's transfers at once, 2 attention calls per direction), "
@@ -98,3 +100,14 @@ def check_sequence_parallel_rows(args) -> None:
                  f"--sequence-parallel needs --{dest.replace('_', '-')} x --seq-length / "
                  f"--context-parallel-size = {tokens} tokens divisible by "
                  f"--tensor-model-parallel-size {tp}")
+
+
+def check_gloo_on_cuda(args, cuda_available: bool) -> None:
+    """--distributed-backend gloo with CUDA reduces gradients one bucket at a time,
+    synchronously (megatron/gloo_on_cuda.py): the overlap flags cannot work there."""
+    if not (cuda_available and args.distributed_backend == "gloo"):
+        return
+    for flag in ("overlap_grad_reduce", "overlap_param_gather"):
+        _require(not getattr(args, flag, False),
+                 f"--{flag.replace('_', '-')} needs --distributed-backend nccl on CUDA (with "
+                 f"gloo, CUDA gradients are reduced one bucket at a time, synchronously)")

@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import torch
 
-from megatron_eod.megatron import gloo_on_cuda
 from megatron_eod.training import megatron_lm_data
 from megatron_eod.training.args_optim import ramp_as_step_schedule
 from megatron_eod.training.cp_flags import (CP_ALGO_ALIASES, RING_EXCHANGE_HELP, RING_EXCHANGES,
                                             FlagError, check_context_parallel,
-                                            check_sequence_parallel_rows)
+                                            check_gloo_on_cuda, check_sequence_parallel_rows)
 
 __all__ = ["REFUSED", "add_eod_args", "eod_args_from_megatron"]
 
@@ -109,7 +108,7 @@ def eod_args_from_megatron(args) -> None:
     check_sequence_parallel_rows(args)
     _check_rampup(args)
     _check_cuda_graphs(args)
-    gloo_on_cuda.check_flags(args, torch.cuda.is_available())
+    check_gloo_on_cuda(args, torch.cuda.is_available())
     _check_validation_data(args)
 
 
