@@ -20,6 +20,8 @@ import os
 
 import pytest
 
+from megatron_eod.data.preprocess import preprocess_jsonl
+from megatron_eod.data.tokenizers import ByteTokenizer
 from tests.harness import run_ranks
 from tests.training.megatron_lm_checkout import (import_megatron_lm, megatron_lm_knows,
                                                  needs_megatron_lm, null_tokenizer_vocab_size)
@@ -154,8 +156,16 @@ def test_multiple_validation_sets(tiny_data, tmp_path):
     """--multiple-validation-sets (with --full-validation, which Megatron-LM requires): a
     validation blend of two prefixes is evaluated as two sets, each whole, and
     --metrics-file records each set's loss (the same data twice here: equal losses)."""
+    small = str(tmp_path / "small")  # whole validation sets: keep them to a few batches
+    with open(small + ".jsonl", "w") as f:
+        for i in range(24):
+            f.write(json.dumps({"text": f"document {i}: " + "some text to validate on " * 8})
+                    + "\n")
+    preprocess_jsonl(small + ".jsonl", small, ByteTokenizer(), append_eod=True,
+                     log=lambda message: None)
+    small += "_text_document"
     losses, log = train(tmp_path, "multi", tiny_data, "--train-data-path", tiny_data,
-                        "--valid-data-path", tiny_data, tiny_data, "--multiple-validation-sets",
+                        "--valid-data-path", small, small, "--multiple-validation-sets",
                         "--full-validation", drop=("--data-path", "--split"))
     assert sorted(losses) == list(range(1, ITERS + 1))
     assert "validation-0 loss at iteration 4" in log and "validation-1 loss at iteration 4" in log
