@@ -100,7 +100,15 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-path", nargs="*", default=None,
                    help="PREFIX ... or WEIGHT PREFIX ... (required unless --mock-data)")
     _switches(g, "--mock-data")
-    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--data-args-path", default=None,
+                   help="a file holding --data-path's words (for long blends)")
+    for split in ("train", "valid", "test"):
+        g.add_argument(f"--{split}-data-path", nargs="*", default=None,
+                       help=f"the {split} split's own blend (PREFIX ... or WEIGHT PREFIX ...)")
+    g.add_argument("--per-split-data-args-path", default=None,
+                   help='a JSON file {"train": ..., "valid": ..., "test": ...} of blends')
+    g.add_argument("--split", default=None,
+                   help="train,valid,test shares of one blend (default 969,30,1)")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="ByteTokenizer")
     _typed(g, str, ("--tokenizer-model", None), ("--vocab-file", None), ("--merge-file", None),
            ("--data-cache-path", None))
@@ -317,11 +325,29 @@ def _check_device_flags(args, cuda_available: bool) -> None:
     check_gloo_on_cuda(args, cuda_available)
 
 
+_DATA_SOURCES = {"--mock-data": ("mock_data",), "--data-path": ("data_path",),
+                 "--data-args-path": ("data_args_path",),
+                 "--train-data-path/--valid-data-path/--test-data-path": (
+                     "train_data_path", "valid_data_path", "test_data_path"),
+                 "--per-split-data-args-path": ("per_split_data_args_path",)}
+
+
 def _check_data(args) -> None:
-    _require(not (args.mock_data and args.data_path),
-             "--data-path and --mock-data are exclusive; pass one")
-    _require(bool(args.mock_data or args.data_path),
-             "--data-path PREFIX ... is required (or pass --mock-data)")
+    given = [flags for flags, dests in _DATA_SOURCES.items()
+             if any(getattr(args, dest) for dest in dests)]
+    _require(len(given) <= 1, f"{' and '.join(given)} are exclusive: pass one data source")
+    _require(bool(given), "no training data: pass --data-path PREFIX ... (or --data-args-path, "
+                          "--train-data-path/--valid-data-path/--test-data-path, "
+                          "--per-split-data-args-path, --mock-data)")
+    per_split = given[0] in list(_DATA_SOURCES)[3:]
+    _require(not (per_split and args.split is not None),
+             f"--split {args.split} shares one blend between the splits; {given[0]} gives "
+             f"each split its own: drop --split")
+    if per_split:
+        _require(args.per_split_data_args_path or args.train_data_path,
+                 "a blend per split needs --train-data-path")
+    elif args.split is None:
+        args.split = "969,30,1"
     needs = {"HuggingFaceTokenizer": ("tokenizer_model",),
              "GPT2BPETokenizer": ("vocab_file", "merge_file"),
              "NullTokenizer": ("vocab_size",),

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron_eod.attention.groups import register_hybrid_groups
 from megatron_eod.data.checks import DatasetError, check_dataset
-from megatron_eod.megatron.dataset import build_gpt_datasets, parse_data_path
+from megatron_eod.megatron.dataset import blend_prefixes, build_gpt_datasets, read_data_sources
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.megatron.layer_spec import get_gpt_eod_block_spec
 from megatron_eod.megatron.steps import EodGPTSteps, is_dataset_built_on_rank
@@ -46,17 +46,22 @@ def gpt_position_embedding_type(args) -> str:
 
 
 def datasets(args, tokenizer, sizes):
-    """Train/valid/test GPTDatasets on the ranks that read data (None elsewhere), after every
+    """Train/valid/test GPTDatasets for the lean trainer's args on the ranks that read data
+    (None elsewhere), from any of Megatron's data sources (`read_data_sources`), after every
     rank checked every dataset against itself and the tokenizer (data/checks.py)."""
+    blend, blend_per_split = read_data_sources(
+        args.data_path, args.data_args_path,
+        (args.train_data_path, args.valid_data_path, args.test_data_path),
+        args.per_split_data_args_path)
     if not getattr(args, "mock_data", False):
-        check_datasets(parse_data_path(args.data_path)[0], tokenizer,
+        check_datasets(blend_prefixes(blend, blend_per_split), tokenizer,
                        null_tokenizer_eod_flags(args, tokenizer))
     return build_gpt_datasets(
-        None if getattr(args, "mock_data", False) else args.data_path, args.seq_length,
-        tokenizer, list(sizes), split=args.split, seed=args.seed,
+        None, args.seq_length, tokenizer, list(sizes), split=args.split, seed=args.seed,
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        path_to_cache=args.data_cache_path, is_built_on_rank=is_dataset_built_on_rank)
+        path_to_cache=args.data_cache_path, is_built_on_rank=is_dataset_built_on_rank,
+        blend=blend, blend_per_split=blend_per_split)
 
 
 def megatron_lm_datasets(args, tokenizer, sizes):
@@ -64,7 +69,7 @@ def megatron_lm_datasets(args, tokenizer, sizes):
     pretrain_gpt.py reads (megatron_lm_data), each prefix checked first."""
     blend, blend_per_split = megatron_lm_data.blends(args)
     if not getattr(args, "mock_data", False):
-        check_datasets(megatron_lm_data.blend_prefixes(blend, blend_per_split), tokenizer,
+        check_datasets(blend_prefixes(blend, blend_per_split), tokenizer,
                        null_tokenizer_eod_flags(args, tokenizer))
     return build_gpt_datasets(
         None, args.seq_length, tokenizer, list(sizes), split=args.split, seed=args.seed,

@@ -22,6 +22,7 @@ import importlib
 import json
 from typing import List, Optional
 
+from megatron_eod.megatron.dataset import blend_prefixes
 from megatron_eod.megatron.imports import import_megatron
 
 __all__ = ["blends", "blend_prefixes", "builder_settings", "validation_source"]
@@ -62,16 +63,6 @@ def validation_source(args) -> Optional[str]:
     config = import_megatron("megatron.core.datasets.blended_megatron_dataset_config")
     share = config.parse_and_normalize_split(args.split or "969,30,1")[1]
     return f"--split {args.split}" if share > 0 else None
-
-
-def blend_prefixes(blend, blend_per_split) -> List[str]:
-    """Every dataset prefix the blends read, each once, in order."""
-    prefixes = []
-    for one in [blend, *(blend_per_split or [])]:
-        for prefix in (one[0] if one else []):
-            if prefix not in prefixes:
-                prefixes.append(prefix)
-    return prefixes
 
 
 def builder_settings(args) -> dict:

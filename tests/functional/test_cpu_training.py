@@ -64,6 +64,22 @@ def _megatron_lm_rank(rank, world, argv):
         pretrain_gpt.main(["--trainer", "megatron-lm", *argv])
 
 
+def test_every_data_source_trains_as_its_data_path_twin(cp1, tiny_data, tmp_path):
+    """The lean trainer reads Megatron's other data sources: --data-args-path (the blend in a
+    file) trains exactly as --data-path; a blend per split (--train-data-path ..., or the same
+    in --per-split-data-args-path) trains on the whole train blend, as --split 100,0,0."""
+    words = tmp_path / "blend.txt"
+    words.write_text(tiny_data + "\n")
+    assert_same(train(1, tiny_data, "--data-args-path", str(words), drop=("--data-path",)), cp1)
+    whole = train(1, tiny_data, "--split", "100,0,0")
+    assert_same(train(1, tiny_data, "--train-data-path", tiny_data, "--valid-data-path",
+                      tiny_data, drop=("--data-path", "--split")), whole)
+    spec = tmp_path / "splits.json"
+    spec.write_text(json.dumps({"train": tiny_data, "valid": tiny_data}))
+    assert_same(train(1, tiny_data, "--per-split-data-args-path", str(spec),
+                      drop=("--data-path", "--split")), whole)
+
+
 @needs_megatron_lm
 def test_megatron_lm_trainer_trains_like_the_lean_trainer(tiny_data, tmp_path):
     """Megatron-LM's own `pretrain()` with our providers trains the tiny GPT to the golden

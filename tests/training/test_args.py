@@ -385,14 +385,31 @@ def test_invalid_combinations(extra, world_size, cuda, match):
 
 
 @pytest.mark.parametrize("data,match", [
-    ([], r"--data-path PREFIX \.\.\. is required \(or pass --mock-data\)"),
-    (["--data-path"], r"--data-path PREFIX \.\.\. is required"),
+    ([], r"no training data: pass --data-path PREFIX \.\.\. \(or --data-args-path, "
+         r"--train-data-path/--valid-data-path/--test-data-path, --per-split-data-args-path, "
+         r"--mock-data\)"),
+    (["--data-path"], r"no training data: pass --data-path PREFIX"),
     (["--data-path", "corpus_text_document", "--mock-data"],
-     r"--data-path and --mock-data are exclusive"),
+     r"--mock-data and --data-path are exclusive: pass one data source"),
+    (["--data-args-path", "blend.txt", "--train-data-path", "a"],
+     r"--data-args-path and --train-data-path/--valid-data-path/--test-data-path are "
+     r"exclusive"),
+    (["--train-data-path", "a", "--split", "90,8,2"],
+     r"--split 90,8,2 shares one blend between the splits; --train-data-path/"
+     r"--valid-data-path/--test-data-path gives each split its own: drop --split"),
+    (["--valid-data-path", "a"], r"a blend per split needs --train-data-path"),
 ])
 def test_data_flags(data, match):
     with pytest.raises(FlagError, match=match):
         parse(data=data)
+
+
+def test_data_sources_and_the_default_split():
+    assert parse(data=["--data-args-path", "blend.txt"]).split == "969,30,1"
+    args = parse(data=["--train-data-path", "a", "--valid-data-path", "b"])
+    assert args.split is None and args.train_data_path == ["a"] and args.test_data_path is None
+    assert parse(data=["--per-split-data-args-path", "s.json"]).split is None
+    assert parse(data=["--mock-data", "--split", "99,1,0"]).split == "99,1,0"
 
 
 def test_flag_error_is_a_value_error():
