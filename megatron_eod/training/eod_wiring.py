@@ -49,25 +49,21 @@ def datasets(args, tokenizer, sizes):
     """Train/valid/test GPTDatasets for the lean trainer's args on the ranks that read data
     (None elsewhere), from any of Megatron's data sources (`read_data_sources`), after every
     rank checked every dataset against itself and the tokenizer (data/checks.py)."""
-    blend, blend_per_split = read_data_sources(
+    blends = read_data_sources(
         args.data_path, args.data_args_path,
         (args.train_data_path, args.valid_data_path, args.test_data_path),
         args.per_split_data_args_path)
-    if not getattr(args, "mock_data", False):
-        check_datasets(blend_prefixes(blend, blend_per_split), tokenizer,
-                       null_tokenizer_eod_flags(args, tokenizer))
-    return build_gpt_datasets(
-        None, args.seq_length, tokenizer, list(sizes), split=args.split, seed=args.seed,
-        reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        path_to_cache=args.data_cache_path, is_built_on_rank=is_dataset_built_on_rank,
-        blend=blend, blend_per_split=blend_per_split)
+    return _checked_datasets(args, tokenizer, sizes, *blends)
 
 
 def megatron_lm_datasets(args, tokenizer, sizes):
     """`datasets` for Megatron-LM's args: every data source and dataset-builder setting its
     pretrain_gpt.py reads (megatron_lm_data), each prefix checked first."""
-    blend, blend_per_split = megatron_lm_data.blends(args)
+    return _checked_datasets(args, tokenizer, sizes, *megatron_lm_data.blends(args),
+                             **megatron_lm_data.builder_settings(args))
+
+
+def _checked_datasets(args, tokenizer, sizes, blend, blend_per_split, **settings):
     if not getattr(args, "mock_data", False):
         check_datasets(blend_prefixes(blend, blend_per_split), tokenizer,
                        null_tokenizer_eod_flags(args, tokenizer))
@@ -76,8 +72,7 @@ def megatron_lm_datasets(args, tokenizer, sizes):
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         path_to_cache=args.data_cache_path, is_built_on_rank=is_dataset_built_on_rank,
-        blend=blend, blend_per_split=blend_per_split,
-        **megatron_lm_data.builder_settings(args))
+        blend=blend, blend_per_split=blend_per_split, **settings)
 
 
 def null_tokenizer_eod_flags(args, tokenizer):
