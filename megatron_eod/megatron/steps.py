@@ -83,7 +83,8 @@ class EodGPTSteps:
                  reset_position_ids: bool = True, reset_attention_mask: bool = True,
                  eod_mask_loss: bool = False, pad_token_id: Optional[int] = None,
                  device: Optional[torch.device] = None, plan_ahead: bool = True,
-                 eval_micro_batch_size: Optional[int] = None):
+                 eval_micro_batch_size: Optional[int] = None,
+                 one_row_evaluation: bool = False):
         self.eod, self.registry = eod_token_id, registry
         self.seq_length = seq_length
         # Rows a micro-batch may have: training's, and evaluation's where Megatron-LM (>= 0.18,
@@ -91,6 +92,8 @@ class EodGPTSteps:
         self.rows = {micro_batch_size: "--micro-batch-size"}
         if eval_micro_batch_size not in (None, micro_batch_size):
             self.rows[eval_micro_batch_size] = "--eval-micro-batch-size"
+        if one_row_evaluation:  # Megatron-LM >= 0.19's --full-validation: 1 sequence each
+            self.rows.setdefault(1, "--full-validation's one sequence")
         self.algo, self.ulysses_degree = algo, ulysses_degree
         self.flags = dict(reset_position_ids=reset_position_ids,
                           reset_attention_mask=reset_attention_mask,

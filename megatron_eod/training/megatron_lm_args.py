@@ -110,6 +110,7 @@ def eod_args_from_megatron(args) -> None:
     _check_cuda_graphs(args)
     check_gloo_on_cuda(args, torch.cuda.is_available())
     _check_validation_data(args)
+    _check_full_validation(args)
 
 
 def _check_cuda_graphs(args) -> None:
@@ -132,6 +133,26 @@ def _check_cuda_graphs(args) -> None:
                         f"the next (EoD attention plans each anew); capture mlp/moe parts "
                         f"only (--cuda-graph-scope or, from Megatron-LM 0.19, "
                         f"--cuda-graph-modules), or no graphs")
+
+
+def _check_full_validation(args) -> None:
+    """Megatron-LM >= 0.19 validates --full-validation one sequence a micro-batch while its
+    pipeline schedule still shapes stage transfers for the micro-batch size; sequence
+    parallelism must split one sequence's tokens over TP."""
+    if not megatron_lm_data.validates_one_row_at_a_time(args):
+        return
+    if args.pipeline_model_parallel_size > 1:
+        raise FlagError(f"--full-validation with --pipeline-model-parallel-size "
+                        f"{args.pipeline_model_parallel_size}: this Megatron-LM validates one "
+                        f"sequence a micro-batch but shapes its pipeline transfers for "
+                        f"--micro-batch-size; drop --full-validation (validate with "
+                        f"--eval-iters)")
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    if args.sequence_parallel and tp > 1 and (args.seq_length // cp) % tp:
+        raise FlagError(f"--full-validation with --sequence-parallel needs --seq-length / "
+                        f"--context-parallel-size = {args.seq_length // cp} tokens (one "
+                        f"sequence a micro-batch) divisible by --tensor-model-parallel-size "
+                        f"{tp}")
 
 
 def _check_validation_data(args) -> None:

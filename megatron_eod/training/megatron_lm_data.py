@@ -25,7 +25,7 @@ from typing import List, Optional
 from megatron_eod.megatron.dataset import blend_prefixes
 from megatron_eod.megatron.imports import import_megatron
 
-__all__ = ["blends", "blend_prefixes", "builder_settings", "validation_source"]
+__all__ = ["blends", "builder_settings", "validates_one_row_at_a_time", "validation_source"]
 
 _PER_SPLIT = ("train_data_path", "valid_data_path", "test_data_path", "per_split_data_args_path")
 
@@ -52,6 +52,18 @@ def blends(args):
     --mock-data."""
     utils = importlib.import_module("megatron.training.utils")
     return utils.get_blend_and_blend_per_split(args)
+
+
+def validates_one_row_at_a_time(args) -> bool:
+    """Whether this Megatron-LM reads --full-validation's data one sequence a micro-batch
+    (from 0.19, its MegatronFullValidationSampler), whatever the micro-batch size."""
+    if not getattr(args, "full_validation", False):
+        return False
+    try:
+        samplers = importlib.import_module("megatron.training.datasets.data_samplers")
+    except ImportError:
+        return False
+    return hasattr(samplers, "MegatronFullValidationSampler")
 
 
 def validation_source(args) -> Optional[str]:

@@ -112,3 +112,18 @@ def test_reading_a_micro_batch_onto_the_gpu_makes_no_host_sync():
     for key in ("tokens", "labels", "loss_mask"):
         assert batch[key].is_cuda and torch.equal(batch[key].cpu(), sample[key].to(
             batch[key].dtype)), key
+
+
+@pytest.mark.parametrize("one_row", [False, True])
+def test_full_validation_reads_one_sequence_a_micro_batch_when_told(one_row):
+    """Megatron-LM >= 0.19's --full-validation reads 1 sequence a micro-batch whatever the
+    micro-batch size: accepted only when the steps are told (megatron_lm_data decides)."""
+    steps = EodGPTSteps(256, EodContextRegistry(), 8, 2, device=torch.device("cpu"),
+                        one_row_evaluation=one_row)
+    sample = {"tokens": torch.zeros(1, 8, dtype=torch.int64),
+              "labels": torch.zeros(1, 8, dtype=torch.int64), "loss_mask": torch.ones(1, 8)}
+    if one_row:
+        assert steps._read(iter([sample]))["tokens"].shape == (1, 8)
+    else:
+        with pytest.raises(ValueError, match=r"expected \[--micro-batch-size, --seq-length\]"):
+            steps._read(iter([sample]))

@@ -239,3 +239,28 @@ def test_gloo_on_cuda_refuses_overlapped_gradient_collectives(monkeypatch, flag)
     assert getattr(checked(*extra), flag[2:].replace("-", "_"))  # nccl
     with pytest.raises(FlagError, match=flag + " needs --distributed-backend nccl on CUDA"):
         checked(*extra, "--distributed-backend", "gloo")
+
+
+def test_full_validation_one_sequence_at_a_time():
+    """Megatron-LM >= 0.19 validates --full-validation one sequence a micro-batch: the steps
+    accept that row count, and a pipeline (shaped for --micro-batch-size) or a sequence
+    parallelism that cannot split one sequence are refused at start-up."""
+    import importlib
+
+    from megatron_eod.training.megatron_lm_data import validates_one_row_at_a_time
+
+    import_megatron_lm()
+    samplers = importlib.import_module("megatron.training.datasets.data_samplers")
+    one_row = hasattr(samplers, "MegatronFullValidationSampler")
+    assert validates_one_row_at_a_time(checked("--full-validation")) == one_row
+    assert not validates_one_row_at_a_time(checked())
+    if not one_row:
+        assert checked("--full-validation", "--pipeline-model-parallel-size", "2")
+        pytest.skip("this Megatron-LM validates --full-validation in whole micro-batches")
+    with pytest.raises(FlagError, match="--full-validation with --pipeline-model-parallel-size "
+                                        "2: this Megatron-LM validates one sequence"):
+        checked("--full-validation", "--pipeline-model-parallel-size", "2")
+    with pytest.raises(FlagError, match="--full-validation with --sequence-parallel needs "
+                                        "--seq-length / --context-parallel-size = 33 tokens"):
+        checked("--full-validation", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                "--seq-length", "66", "--context-parallel-size", "2", "--micro-batch-size", "2")
