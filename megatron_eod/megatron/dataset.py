@@ -17,7 +17,25 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from megatron_eod.megatron.imports import import_megatron
 
-__all__ = ["parse_data_path", "read_data_sources", "blend_prefixes", "build_gpt_datasets"]
+__all__ = ["DATA_SOURCES", "NO_DATA", "PER_SPLIT_SOURCES", "data_sources_given", "parse_data_path",
+           "read_data_sources", "blend_prefixes", "build_gpt_datasets"]
+
+# Megatron's data sources (one per run): the flags as a user writes them -> their args dests.
+DATA_SOURCES = {"--mock-data": ("mock_data",), "--data-path": ("data_path",),
+                "--data-args-path": ("data_args_path",),
+                "--train-data-path/--valid-data-path/--test-data-path": (
+                    "train_data_path", "valid_data_path", "test_data_path"),
+                "--per-split-data-args-path": ("per_split_data_args_path",)}
+PER_SPLIT_SOURCES = list(DATA_SOURCES)[3:]  # a blend per split
+NO_DATA = ("no training data: pass --data-path PREFIX ... (or --data-args-path, "
+           "--train-data-path/--valid-data-path/--test-data-path, --per-split-data-args-path or "
+           "--mock-data)")
+
+
+def data_sources_given(args) -> List[str]:
+    """The DATA_SOURCES keys whose flags `args` sets."""
+    return [flags for flags, dests in DATA_SOURCES.items()
+            if any(getattr(args, dest, None) for dest in dests)]
 
 
 def parse_data_path(data_path: Union[str, Sequence[str]]) -> Tuple[List[str], Optional[List[float]]]:

@@ -10,7 +10,7 @@ there are refused by training/cp_flags.py's `check_gloo_on_cuda`):
   gloo `allreduce_coalesced`: CPU tensors only ("unsupported device type cuda"). The stand-in
   issues each bucket's collective on its own (gloo runs a single all-reduce, reduce-scatter
   or all-gather on CUDA tensors). It is synchronous: the trainer refuses --overlap-grad-reduce
-  and --overlap-param-gather with gloo on CUDA (args_optim), so megatron-core never asks it
+  and --overlap-param-gather with gloo on CUDA (cp_flags), so megatron-core never asks it
   for a handle to wait on later.
 - the attention's p2p and all-to-all go through host memory (comm's host staging): gloo
   sends and receives CPU tensors only.

@@ -23,6 +23,7 @@ import torch
 
 from megatron_eod.attention.backends import has_transformer_engine
 from megatron_eod.data.tokenizers import SENTENCEPIECE_TYPES, TOKENIZER_TYPES
+from megatron_eod.megatron.dataset import NO_DATA, PER_SPLIT_SOURCES, data_sources_given
 from megatron_eod.training import args_optim as optim
 from megatron_eod.training.cp_flags import (CP_ALGO_ALIASES, RING_EXCHANGE_HELP, RING_EXCHANGES,
                                             FlagError, check_context_parallel,
@@ -325,21 +326,11 @@ def _check_device_flags(args, cuda_available: bool) -> None:
     check_gloo_on_cuda(args, cuda_available)
 
 
-_DATA_SOURCES = {"--mock-data": ("mock_data",), "--data-path": ("data_path",),
-                 "--data-args-path": ("data_args_path",),
-                 "--train-data-path/--valid-data-path/--test-data-path": (
-                     "train_data_path", "valid_data_path", "test_data_path"),
-                 "--per-split-data-args-path": ("per_split_data_args_path",)}
-
-
 def _check_data(args) -> None:
-    given = [flags for flags, dests in _DATA_SOURCES.items()
-             if any(getattr(args, dest) for dest in dests)]
+    given = data_sources_given(args)
     _require(len(given) <= 1, f"{' and '.join(given)} are exclusive: pass one data source")
-    _require(bool(given), "no training data: pass --data-path PREFIX ... (or --data-args-path, "
-                          "--train-data-path/--valid-data-path/--test-data-path, "
-                          "--per-split-data-args-path, --mock-data)")
-    per_split = given[0] in list(_DATA_SOURCES)[3:]
+    _require(bool(given), NO_DATA)
+    per_split = given[0] in PER_SPLIT_SOURCES
     _require(not (per_split and args.split is not None),
              f"--split {args.split} shares one blend between the splits; {given[0]} gives "
              f"each split its own: drop --split")

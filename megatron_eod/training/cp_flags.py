@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 
 from megatron_eod.attention.ring import RING_EXCHANGES
+from megatron_eod.megatron import gloo_on_cuda
 from megatron_eod.plan import ulysses_degree_for
 
 __all__ = ["CP_ALGO_ALIASES", "FlagError", "RING_EXCHANGES", "RING_EXCHANGE_HELP",
@@ -105,7 +106,7 @@ def check_sequence_parallel_rows(args) -> None:
 def check_gloo_on_cuda(args, cuda_available: bool) -> None:
     """--distributed-backend gloo with CUDA reduces gradients one bucket at a time,
     synchronously (megatron/gloo_on_cuda.py): the overlap flags cannot work there."""
-    if not (cuda_available and args.distributed_backend == "gloo"):
+    if not gloo_on_cuda.wanted(args, cuda_available):
         return
     for flag in ("overlap_grad_reduce", "overlap_param_gather"):
         _require(not getattr(args, flag, False),

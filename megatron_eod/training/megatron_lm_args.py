@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_eod.megatron.dataset import NO_DATA, data_sources_given
 from megatron_eod.training import megatron_lm_data
 from megatron_eod.training.args_optim import ramp_as_step_schedule
 from megatron_eod.training.cp_flags import (CP_ALGO_ALIASES, RING_EXCHANGE_HELP, RING_EXCHANGES,
@@ -251,9 +252,5 @@ def _refuse(args) -> None:
     if not args.calculate_per_token_loss:
         raise FlagError("--calculate-per-token-loss is off: each CP rank would divide its loss "
                         "by its own token count; EoD providers need per-token loss")
-    sources = ("data_path", "data_args_path", "train_data_path", "valid_data_path",
-               "test_data_path", "per_split_data_args_path", "mock_data")
-    if not any(getattr(args, source, None) for source in sources):
-        raise FlagError("no training data: pass --data-path (blended prefixes allowed), "
-                        "--data-args-path, --train-data-path/--valid-data-path/"
-                        "--test-data-path, --per-split-data-args-path or --mock-data")
+    if not data_sources_given(args):
+        raise FlagError(NO_DATA)

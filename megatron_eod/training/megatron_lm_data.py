@@ -20,14 +20,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-from typing import List, Optional
+from typing import Optional
 
-from megatron_eod.megatron.dataset import blend_prefixes
+from megatron_eod.megatron.dataset import PER_SPLIT_SOURCES, data_sources_given
 from megatron_eod.megatron.imports import import_megatron
 
 __all__ = ["blends", "builder_settings", "validates_one_row_at_a_time", "validation_source"]
-
-_PER_SPLIT = ("train_data_path", "valid_data_path", "test_data_path", "per_split_data_args_path")
 
 # GPTDatasetConfig field -> how pretrain_gpt.py reads it from Megatron-LM's args.
 _SETTINGS = {
@@ -70,7 +68,7 @@ def validation_source(args) -> Optional[str]:
     """Where the validation data comes from, or None where there is none: the split's
     validation share (--data-path, --data-args-path, --mock-data), or the validation blend
     (--valid-data-path, --per-split-data-args-path)."""
-    if any(getattr(args, source, None) for source in _PER_SPLIT):
+    if set(data_sources_given(args)) & set(PER_SPLIT_SOURCES):
         return "the validation blend" if blends(args)[1][1] else None
     config = import_megatron("megatron.core.datasets.blended_megatron_dataset_config")
     share = config.parse_and_normalize_split(args.split or "969,30,1")[1]
