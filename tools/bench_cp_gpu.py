@@ -12,7 +12,10 @@ time (it sets the step time), forward, backward (forward+backward minus forward)
                received key, one lse merge
   ours ring (steps)  the same plan, one call and one merge per ring step (--cp-ring-exchange
                steps)
-  ours hybrid  Ulysses degree 2: a group's time over its 2 ranks (batched, and steps)
+  ours hybrid  Ulysses degree 2: what ONE rank of a group computes after the all-to-all:
+               the group's rows over H/2 query heads (and its share of key/value heads),
+               batched and steps (before 2026-11-25 this was the group's all-head work / 2,
+               which hides the kernel's tail: see tools/tile_model.py's dispatch floor)
   ours ... (one call)  the same placement's rank (group) work as ONE causal call with every
                key in place before timing: what no executor of that placement can beat
                (no merge, no second pass over the queries; the gap to it is the executor's)
@@ -47,6 +50,7 @@ from bench_cp import pack_rows, stdlib_lengths, web_row  # noqa: E402
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
+from megatron_eod.attention.ulysses import kv_repeat_for_degree  # noqa: E402
 from megatron_eod.plan.cost import doc_pairs  # noqa: E402
 from megatron_eod.plan.kv_schedule import call_from_rows  # noqa: E402
 from tile_model import plan_calls, tiles_over_ideal  # noqa: E402
@@ -204,6 +208,20 @@ def random_qkv(n, args, device, dtype, gen):
     return make(args.heads), make(args.kv_heads), make(args.kv_heads), make(args.heads)
 
 
+def ulysses_rank_inputs(q, k, v, dout, degree):
+    """q, k, v, dout as ONE rank of a Ulysses group of `degree` holds them after the
+    all-to-all, for timing: H/degree query heads and its whole key/value heads (repeated as
+    ulysses.py repeats them where G < degree); the group's rows. Contents are not the rank's
+    own heads (timing only needs the shapes)."""
+    if degree == 1:
+        return q, k, v, dout
+    heads, kv_heads = q.shape[1], k.shape[1]
+    rank_kv = kv_heads * kv_repeat_for_degree(heads, kv_heads, degree) // degree
+    kv = lambda t: t.repeat_interleave(-(-rank_kv // kv_heads), 1)[:, :rank_kv]  # noqa: E731
+    return (q[:, :heads // degree].contiguous(), kv(k).contiguous(), kv(v).contiguous(),
+            dout[:, :heads // degree].contiguous())
+
+
 def bench_row(cu, cp, args, device, dtype, backend):
     n = int(cu[-1])
     gen = torch.Generator().manual_seed(0)
@@ -218,16 +236,16 @@ def bench_row(cu, cp, args, device, dtype, backend):
     tiles = {"ideal": {"forward": 1.0, "backward": 1.0}}
     for name, algo, u, exchange in OURS:
         plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
-        sim = SimulatedPlan(plan, q, k, v, dout, backend, scale, exchange)
+        rank_qkv = ulysses_rank_inputs(q, k, v, dout, u or 1)  # one rank's heads
+        sim = SimulatedPlan(plan, *rank_qkv, backend, scale, exchange)
         times[name] = busiest([(lambda g=g: sim.forward_group(g), lambda g=g: sim.run_group(g))
-                               for g in range(plan.ring_size)], args.repeats, device, u or 1)
+                               for g in range(plan.ring_size)], args.repeats, device)
         tiles[name] = tiles_over_ideal(plan_calls(plan, exchange), cu, cp, u or 1)
         if exchange == "batched":
             one = f"{name} (one call)"
             calls = [to_dev(c) for c in prefix_calls(
                 cu, [plan_segments(plan, g, cu) for g in range(plan.ring_size)])]
-            times[one] = busiest([fns(c, q, k, v, dout) for c in calls], args.repeats, device,
-                                 u or 1)
+            times[one] = busiest([fns(c, *rank_qkv) for c in calls], args.repeats, device)
             tiles[one] = tiles_over_ideal([[c] for c in calls], cu, cp, u or 1)
     calls = [to_dev(c) for c in prefix_calls(cu, contiguous_segments(cu, cp))]
     times["contiguous"] = busiest([fns(c, q, k, v, dout) for c in calls], args.repeats, device)

@@ -11,8 +11,8 @@ profiles one more with torch.profiler, then splits the time:
   glue       device time in every other kernel: merges, gathers, casts, gradient sums
   idle       the rest of the wall time: the device waits for the host to launch work
              (many small launches, Python overhead)
-and lists the glue kernels that take the most time. Times are per rank (a hybrid group's
-over its u ranks). Busy time is the union of kernel intervals, so overlapping kernels count
+and lists the glue kernels that take the most time. Times are per rank (for hybrid: one rank
+of the group, its H/u heads over the group's rows). Busy time is the union of kernel intervals, so overlapping kernels count
 once. On a CPU the same split covers the top-level aten operators of the profiled run (no
 device: "idle" is Python overhead between them), which only smoke-tests the tool.
 """
@@ -32,7 +32,7 @@ from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from bench_cp import pack_rows, stdlib_lengths, web_row  # noqa: E402
-from bench_cp_gpu import OURS, random_qkv, timed  # noqa: E402
+from bench_cp_gpu import OURS, random_qkv, timed, ulysses_rank_inputs  # noqa: E402
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
@@ -111,12 +111,11 @@ def profile_row(cu, cp, args, device, dtype, backend):
     out = {}
     for name, algo, u, exchange in OURS:
         plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
-        sim = SimulatedPlan(plan, q, k, v, dout, backend, scale, exchange)
+        sim = SimulatedPlan(plan, *ulysses_rank_inputs(q, k, v, dout, u or 1), backend, scale,
+                            exchange)  # one rank's heads
         g = max(range(plan.ring_size),
                 key=lambda g: timed(lambda: sim.run_group(g), 1, device))
-        split, by_name, n_att, n_glue = profile_group(sim, g, device, args.repeats)
-        share = u or 1
-        out[name] = ({key: s / share for key, s in split.items()}, by_name, n_att, n_glue)
+        out[name] = profile_group(sim, g, device, args.repeats)
     return out
 
 

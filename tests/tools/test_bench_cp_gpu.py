@@ -137,3 +137,18 @@ def test_device_clock_gives_up_on_work_it_cannot_hide(monkeypatch):
         seconds = bench_cp_gpu.device_timed(lambda: None, 5, torch.device("cuda"))
     assert seconds != seconds  # NaN
     assert len(fake.sleeps) == bench_cp_gpu.MAX_LATE + 1
+
+
+@pytest.mark.parametrize("heads,kv_heads,degree,rank_kv", [
+    (32, 8, 2, 4), (8, 2, 4, 1), (8, 1, 2, 1), (12, 4, 3, 4), (4, 4, 1, 4)])
+def test_hybrid_rows_time_one_ranks_heads(heads, kv_heads, degree, rank_kv):
+    """A hybrid layout is timed as ONE rank of its Ulysses group computes after the
+    all-to-all: H/u query heads and the key/value heads ulysses.py gives that rank (not the
+    group's all-head work divided by u, which hides the kernel's tail)."""
+    q, dout = torch.randn(10, heads, 4), torch.randn(10, heads, 4)
+    k, v = torch.randn(10, kv_heads, 4), torch.randn(10, kv_heads, 4)
+    rq, rk, rv, rd = bench_cp_gpu.ulysses_rank_inputs(q, k, v, dout, degree)
+    assert rq.shape == rd.shape == (10, heads // degree, 4)
+    assert rk.shape == rv.shape == (10, rank_kv, 4)
+    assert all(t.is_contiguous() for t in (rq, rk, rv, rd))
+    assert rq.shape[1] % rk.shape[1] == 0  # a valid GQA call
