@@ -12,6 +12,8 @@ time (it sets the step time), forward, backward (forward+backward minus forward)
                received key, one lse merge
   ours ring (steps)  the same plan, one call and one merge per ring step (--cp-ring-exchange
                steps)
+  ours ring (concurrent)  the batched ring with its local call on a second CUDA stream beside
+               the call over received keys (--cp-concurrent-calls; on a CPU: in sequence)
   ours hybrid  Ulysses degree 2: what ONE rank of a group computes after the all-to-all:
                the group's rows over H/2 query heads (and its share of key/value heads),
                batched and steps (before 2026-11-25 this was the group's all-head work / 2,
@@ -60,6 +62,8 @@ from tile_model import plan_calls, tiles_over_ideal  # noqa: E402
 OURS = (("ours ring", "ring", None, "batched"), ("ours ring (steps)", "ring", None, "steps"),
         ("ours hybrid u=2", "hybrid", 2, "batched"),
         ("ours hybrid u=2 (steps)", "hybrid", 2, "steps"))
+# This tool also times the batched executor with --cp-concurrent-calls (name suffix, flag).
+CONCURRENT = (" (concurrent)", True)
 
 
 def timed(fn, repeats, device):
@@ -234,14 +238,17 @@ def bench_row(cu, cp, args, device, dtype, backend):
     fns = lambda c, *t: call_fns(backend, c, *t, scale)  # noqa: E731
     times["ideal"] = busiest([fns(full, q, k, v, dout)], args.repeats, device, cp)
     tiles = {"ideal": {"forward": 1.0, "backward": 1.0}}
-    for name, algo, u, exchange in OURS:
+    rows = [(name, algo, u, exchange, False) for name, algo, u, exchange in OURS]
+    rows += [(name + CONCURRENT[0], algo, u, exchange, CONCURRENT[1])
+             for name, algo, u, exchange in OURS if exchange == "batched"]
+    for name, algo, u, exchange, concurrent in rows:
         plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
         rank_qkv = ulysses_rank_inputs(q, k, v, dout, u or 1)  # one rank's heads
-        sim = SimulatedPlan(plan, *rank_qkv, backend, scale, exchange)
+        sim = SimulatedPlan(plan, *rank_qkv, backend, scale, exchange, concurrent)
         times[name] = busiest([(lambda g=g: sim.forward_group(g), lambda g=g: sim.run_group(g))
                                for g in range(plan.ring_size)], args.repeats, device)
         tiles[name] = tiles_over_ideal(plan_calls(plan, exchange), cu, cp, u or 1)
-        if exchange == "batched":
+        if exchange == "batched" and not concurrent:
             one = f"{name} (one call)"
             calls = [to_dev(c) for c in prefix_calls(
                 cu, [plan_segments(plan, g, cu) for g in range(plan.ring_size)])]

@@ -42,7 +42,7 @@ def _check(q, k, v, plan, group_size):
 
 
 def context_parallel_attention(q, k, v, plan, group=None, causal=True, softmax_scale=None,
-                               backend=None, ring_exchange="batched"):
+                               backend=None, ring_exchange="batched", concurrent_calls=False):
     """Document-masked causal attention of this rank's rows `plan.token_index(rank)`.
 
     q: [n, H, D], k/v: [n, G, D] -> [n, H, D]; differentiable in q, k, v. For algo='hybrid'
@@ -50,6 +50,8 @@ def context_parallel_attention(q, k, v, plan, group=None, causal=True, softmax_s
     ring_exchange (ring and hybrid): "batched" (all of a ring group's transfers at once, two
     kernel calls), "batched-keep" (the same, the received rows kept for the backward instead
     of sent again) or "steps" (a transfer, a call and a merge per ring step); see ring.py.
+    concurrent_calls (batched executors, on a GPU): the local call runs on a side CUDA stream
+    beside the call over received keys, so that each fills the other's tail (streams.py).
     """
     if not causal:
         raise ValueError("causal=False is not supported: EoD-reset training is causal")
@@ -70,7 +72,8 @@ def context_parallel_attention(q, k, v, plan, group=None, causal=True, softmax_s
     degree, ulysses_group, ring_group = _groups(plan, group)
     if degree > 1:
         q, k, v = seq_to_head(q, k, v, ulysses_group, degree)
-    out = ring_attention(q, k, v, schedule, ring_group, backend, scale, ring_exchange)
+    out = ring_attention(q, k, v, schedule, ring_group, backend, scale, ring_exchange,
+                         concurrent_calls)
     return head_to_seq(out, ulysses_group, degree) if degree > 1 else out
 
 

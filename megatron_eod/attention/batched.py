@@ -36,6 +36,7 @@ import torch
 
 from megatron_eod.attention.backends import accumulation_dtype
 from megatron_eod.attention.lse import merge_into
+from megatron_eod.attention.streams import Beside
 
 __all__ = ["batched_forward", "batched_backward", "call_forward", "call_backward",
            "runs_batched"]
@@ -92,33 +93,39 @@ def _check(schedule):
 
 
 def batched_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale,
-                    keep_received=False):
+                    keep_received=False, concurrent_calls=False):
     """-> (out [T, H, D] in q's dtype, lse [T, H] float32/float64), and with keep_received
     the received [2, N, G, D] buffer too (None without a batched form, empty when nothing
-    is received), for `batched_backward(received_2NGD=...)`."""
+    is received), for `batched_backward(received_2NGD=...)`. concurrent_calls: on a GPU,
+    the local call runs on a side stream beside the received keys' call (streams.py)."""
     _check(schedule)
     pending = transport.start_all_kv(schedule, k_TGD, v_TGD) if schedule.batched else None
-    local = schedule.local  # over the local rows in order: no gather
-    out_THD, lse_TH = backend.forward(q_THD, k_TGD, v_TGD, local.cu_seqlens_q,
-                                      local.cu_seqlens_k, local.max_seqlen_q,
-                                      local.max_seqlen_k, local.causal, scale)
-    lse_TH = lse_TH.to(accumulation_dtype(q_THD.dtype))
-    recv_2NGD = None if pending is None else pending.wait()
     call = schedule.batched.call if schedule.batched else None
+    local = schedule.local  # over the local rows in order: no gather
+    local_run = Beside(lambda: backend.forward(q_THD, k_TGD, v_TGD, local.cu_seqlens_q,
+                                               local.cu_seqlens_k, local.max_seqlen_q,
+                                               local.max_seqlen_k, local.causal, scale),
+                       q_THD.device, concurrent_calls and call is not None)
+    recv_2NGD = None if pending is None else pending.wait()
     if call is not None:
         k, v = _keys(recv_2NGD)
         o, lse = call_forward(backend, q_THD, k, v, call, scale)
+    out_THD, lse_TH = local_run.result()
+    lse_TH = lse_TH.to(accumulation_dtype(q_THD.dtype))
+    if call is not None:
         merge_into(out_THD, lse_TH, call.q_index, o, lse.to(lse_TH.dtype), span=call.q_span)
     return (out_THD, lse_TH, recv_2NGD) if keep_received else (out_THD, lse_TH)
 
 
 def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, transport,
-                     backend, scale, keep_received=False, received_2NGD=None):
+                     backend, scale, keep_received=False, received_2NGD=None,
+                     concurrent_calls=False):
     """-> (dq, dk, dv) in the dtypes of q, k, v. keep_received: the forward kept its buffer,
     `received_2NGD` (on every rank of the ring: nobody sends again); then the received
     keys' backward runs first, so that their gradients travel while the local backward
     runs. Else the exchange is redone while the local backward runs, and the gradients
-    travel after."""
+    travel after. concurrent_calls: on a GPU, the local backward runs on a side stream
+    beside the received keys' backward (queued first, so that both overlap)."""
     _check(schedule)
     batched = schedule.batched
     local = schedule.local
@@ -144,13 +151,15 @@ def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, t
         return gq, transport.start_all_grad(schedule, gk, gv, k_TGD.shape[1:], k_TGD.dtype,
                                             q_THD.device)
 
-    if keep_received:
+    beside = concurrent_calls and batched.call is not None
+    if keep_received and not beside:
         gq, returning = received_backward(received_2NGD)
         dq, dk, dv = local_backward()
     else:
-        pending = transport.start_all_kv(schedule, k_TGD, v_TGD)
-        dq, dk, dv = local_backward()
-        gq, returning = received_backward(pending.wait())
+        pending = None if keep_received else transport.start_all_kv(schedule, k_TGD, v_TGD)
+        local_run = Beside(local_backward, q_THD.device, beside)
+        gq, returning = received_backward(received_2NGD if keep_received else pending.wait())
+        dq, dk, dv = local_run.result()
     if gq is not None:  # two terms per row: one sum, rounded once (in float32 for half
         span = batched.call.q_span  # precision)
         if span is not None:

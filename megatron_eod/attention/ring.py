@@ -186,7 +186,8 @@ def _land(item, dkv_2TGD):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_THD, k_TGD, v_TGD, schedule, group, backend, scale, exchange):
+    def forward(ctx, q_THD, k_TGD, v_TGD, schedule, group, backend, scale, exchange,
+                concurrent_calls):
         warm_up(group, q_THD.device)  # before the group's first batched p2p call (NCCL rule)
         transport = GroupTransport(group)
         exchange = executor_for(schedule, exchange)
@@ -195,7 +196,8 @@ class _RingAttention(torch.autograd.Function):
                 k_TGD, v_TGD = k_TGD.contiguous(), v_TGD.contiguous()  # runs: one copy, if any
             out_THD, lse_TH, *kept = batched_forward(q_THD, k_TGD, v_TGD, schedule, transport,
                                                      backend, scale,
-                                                     keep_received=exchange != "batched")
+                                                     keep_received=exchange != "batched",
+                                                     concurrent_calls=concurrent_calls)
             kv = (k_TGD, v_TGD, *kept)  # and the received buffer when kept
         else:
             kv_2TGD = stack_kv(k_TGD, v_TGD, schedule)
@@ -205,7 +207,7 @@ class _RingAttention(torch.autograd.Function):
             kv = (k_TGD, v_TGD) if kv_2TGD is None else (kv_2TGD,)
         ctx.save_for_backward(q_THD, out_THD, lse_TH, *kv)
         ctx.schedule, ctx.transport, ctx.backend, ctx.scale = schedule, transport, backend, scale
-        ctx.exchange = exchange
+        ctx.exchange, ctx.concurrent_calls = exchange, concurrent_calls
         return out_THD
 
     @staticmethod
@@ -216,19 +218,22 @@ class _RingAttention(torch.autograd.Function):
             k_TGD, v_TGD, *kept = kv
             dq, dk, dv = batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH,
                                           ctx.schedule, ctx.transport, ctx.backend, ctx.scale,
-                                          bool(kept), *kept)
-            return dq, dk, dv, None, None, None, None, None
+                                          bool(kept), *kept,
+                                          concurrent_calls=ctx.concurrent_calls)
+            return dq, dk, dv, None, None, None, None, None, None
         kv_2TGD = kv[0] if len(kv) == 1 else None
         k_TGD, v_TGD = (kv_2TGD[0], kv_2TGD[1]) if kv_2TGD is not None else kv
         dq, dk, dv = ring_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH,
                                    ctx.schedule, ctx.transport, ctx.backend, ctx.scale,
                                    kv_2TGD)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def ring_attention(q_THD, k_TGD, v_TGD, schedule, group, backend, softmax_scale,
-                   exchange="batched"):
+                   exchange="batched", concurrent_calls=False):
     """Document-masked causal attention of the local rows (see module docstring);
-    `exchange`: one of RING_EXCHANGES (checked by the caller, api.py)."""
+    `exchange`: one of RING_EXCHANGES (checked by the caller, api.py); concurrent_calls: the
+    batched executors run the local call beside the received keys' call on a GPU
+    (streams.py; the steps executor ignores it)."""
     return _RingAttention.apply(q_THD, k_TGD, v_TGD, schedule, group, backend, softmax_scale,
-                                exchange)
+                                exchange, concurrent_calls)

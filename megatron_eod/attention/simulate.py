@@ -7,7 +7,8 @@ module runs them group after group, with the "received" key/value rows gathered 
 tensors instead of sent. Used by the GPU tests and by tools/bench_cp_gpu.py.
 
     sim = SimulatedPlan(plan, q_NHD, k_NGD, v_NGD, dout_NHD)   # gathers, outside any timing
-                                     # (exchange="steps": ring.py's per-step executor)
+                                     # (exchange="steps": ring.py's per-step executor;
+                                     # concurrent_calls=True: batched.py's two streams)
     result = sim.run_group(g)        # group g's forward + backward compute only (time this)
     out, lse = sim.forward_group(g)  # its forward alone
     out, dq, dk, dv = sim.run()      # all groups, scattered back to stream order
@@ -84,9 +85,9 @@ class SimulatedPlan:
     transport_type = InProcessTransport  # tools/count_launches.py also lands returned rows
 
     def __init__(self, plan, q_NHD, k_NGD, v_NGD, dout_NHD, backend=None, softmax_scale=None,
-                 exchange="batched"):
+                 exchange="batched", concurrent_calls=False):
         check_ring_exchange(exchange)
-        self.exchange = exchange
+        self.exchange, self.concurrent_calls = exchange, concurrent_calls
         device = q_NHD.device
         self.backend = backend or get_backend(device, q_NHD.dtype)
         self.scale = softmax_scale or default_scale(q_NHD.shape[-1])
@@ -130,7 +131,8 @@ class SimulatedPlan:
         transport = self.transport_type(received, received_rows)
         schedule = self.schedules[g]
         if executor_for(schedule, self.exchange) in BATCHED:
-            return batched_forward(q, k, v, schedule, transport, self.backend, self.scale)
+            return batched_forward(q, k, v, schedule, transport, self.backend, self.scale,
+                                   concurrent_calls=self.concurrent_calls)
         return ring_forward(q, k, v, schedule, transport, self.backend, self.scale,
                             stack_kv(k, v, schedule))
 
@@ -142,9 +144,11 @@ class SimulatedPlan:
         exchange = executor_for(schedule, self.exchange)
         if exchange in BATCHED:
             keep = exchange == "batched-keep"
-            out, lse, *kept = batched_forward(q, k, v, schedule, transport, backend, scale, keep)
+            out, lse, *kept = batched_forward(q, k, v, schedule, transport, backend, scale, keep,
+                                              self.concurrent_calls)
             dq, dk, dv = batched_backward(dout, q, k, v, out, lse, schedule, transport, backend,
-                                          scale, keep, *kept)
+                                          scale, keep, *kept,
+                                          concurrent_calls=self.concurrent_calls)
         else:
             kv = stack_kv(k, v, schedule)  # once per group, as ring_attention does
             out, lse = ring_forward(q, k, v, schedule, transport, backend, scale, kv)

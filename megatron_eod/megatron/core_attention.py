@@ -58,7 +58,7 @@ class EodCoreAttention(_module.MegatronModule):
                  rotary_percent: float = 1.0, rope_scaling: bool = False,
                  rope_scaling_factor: float = 8.0,
                  seq_len_interpolation_factor: Optional[float] = None, kernel: str = "auto",
-                 ring_exchange: str = "batched"):
+                 ring_exchange: str = "batched", concurrent_calls: bool = False):
         super().__init__(config=config)
         if kernel not in ("auto", "flash_attn", "torch"):
             raise ValueError(f"kernel must be 'auto', 'flash_attn' or 'torch', got {kernel!r}")
@@ -82,6 +82,7 @@ class EodCoreAttention(_module.MegatronModule):
                 rope_scaling_factor=rope_scaling_factor, use_cpu_initialization=True)
         self.kernel = kernel  # GPU kernel choice (--use-flash-attn: "flash_attn"); CPU: exact
         self.ring_exchange = ring_exchange  # the ring executor (--cp-ring-exchange)
+        self.concurrent_calls = concurrent_calls  # --cp-concurrent-calls
         self._backends = {}  # (device, dtype) -> backend: chosen once, not per forward
         self._inv_freq = {}  # device -> the rotary inverse frequencies there
 
@@ -104,7 +105,8 @@ class EodCoreAttention(_module.MegatronModule):
         out = context_parallel_attention(query[:, 0], key[:, 0], value[:, 0], ctx.plan,
                                          group=ctx.cp_group, softmax_scale=self.softmax_scale,
                                          backend=self._backend(query),
-                                         ring_exchange=self.ring_exchange)
+                                         ring_exchange=self.ring_exchange,
+                                         concurrent_calls=self.concurrent_calls)
         return out.reshape(s, 1, -1)
 
     def _inverse_frequencies(self, device):

@@ -12,7 +12,9 @@ give them here, since the GPTModel itself is built without position embeddings o
 learned absolute ones. `qk_layernorm` is megatron-core's (norms on q and k per head).
 `kernel` picks the GPU attention kernel: "auto" (flash-attn when installed, else PyTorch's
 varlen kernel), "flash_attn" (required; what --use-flash-attn asks for) or "torch";
-`ring_exchange` the ring executor ("batched", "batched-keep" or "steps", --cp-ring-exchange).
+`ring_exchange` the ring executor ("batched", "batched-keep" or "steps", --cp-ring-exchange);
+`concurrent_calls` runs its local call beside the received keys' call on a GPU
+(--cp-concurrent-calls).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def get_gpt_layer_eod_spec(registry, use_transformer_engine: bool = False,
                            normalization: str = "LayerNorm", qk_layernorm: bool = False,
                            kernel: str = "auto", rope_scaling: bool = False,
                            rope_scaling_factor: float = 8.0,
-                           seq_len_interpolation_factor=None, ring_exchange: str = "batched"):
+                           seq_len_interpolation_factor=None, ring_exchange: str = "batched",
+                           concurrent_calls: bool = False):
     specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs")
     spec_module = import_megatron("megatron.core.transformer.spec_utils")
     if use_transformer_engine:
@@ -45,7 +48,8 @@ def get_gpt_layer_eod_spec(registry, use_transformer_engine: bool = False,
                 "rotary_percent": rotary_percent, "rope_scaling": rope_scaling,
                 "rope_scaling_factor": rope_scaling_factor,
                 "seq_len_interpolation_factor": seq_len_interpolation_factor,
-                "kernel": kernel, "ring_exchange": ring_exchange})
+                "kernel": kernel, "ring_exchange": ring_exchange,
+                "concurrent_calls": concurrent_calls})
     return spec
 
 

@@ -25,9 +25,10 @@ from megatron_eod.attention.backends import has_transformer_engine
 from megatron_eod.data.tokenizers import SENTENCEPIECE_TYPES, TOKENIZER_TYPES
 from megatron_eod.megatron.dataset import NO_DATA, PER_SPLIT_SOURCES, data_sources_given
 from megatron_eod.training import args_optim as optim
-from megatron_eod.training.cp_flags import (CP_ALGO_ALIASES, RING_EXCHANGE_HELP, RING_EXCHANGES,
-                                            FlagError, check_context_parallel,
-                                            check_gloo_on_cuda, check_sequence_parallel_rows)
+from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIASES,
+                                            RING_EXCHANGE_HELP, RING_EXCHANGES, FlagError,
+                                            check_context_parallel, check_gloo_on_cuda,
+                                            check_sequence_parallel_rows)
 
 __all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "check_context_parallel", "parse_args",
            "validate_args"]
@@ -140,6 +141,7 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help=f"one of {', '.join(CP_ALGO_ALIASES)}")
     g.add_argument("--cp-ring-exchange", choices=RING_EXCHANGES, default="batched",
                    help=RING_EXCHANGE_HELP)
+    g.add_argument("--cp-concurrent-calls", action="store_true", help=CONCURRENT_CALLS_HELP)
     _switches(g, "--sequence-parallel", "--use-flash-attn", "--reset-attention-mask",
               "--reset-position-ids", "--eod-mask-loss")
     g.add_argument("--attention-mask-type", choices=("causal", "general"), default=None,

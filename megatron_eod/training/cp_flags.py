@@ -19,7 +19,8 @@ from megatron_eod.attention.ring import RING_EXCHANGES
 from megatron_eod.megatron import gloo_on_cuda
 from megatron_eod.plan import ulysses_degree_for
 
-__all__ = ["CP_ALGO_ALIASES", "FlagError", "RING_EXCHANGES", "RING_EXCHANGE_HELP",
+__all__ = ["CONCURRENT_CALLS_HELP", "CP_ALGO_ALIASES", "FlagError", "RING_EXCHANGES",
+           "RING_EXCHANGE_HELP",
            "check_context_parallel", "check_gloo_on_cuda", "check_sequence_parallel_rows"]
 
 RING_EXCHANGE_HELP = ("how ring and hybrid CP move keys/values: batched (default: all of a "
@@ -29,6 +30,12 @@ RING_EXCHANGE_HELP = ("how ring and hybrid CP move keys/values: batched (default
                       "the memory of those rows per layer) or steps (one transfer, call and "
                       "merge per ring step; holds less received data and overlaps every "
                       "transfer with compute)")
+
+CONCURRENT_CALLS_HELP = ("on GPUs, run each ring rank's local attention call on a second CUDA "
+                         "stream beside its call over received keys (batched ring executors), "
+                         "so that each call's tail is filled by the other's blocks; no effect "
+                         "on CPU. Not yet measured on hardware: tools/dispatch_model.py "
+                         "predicts it, tools/bench_cp_gpu.py measures it")
 
 # Accepted --context-parallel-algo values -> the name stored in args.context_parallel_algo.
 CP_ALGO_ALIASES = {"ring": "ring", "ulysses": "ulysses", "hybrid": "hybrid",
@@ -85,6 +92,13 @@ def check_context_parallel(args) -> None:
     if exchange != "batched" and (cp == 1 or algo == "ulysses"):
         warnings.warn(f"--cp-ring-exchange {exchange} has no effect with "
                       f"--context-parallel-size {cp} --context-parallel-algo {algo} (no ring)")
+    if getattr(args, "cp_concurrent_calls", False):
+        _require(exchange != "steps",
+                 "--cp-concurrent-calls runs the batched ring executors' two calls side by "
+                 "side: it needs --cp-ring-exchange batched or batched-keep, not steps")
+        if cp == 1 or algo == "ulysses":
+            warnings.warn(f"--cp-concurrent-calls has no effect with --context-parallel-size "
+                          f"{cp} --context-parallel-algo {algo} (no ring: one call per layer)")
 
 
 def check_sequence_parallel_rows(args) -> None:

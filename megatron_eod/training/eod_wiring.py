@@ -36,7 +36,8 @@ def block_spec(registry, config, args, use_transformer_engine: bool, vp_stage=No
         seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
         normalization=args.normalization, qk_layernorm=getattr(args, "qk_layernorm", False),
         kernel="flash_attn" if getattr(args, "use_flash_attn", False) else "auto",
-        ring_exchange=getattr(args, "cp_ring_exchange", "batched"))
+        ring_exchange=getattr(args, "cp_ring_exchange", "batched"),
+        concurrent_calls=getattr(args, "cp_concurrent_calls", False))
 
 
 def gpt_position_embedding_type(args) -> str:

@@ -28,9 +28,10 @@ import torch
 from megatron_eod.megatron.dataset import NO_DATA, data_sources_given
 from megatron_eod.training import megatron_lm_data
 from megatron_eod.training.args_optim import ramp_as_step_schedule
-from megatron_eod.training.cp_flags import (CP_ALGO_ALIASES, RING_EXCHANGE_HELP, RING_EXCHANGES,
-                                            FlagError, check_context_parallel,
-                                            check_gloo_on_cuda, check_sequence_parallel_rows)
+from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIASES,
+                                            RING_EXCHANGE_HELP, RING_EXCHANGES, FlagError,
+                                            check_context_parallel, check_gloo_on_cuda,
+                                            check_sequence_parallel_rows)
 
 __all__ = ["REFUSED", "add_eod_args", "eod_args_from_megatron"]
 
@@ -89,6 +90,7 @@ def add_eod_args(parser):
                         "--hierarchical-context-parallel-sizes)")
     g.add_argument("--cp-ring-exchange", choices=RING_EXCHANGES, default="batched",
                    help=RING_EXCHANGE_HELP)
+    g.add_argument("--cp-concurrent-calls", action="store_true", help=CONCURRENT_CALLS_HELP)
     g.add_argument("--metrics-file", default=None,
                    help="append one JSON line per iteration and per evaluation")
     g.add_argument("--no-plan-ahead", action="store_false", dest="plan_ahead",

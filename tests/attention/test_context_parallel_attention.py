@@ -21,7 +21,7 @@ TOL = 1e-10
 
 
 def _check_rank(rank, world, algo, degree, kind, b, s, kv_heads, scale, seed,
-                exchange="batched"):
+                exchange="batched", concurrent_calls=False):
     tokens = random_layout_tokens(kind, b, s, EOD, seed)
     layout = build_doc_layout(tokens, EOD)
     plan = plan_context_parallel(layout.cu_seqlens, world, algo, degree)
@@ -37,7 +37,8 @@ def _check_rank(rank, world, algo, degree, kind, b, s, kv_heads, scale, seed,
     idx = plan.token_index(rank)
     ql, kl, vl = (t.detach()[idx].clone().requires_grad_() for t in (q, k, v))
     out = context_parallel_attention(ql, kl, vl, plan, group=dist.group.WORLD,
-                                     softmax_scale=scale, ring_exchange=exchange)
+                                     softmax_scale=scale, ring_exchange=exchange,
+                                     concurrent_calls=concurrent_calls)
     (out * dout[idx]).sum().backward()
 
     ref = dense_document_attention(q, k, v, layout.cu_seqlens, scale or DIM ** -0.5)
@@ -74,6 +75,15 @@ def test_matches_dense_reference(algo, world, degree, exchange, kind, b, s):
 @pytest.mark.parametrize("kv_heads", [1, 8])
 def test_gqa_and_softmax_scale(algo, world, degree, exchange, kv_heads):
     run_ranks(_check_rank, world, algo, degree, "mixed", 2, 64, kv_heads, 0.37, 11, exchange)
+
+
+@pytest.mark.parametrize("exchange", ["batched", "batched-keep"])
+@pytest.mark.parametrize("algo,world,degree", [("ring", 4, None), ("hybrid", 8, 2)])
+def test_concurrent_calls_option(algo, world, degree, exchange):
+    """concurrent_calls reaches the batched executors, forward and backward (on a CPU the
+    two calls run in sequence, in the order the streams would start them: the backward of
+    batched-keep then runs the local call first); GPU tests check the two streams."""
+    run_ranks(_check_rank, world, algo, degree, "mixed", 2, 96, 2, None, 3, exchange, True)
 
 
 @pytest.mark.parametrize("algo,world,degree", [("ring", 4, None), ("hybrid", 8, 2)])

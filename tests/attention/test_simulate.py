@@ -1,11 +1,13 @@
 """One-process simulation of a plan's per-group compute (the GPU check on a single device).
 
 CPU float64: out and q/k/v gradients equal the dense document-masked oracle to 1e-10 for ring,
-hybrid and ulysses plans on random layouts, with both ring executors (batched, steps). GPU
-(marked): the same in bf16 through PyTorch's flash kernels, where the error must stay within
-twice that of ONE varlen call over the whole stream (both against float64): bf16 rounding is
-the only difference, so a planning or merging bug (errors of order 1) fails it while kernel
-rounding (order 1e-2) passes.
+hybrid and ulysses plans on random layouts, with both ring executors (batched, steps), the
+batched ones also with concurrent_calls (in sequence on a CPU). GPU (marked): the same in
+bf16 through PyTorch's flash kernels, where the error must stay within twice that of ONE
+varlen call over the whole stream (both against float64): bf16 rounding is the only
+difference, so a planning or merging bug (errors of order 1) fails it while kernel rounding
+(order 1e-2) passes; with concurrent_calls (two CUDA streams) the forward output must also
+equal the one-stream run's bit for bit, run after run (a race would not).
 """
 
 import pytest
@@ -18,6 +20,15 @@ from tests.reference import (dense_document_attention, random_layout_tokens,
                              schedule_without_spans)
 
 EOD = 50
+# Ring executors as tests name them: "+concurrent" = with concurrent_calls (streams.py).
+EXECUTORS = ["batched", "batched-keep", "steps", "batched+concurrent",
+             "batched-keep+concurrent"]
+
+
+def _executor(name):
+    """(ring exchange, concurrent_calls) of an EXECUTORS name."""
+    exchange, _, concurrent = name.partition("+")
+    return exchange, bool(concurrent)
 
 
 def _case(kind, b, s, heads, kv_heads, dim, seed, device="cpu", dtype=torch.float64):
@@ -37,53 +48,64 @@ def _oracle(q, k, v, dout, cu, scale):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-@pytest.mark.parametrize("exchange", ["batched", "batched-keep", "steps"])
+@pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("algo,cp,degree,kind", [("ring", 4, None, "mixed"),
                                                   ("ring", 8, None, "spanning"),
                                                   ("hybrid", 8, 2, "mixed"),
                                                   ("ulysses", 4, None, "short")])
-def test_simulation_equals_dense_reference(algo, cp, degree, kind, exchange):
+def test_simulation_equals_dense_reference(algo, cp, degree, kind, executor):
     b = 1 if kind == "spanning" else 2
     cu, (q, k, v, dout) = _case(kind, b, 128, 4, 2, 8, seed=cp)
     plan = plan_context_parallel(cu, cp, algo, degree)
-    got = SimulatedPlan(plan, q, k, v, dout, softmax_scale=0.3, exchange=exchange).run()
+    exchange, concurrent = _executor(executor)
+    got = SimulatedPlan(plan, q, k, v, dout, softmax_scale=0.3, exchange=exchange,
+                        concurrent_calls=concurrent).run()
     for mine, ref in zip(got, _oracle(q, k, v, dout, cu, 0.3)):
         assert (mine - ref).abs().max().item() < 1e-10
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("exchange", ["batched", "batched-keep", "steps"])
+@pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("algo,cp,degree", [("ring", 4, None), ("ring", 8, None),
                                             ("hybrid", 8, 2)])
-def test_simulation_on_gpu_in_bf16(algo, cp, degree, exchange):
+def test_simulation_on_gpu_in_bf16(algo, cp, degree, executor):
     cu, tensors = _case("mixed", 2, 1024, 8, 2, 64, seed=1, device="cuda",
                         dtype=torch.bfloat16)
     q, k, v, dout = tensors
     plan = plan_context_parallel(cu, cp, algo, degree)
     ref = _oracle(q, k, v, dout, cu, 0.125)
-    got = SimulatedPlan(plan, q, k, v, dout, TorchVarlenBackend(), 0.125, exchange).run()
+    exchange, concurrent = _executor(executor)
+    got = SimulatedPlan(plan, q, k, v, dout, TorchVarlenBackend(), 0.125, exchange,
+                        concurrent).run()
+    if concurrent:  # two streams: the same forward bits as one stream, run after run
+        alone = SimulatedPlan(plan, q, k, v, dout, TorchVarlenBackend(), 0.125, exchange)
+        both = SimulatedPlan(plan, q, k, v, dout, TorchVarlenBackend(), 0.125, exchange, True)
+        for g in range(plan.ring_size):
+            expected = alone.forward_group(g)[0]
+            for _ in range(5):
+                assert torch.equal(both.forward_group(g)[0], expected)
     one = SimulatedPlan(plan_context_parallel(cu, 1, "ring"), q, k, v, dout,
                         TorchVarlenBackend(), 0.125).run()
     for name, mine, single, exact in zip(("out", "dq", "dk", "dv"), got, one, ref):
         err = (mine.cpu().double() - exact).abs().max().item()
         base = (single.cpu().double() - exact).abs().max().item()
-        print(f"[figure] simulated {algo} ({exchange}) cp={cp} bf16 {name}: max error vs "
+        print(f"[figure] simulated {algo} ({executor}) cp={cp} bf16 {name}: max error vs "
               f"float64 {err:.2e}, "
               f"CP=1's {base:.2e}")
         assert err <= 2 * base + 1e-3, (name, err, base)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("exchange", ["batched", "batched-keep", "steps"])
+@pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("algo,cp,degree", [("ring", 4, None), ("hybrid", 8, 2)])
-def test_ring_steps_make_no_host_syncs_on_gpu(algo, cp, degree, exchange):
+def test_ring_steps_make_no_host_syncs_on_gpu(algo, cp, degree, executor):
     """The schedule executors' forward and backward (every group's kernels, merges, gathers
     and gradient sums) run with no device-to-host synchronisation: the plan is moved once,
     before (SimulatedPlan does), and nothing inside asks the GPU for a value."""
     cu, tensors = _case("mixed", 2, 1024, 8, 2, 64, seed=2, device="cuda",
                         dtype=torch.bfloat16)
     plan = plan_context_parallel(cu, cp, algo, degree)
-    simulated = SimulatedPlan(plan, *tensors, TorchVarlenBackend(), 0.125, exchange)
+    simulated = SimulatedPlan(plan, *tensors, TorchVarlenBackend(), 0.125, *_executor(executor))
     for g in range(plan.ring_size):  # compiles the fused merges, by index and on runs of rows
         simulated.run_group(g)        # (compiling may sync; running must not)
     torch.cuda.synchronize()

@@ -1,5 +1,5 @@
 """tools/bench_cp_gpu.py runs on the CPU at a small size (the GPU session relies on it): every
-mix prints the nine layouts with forward, backward and both on the wall clock, both on the
+mix prints the eleven layouts with forward, backward and both on the wall clock, both on the
 device-only clock, the tile floor, and the ideal row is 1.00 on each."""
 
 import os
@@ -24,8 +24,8 @@ def test_small_cpu_run_prints_every_layout_fwd_bwd(capsys):
             and not line.startswith("| layout")]
     assert [r[0] for r in rows] == ["| " + name for name in (
         "ideal", "ours ring", "ours ring (one call)", "ours ring (steps)", "ours hybrid u=2",
-        "ours hybrid u=2 (one call)", "ours hybrid u=2 (steps)", "contiguous",
-        "doc-zigzag (padded)")] * 2
+        "ours hybrid u=2 (one call)", "ours hybrid u=2 (steps)", "ours ring (concurrent)",
+        "ours hybrid u=2 (concurrent)", "contiguous", "doc-zigzag (padded)")] * 2
     for cells in rows:
         fwd, bwd, both = (float(x) for x in cells[1].split(" / "))
         # backward = both - forward, two timings: on a busy CPU it can come out <= 0

@@ -94,6 +94,21 @@ def test_cp_ring_exchange():
               "--cp-ring-exchange", "steps", world_size=4)
 
 
+def test_cp_concurrent_calls():
+    assert not parse("--context-parallel-size", 4, world_size=4).cp_concurrent_calls
+    for exchange in ("batched", "batched-keep"):
+        args = parse("--context-parallel-size", 4, "--cp-ring-exchange", exchange,
+                     "--cp-concurrent-calls", world_size=4)
+        assert args.cp_concurrent_calls
+    with pytest.raises(FlagError, match=r"--cp-concurrent-calls .*--cp-ring-exchange batched "
+                                        r"or batched-keep, not steps"):
+        parse("--context-parallel-size", 4, "--cp-ring-exchange", "steps",
+              "--cp-concurrent-calls", world_size=4)
+    with pytest.warns(UserWarning, match=r"--cp-concurrent-calls has no effect"):
+        parse("--context-parallel-size", 4, "--context-parallel-algo", "ulysses",
+              "--cp-concurrent-calls", world_size=4)
+
+
 def test_algo_aliases_cover_the_plan_algorithms():
     from megatron_eod.plan.cp_plan import ALGORITHMS
     assert set(CP_ALGO_ALIASES.values()) == set(ALGORITHMS)

@@ -175,6 +175,14 @@ def test_cp_ring_exchange_is_ours_too():
         assert args.cp_ring_exchange == exchange
 
 
+def test_cp_concurrent_calls_is_ours_too():
+    assert not checked("--context-parallel-size", "4").cp_concurrent_calls
+    assert checked("--context-parallel-size", "4", "--cp-concurrent-calls").cp_concurrent_calls
+    with pytest.raises(FlagError, match=r"--cp-concurrent-calls .*not steps"):
+        checked("--context-parallel-size", "4", "--cp-ring-exchange", "steps",
+                "--cp-concurrent-calls")
+
+
 def test_honoured_model_flags_pass():
     args = checked("--qk-layernorm", "--rotary-interleaved", "--use-rope-scaling",
                    "--position-embedding-type", "rope", "--rotary-percent", "0.5",

@@ -1,0 +1,46 @@
+"""attention/streams.py: `Beside` runs its work at once off CUDA or when disabled, and on a
+GPU (marked) orders the side stream after the work queued before it and the current stream
+after the side work, with no host sync (a sleep kernel ahead of each makes a missing wait
+show as a wrong value)."""
+
+import pytest
+import torch
+
+from megatron_eod.attention.streams import Beside, side_stream
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_on_cpu_the_work_runs_at_once(enabled):
+    calls = []
+    side = Beside(lambda: calls.append(1) or torch.ones(2), torch.device("cpu"), enabled)
+    assert calls == [1]
+    assert torch.equal(side.result(), torch.ones(2))
+    assert torch.equal(side.result(), torch.ones(2))  # joining twice is harmless
+
+
+def _slow_side_work(x):
+    torch.cuda._sleep(20_000_000)  # the side stream is busy before its results exist
+    return x * 2, x + 1
+
+
+@pytest.mark.gpu
+def test_on_gpu_both_waits_hold_without_host_syncs():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = torch.device("cuda")
+    x = torch.zeros(1 << 20, device=device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(1, 6):
+            torch.cuda._sleep(20_000_000)  # the current stream is busy ...
+            x.fill_(step)  # ... before this write, which the side work must see
+            side = Beside(lambda: _slow_side_work(x), device, True)
+            assert side._stream is side_stream(device)
+            doubled, plus_one = side.result()
+            total = doubled + plus_one  # on the current stream, after the side work
+            torch.cuda.set_sync_debug_mode("default")
+            assert torch.all(total == 3 * step + 1).item()
+            torch.cuda.set_sync_debug_mode("error")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
