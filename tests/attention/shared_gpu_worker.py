@@ -4,7 +4,8 @@ tests/attention/test_multiprocess_gpu.py through torchrun:
 
     torchrun --nproc-per-node N -m tests.attention.shared_gpu_worker OUT_DIR ALGO DEGREE
 
-For a few random layouts and both ring executors (ring_exchange), the rank's rows through
+For a few random layouts and both ring executors (ring_exchange; batched also with
+concurrent_calls, two CUDA streams), the rank's rows through
 `context_parallel_attention` in bf16 on the GPU are compared with (a) the float64 dense
 document-masked reference and (b) the same kernel over the whole rows in one process (CP=1,
 bf16): out, dq, dk, dv, each as max |diff| over max |reference|. Writes OUT_DIR/rank{R}.json.
@@ -26,10 +27,13 @@ EOD, HEADS, KV_HEADS, DIM = 50, 8, 2, 64
 LAYOUTS = [("mixed", 2, 512), ("spanning", 1, 1024), ("short", 4, 256)]
 
 
-def _rows_through(plan, idx, q, k, v, dout, group, exchange="batched"):
-    """bf16 on the GPU: this rank's rows of out, dq, dk, dv (float64 on the CPU)."""
+def _rows_through(plan, idx, q, k, v, dout, group, executor="batched"):
+    """bf16 on the GPU: this rank's rows of out, dq, dk, dv (float64 on the CPU);
+    executor: a ring exchange, "+concurrent" for concurrent_calls."""
+    exchange, _, concurrent = executor.partition("+")
     ql, kl, vl = (t[idx].to("cuda", torch.bfloat16).requires_grad_() for t in (q, k, v))
-    out = context_parallel_attention(ql, kl, vl, plan, group=group, ring_exchange=exchange)
+    out = context_parallel_attention(ql, kl, vl, plan, group=group, ring_exchange=exchange,
+                                     concurrent_calls=bool(concurrent))
     (out * dout[idx].to("cuda", torch.bfloat16)).sum().backward()
     return [t.detach().double().cpu() for t in (out, ql.grad, kl.grad, vl.grad)]
 
@@ -60,7 +64,8 @@ def main(out_dir, algo, degree):
             ref = dense_document_attention(qr, kr, vr, layout.cu_seqlens, DIM ** -0.5)
             (ref * dout).sum().backward()
             exact = [ref.detach(), qr.grad, kr.grad, vr.grad]
-            for exchange in ("batched", "steps") if algo != "ulysses" else ("batched",):
+            for exchange in (("batched", "steps", "batched+concurrent") if algo != "ulysses"
+                             else ("batched",)):
                 mine = _rows_through(plan, idx, q, k, v, dout, dist.group.WORLD, exchange)
                 record = {"layout": kind, "exchange": exchange}
                 for name, m, c, e in zip(("out", "dq", "dk", "dv"), mine, cp1, exact):
