@@ -270,6 +270,26 @@ def bench_row(cu, cp, args, device, dtype, backend):
             for name, (fwd, total, dev) in times.items()}
 
 
+def parse_configs(p, text):
+    """[(tokens, cp)] of a --configs value, each checked (argparse error naming the flag)."""
+    configs = [tuple(int(x) for x in c.split(":")) for c in text.split(",")]
+    for n, cp in configs:
+        if n % (2 * cp):
+            p.error(f"--configs: tokens {n} must be divisible by 2*cp = {2 * cp}")
+    return configs
+
+
+def mix_rows(configs, samples, seed, mixes=("stdlib", "web")):
+    """(mix, tokens, cp, [cu_seqlens of `samples` rows]) per mix and configuration: the rows
+    every GPU tool and the dispatch model draw (same seed, same rows)."""
+    std = stdlib_lengths()
+    for mix in mixes:
+        for n, cp in configs:
+            rng = np.random.default_rng(seed)
+            yield mix, n, cp, [pack_rows(std, n, rng) if mix == "stdlib" else web_row(n, rng)
+                               for _ in range(samples)]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=3, help="random rows per configuration")
@@ -281,10 +301,7 @@ def main(argv=None):
                    help="comma-separated TOKENS:CP pairs")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
-    for n, cp in configs:
-        if n % (2 * cp):
-            p.error(f"--configs: tokens {n} must be divisible by 2*cp = {2 * cp}")
+    configs = parse_configs(p, args.configs)
     if args.heads % args.kv_heads:
         p.error("--heads must be divisible by --kv-heads")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -294,29 +311,23 @@ def main(argv=None):
     print(f"{name}, backend {backend.name}, {dtype}, heads {args.heads}/{args.kv_heads} x "
           f"{args.head_dim}, busiest rank forward+backward, best of {args.repeats}, "
           f"{args.samples} rows per configuration")
-    std = stdlib_lengths()
-    for mix in ("stdlib", "web"):
-        for n, cp in configs:
-            rng = np.random.default_rng(args.seed)
-            rows = []
-            for _ in range(args.samples):
-                cu = pack_rows(std, n, rng) if mix == "stdlib" else web_row(n, rng)
-                rows.append(bench_row(cu, cp, args, device, dtype, backend))
-            print(f"\n{mix} {n // 1024}k tokens / CP {cp}")
-            print("| layout | busiest rank ms: fwd / bwd / both | over ideal: fwd / bwd / both "
-                  "| device-only ms: both (over ideal) | tile floor: fwd / bwd "
-                  "| useful TFLOP/s per GPU |")
-            print("|---|---|---|---|---|---|")
-            mean = lambda layout, i: float(np.mean([r[layout][i] for r in rows]))  # noqa: E731
-            ideal_fwd, ideal = mean("ideal", 0), mean("ideal", 1)
-            ideal_dev = mean("ideal", 3)
-            for layout in rows[0]:
-                fwd, t, tf, dev, tile_f, tile_b = (mean(layout, i) for i in range(6))
-                print(f"| {layout} | {fwd * 1e3:.3f} / {(t - fwd) * 1e3:.3f} / {t * 1e3:.3f} | "
-                      f"{fwd / ideal_fwd:.2f} / {(t - fwd) / (ideal - ideal_fwd):.2f} / "
-                      f"{t / ideal:.2f} | {dev * 1e3:.3f} ({dev / ideal_dev:.2f}) | "
-                      f"{tile_f:.2f} / {tile_b:.2f} | {tf:.1f} |")
-            sys.stdout.flush()
+    for mix, n, cp, cus in mix_rows(configs, args.samples, args.seed):
+        rows = [bench_row(cu, cp, args, device, dtype, backend) for cu in cus]
+        print(f"\n{mix} {n // 1024}k tokens / CP {cp}")
+        print("| layout | busiest rank ms: fwd / bwd / both | over ideal: fwd / bwd / both "
+              "| device-only ms: both (over ideal) | tile floor: fwd / bwd "
+              "| useful TFLOP/s per GPU |")
+        print("|---|---|---|---|---|---|")
+        mean = lambda layout, i: float(np.mean([r[layout][i] for r in rows]))  # noqa: E731
+        ideal_fwd, ideal = mean("ideal", 0), mean("ideal", 1)
+        ideal_dev = mean("ideal", 3)
+        for layout in rows[0]:
+            fwd, t, tf, dev, tile_f, tile_b = (mean(layout, i) for i in range(6))
+            print(f"| {layout} | {fwd * 1e3:.3f} / {(t - fwd) * 1e3:.3f} / {t * 1e3:.3f} | "
+                  f"{fwd / ideal_fwd:.2f} / {(t - fwd) / (ideal - ideal_fwd):.2f} / "
+                  f"{t / ideal:.2f} | {dev * 1e3:.3f} ({dev / ideal_dev:.2f}) | "
+                  f"{tile_f:.2f} / {tile_b:.2f} | {tf:.1f} |")
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -168,7 +168,7 @@ def layout_rows(cu, cp, heads, model=DispatchModel()):
 
 
 def main(argv=None):
-    from bench_cp import pack_rows, stdlib_lengths, web_row
+    from bench_cp_gpu import mix_rows, parse_configs
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=3, help="random rows per configuration")
@@ -177,24 +177,20 @@ def main(argv=None):
     p.add_argument("--slots", type=int, default=DispatchModel.slots)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
+    configs = parse_configs(p, args.configs)
     model = DispatchModel(slots=args.slots)
     print(f"dispatch model: {args.heads} heads per ring rank (hybrid: {args.heads // 2}), "
           f"{model.slots} slots; busiest rank over the ideal, forward / backward (mean over "
           f"{args.samples} rows)")
-    std = stdlib_lengths()
-    for mix in ("stdlib", "web"):
-        for n, cp in configs:
-            rng = np.random.default_rng(args.seed)
-            rows = [layout_rows(pack_rows(std, n, rng) if mix == "stdlib" else web_row(n, rng),
-                                cp, args.heads, model) for _ in range(args.samples)]
-            print(f"\n{mix} {n // 1024}k tokens / CP {cp}")
-            print("| layout | model: fwd / bwd |")
-            print("|---|---|")
-            for layout in rows[0]:
-                f, b = (float(np.mean([r[layout][d] for r in rows])) for d in TILES)
-                print(f"| {layout} | {f:.2f} / {b:.2f} |")
-            sys.stdout.flush()
+    for mix, n, cp, cus in mix_rows(configs, args.samples, args.seed):
+        rows = [layout_rows(cu, cp, args.heads, model) for cu in cus]
+        print(f"\n{mix} {n // 1024}k tokens / CP {cp}")
+        print("| layout | model: fwd / bwd |")
+        print("|---|---|")
+        for layout in rows[0]:
+            f, b = (float(np.mean([r[layout][d] for r in rows])) for d in TILES)
+            print(f"| {layout} | {f:.2f} / {b:.2f} |")
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":

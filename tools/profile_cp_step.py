@@ -12,8 +12,8 @@ profiles one more with torch.profiler, then splits the time:
   idle       the rest of the wall time: the device waits for the host to launch work
              (many small launches, Python overhead)
 and lists the glue kernels that take the most time. Times are per rank (for hybrid: one rank
-of the group, its H/u heads over the group's rows). Busy time is the union of kernel intervals, so overlapping kernels count
-once. On a CPU the same split covers the top-level aten operators of the profiled run (no
+of the group, its H/u heads over the group's rows). Busy time is the union of kernel
+intervals, so overlapping kernels count once. On a CPU the same split covers the top-level aten operators of the profiled run (no
 device: "idle" is Python overhead between them), which only smoke-tests the tool.
 """
 
@@ -26,13 +26,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from bench_cp import pack_rows, stdlib_lengths, web_row  # noqa: E402
-from bench_cp_gpu import OURS, random_qkv, timed, ulysses_rank_inputs  # noqa: E402
+from bench_cp_gpu import (OURS, mix_rows, parse_configs, random_qkv, timed,  # noqa: E402
+                          ulysses_rank_inputs)
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
@@ -147,13 +146,10 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=8, help="glue kernels listed per layout")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
+    configs = parse_configs(p, args.configs)
     mixes = args.mixes.split(",")
     if any(m not in ("stdlib", "web") for m in mixes):
         p.error(f"--mixes: {args.mixes!r}; each must be stdlib or web")
-    for n, cp in configs:
-        if n % (2 * cp):
-            p.error(f"--configs: tokens {n} must be divisible by 2*cp = {2 * cp}")
     if args.heads % args.kv_heads:
         p.error("--heads must be divisible by --kv-heads")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -162,12 +158,8 @@ def main(argv=None):
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{name}, backend {backend.name}, {dtype}, heads {args.heads}/{args.kv_heads} x "
           f"{args.head_dim}, one row per configuration, wall = best of {args.repeats}")
-    std = stdlib_lengths()
-    for mix in mixes:
-        for n, cp in configs:
-            rng = np.random.default_rng(args.seed)
-            cu = pack_rows(std, n, rng) if mix == "stdlib" else web_row(n, rng)
-            report(mix, n, cp, profile_row(cu, cp, args, device, dtype, backend), args.top)
+    for mix, n, cp, (cu,) in mix_rows(configs, 1, args.seed, mixes):
+        report(mix, n, cp, profile_row(cu, cp, args, device, dtype, backend), args.top)
 
 
 if __name__ == "__main__":

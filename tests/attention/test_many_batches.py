@@ -6,7 +6,7 @@ runs `context_parallel_attention` forward and backward on each, as a trainer doe
 batch in one process group; every case draws afresh:
 
 - the algorithm (ring, hybrid with any Ulysses degree, ulysses) and the ring executor
-  (batched, batched-keep, steps);
+  (batched, batched-keep, steps), with or without concurrent_calls (on a CPU, its call order);
 - the documents (tests/plan/mixes.py: web, heavy-tailed, 1-7-token, longer than a share,
   uniform, no EoD, mixtures), b rows of s tokens;
 - key/value heads (GQA 8:1 to none), the softmax scale, and the landing of returned key/value
@@ -76,7 +76,8 @@ def _case(world: int, index: int, seed: int = SEED) -> dict:
                 kv_heads=int(rng.choice([1, 2, 4, 8])),
                 scale=float(rng.choice([DIM ** -0.5, rng.uniform(0.05, 1.0)])),
                 landing=str(rng.choice(LANDINGS)),
-                dtype=str(rng.choice(["float64", "float64", "bfloat16"])))
+                dtype=str(rng.choice(["float64", "float64", "bfloat16"])),
+                concurrent=bool(rng.integers(2)))  # drawn last: the draws above keep their values
 
 
 def _documents_of(cu, rows):
@@ -126,7 +127,8 @@ def _run_case(rank: int, world: int, case: dict):
         batched._add_by_message = lambda dk, plan, acc: by_message  # noqa: E731
     out = context_parallel_attention(ql, kl, vl, plan, group=dist.group.WORLD,
                                      softmax_scale=case["scale"],
-                                     ring_exchange=case["exchange"], backend=CPUExactBackend())
+                                     ring_exchange=case["exchange"], backend=CPUExactBackend(),
+                                     concurrent_calls=case["concurrent"])
     (out * dout[rows].to(dtype)).sum().backward()
     mine = [t.double() for t in (out, ql.grad, kl.grad, vl.grad)]
     sub, sub_cu, where = _documents_of(cu, rows.numpy())
@@ -200,6 +202,9 @@ def test_the_ci_sequences_draw_every_choice():
         assert {c["exchange"] for c in cases if c["algo"] == algo} == {
             "batched", "batched-keep", "steps"}
     assert {c["landing"] for c in cases} == set(LANDINGS)
+    for exchange in ("batched", "batched-keep"):  # concurrent_calls' own call order on a CPU
+        assert {c["concurrent"] for c in cases if c["exchange"] == exchange and
+                c["algo"] != "ulysses"} == {True, False}
     assert {c["mix"] for c in cases} == set(MIXES)
     assert {c["kv_heads"] for c in cases} == {1, 2, 4, 8}
     # Each forced landing path, in each dtype, meets a plan where some group sent a row
