@@ -11,7 +11,7 @@ time (it sets the step time), forward, backward (forward+backward minus forward)
   ours ring    our plan, batched ring (the default): local call + ONE call over every
                received key, one lse merge
   ours ring (steps)  the same plan, one call and one merge per ring step (--cp-ring-exchange
-               steps)
+               steps; with --steps only)
   ours ring (concurrent)  the batched ring with its local call on a second CUDA stream beside
                the call over received keys (--cp-concurrent-calls; on a CPU: in sequence)
   ours hybrid  Ulysses degree 2: what ONE rank of a group computes after the all-to-all:
@@ -238,7 +238,8 @@ def bench_row(cu, cp, args, device, dtype, backend):
     fns = lambda c, *t: call_fns(backend, c, *t, scale)  # noqa: E731
     times["ideal"] = busiest([fns(full, q, k, v, dout)], args.repeats, device, cp)
     tiles = {"ideal": {"forward": 1.0, "backward": 1.0}}
-    rows = [(name, algo, u, exchange, False) for name, algo, u, exchange in OURS]
+    rows = [(name, algo, u, exchange, False) for name, algo, u, exchange in OURS
+            if exchange != "steps" or args.steps]
     rows += [(name + CONCURRENT[0], algo, u, exchange, CONCURRENT[1])
              for name, algo, u, exchange in OURS if exchange == "batched"]
     for name, algo, u, exchange, concurrent in rows:
@@ -300,6 +301,9 @@ def main(argv=None):
     p.add_argument("--configs", default="32768:4,131072:8",
                    help="comma-separated TOKENS:CP pairs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", action="store_true",
+                   help="also time the steps executor (--cp-ring-exchange steps; its rows of "
+                        "2026-11-24 are in docs/BENCHMARKS.md)")
     args = p.parse_args(argv)
     configs = parse_configs(p, args.configs)
     if args.heads % args.kv_heads:

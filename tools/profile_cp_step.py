@@ -4,17 +4,20 @@
     python tools/profile_cp_step.py [--configs 32768:4,131072:8] [--mixes stdlib,web]
 
 tools/bench_cp_gpu.py says how far the busiest rank is from the ideal; this says why. For
-the busiest group of our ring and hybrid (u=2) plans, with both ring executors, on the same
-rows, sizes and kernel, it times one forward+backward (best of --repeats, no profiler) and
-profiles one more with torch.profiler, then splits the time:
+the busiest group of our ring and hybrid (u=2) plans, with both ring executors (batched also
+with --cp-concurrent-calls, whose two streams' kernels overlap), on the same rows, sizes and
+kernel, it times one forward+backward (best of --repeats, no profiler) and profiles one more
+with torch.profiler, then splits the time:
   attention  device time in the attention kernels (names with flash / fmha / attention)
   glue       device time in every other kernel: merges, gathers, casts, gradient sums
   idle       the rest of the wall time: the device waits for the host to launch work
              (many small launches, Python overhead)
 and lists the glue kernels that take the most time. Times are per rank (for hybrid: one rank
 of the group, its H/u heads over the group's rows). Busy time is the union of kernel
-intervals, so overlapping kernels count once. On a CPU the same split covers the top-level aten operators of the profiled run (no
-device: "idle" is Python overhead between them), which only smoke-tests the tool.
+intervals, so overlapping kernels count once (the concurrent rows' attention share is then
+the time some attention kernel runs). On a CPU the same split covers the top-level aten
+operators of the profiled run (no device: "idle" is Python overhead between them), which only
+smoke-tests the tool.
 """
 
 import argparse
@@ -30,8 +33,8 @@ import torch  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from bench_cp_gpu import (OURS, mix_rows, parse_configs, random_qkv, timed,  # noqa: E402
-                          ulysses_rank_inputs)
+from bench_cp_gpu import (CONCURRENT, OURS, mix_rows, parse_configs, random_qkv,  # noqa: E402
+                          timed, ulysses_rank_inputs)
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
@@ -108,10 +111,13 @@ def profile_row(cu, cp, args, device, dtype, backend):
     q, k, v, dout = random_qkv(n, args, device, dtype, torch.Generator().manual_seed(0))
     scale = args.head_dim ** -0.5
     out = {}
-    for name, algo, u, exchange in OURS:
+    layouts = [(name, algo, u, exchange, False) for name, algo, u, exchange in OURS]
+    layouts += [(name + CONCURRENT[0], algo, u, exchange, CONCURRENT[1])
+                for name, algo, u, exchange in OURS if exchange == "batched"]
+    for name, algo, u, exchange, concurrent in layouts:
         plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
         sim = SimulatedPlan(plan, *ulysses_rank_inputs(q, k, v, dout, u or 1), backend, scale,
-                            exchange)  # one rank's heads
+                            exchange, concurrent)  # one rank's heads
         g = max(range(plan.ring_size),
                 key=lambda g: timed(lambda: sim.run_group(g), 1, device))
         out[name] = profile_group(sim, g, device, args.repeats)

@@ -37,7 +37,8 @@ def test_small_cpu_run_prints_our_layouts(capsys):
     out = capsys.readouterr().out
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ours")]
     assert [r[0] for r in rows] == ["| ours ring", "| ours ring (steps)", "| ours hybrid u=2",
-                                    "| ours hybrid u=2 (steps)"]
+                                    "| ours hybrid u=2 (steps)", "| ours ring (concurrent)",
+                                    "| ours hybrid u=2 (concurrent)"]
     for cells in rows:
         wall = float(cells[1])
         parts = [float(c.split()[0]) for c in cells[2:5]]  # "10.441 (48%)"
