@@ -17,7 +17,7 @@ time (it sets the step time), forward, backward (forward+backward minus forward)
   ours hybrid  Ulysses degree 2: what ONE rank of a group computes after the all-to-all:
                the group's rows over H/2 query heads (and its share of key/value heads),
                batched and steps (before 2026-11-25 this was the group's all-head work / 2,
-               which hides the kernel's tail: see tools/tile_model.py's dispatch floor)
+               which hides the kernel's tail: see tools/dispatch_model.py)
   ours ... (one call)  the same placement's rank (group) work as ONE causal call with every
                key in place before timing: what no executor of that placement can beat
                (no merge, no second pass over the queries; the gap to it is the executor's)
@@ -62,8 +62,16 @@ from tile_model import plan_calls, tiles_over_ideal  # noqa: E402
 OURS = (("ours ring", "ring", None, "batched"), ("ours ring (steps)", "ring", None, "steps"),
         ("ours hybrid u=2", "hybrid", 2, "batched"),
         ("ours hybrid u=2 (steps)", "hybrid", 2, "steps"))
-# This tool also times the batched executor with --cp-concurrent-calls (name suffix, flag).
-CONCURRENT = (" (concurrent)", True)
+
+
+def our_layouts(steps=True):
+    """(name, algo, Ulysses degree, ring exchange, concurrent_calls) of each of our layouts
+    the GPU tools time: OURS (the steps rows only with `steps`), then the batched ones with
+    --cp-concurrent-calls."""
+    rows = [(name, algo, u, exchange, False) for name, algo, u, exchange in OURS
+            if exchange != "steps" or steps]
+    return rows + [(f"{name} (concurrent)", algo, u, exchange, True)
+                   for name, algo, u, exchange in OURS if exchange == "batched"]
 
 
 def timed(fn, repeats, device):
@@ -220,8 +228,9 @@ def ulysses_rank_inputs(q, k, v, dout, degree):
     if degree == 1:
         return q, k, v, dout
     heads, kv_heads = q.shape[1], k.shape[1]
-    rank_kv = kv_heads * kv_repeat_for_degree(heads, kv_heads, degree) // degree
-    kv = lambda t: t.repeat_interleave(-(-rank_kv // kv_heads), 1)[:, :rank_kv]  # noqa: E731
+    repeat = kv_repeat_for_degree(heads, kv_heads, degree)
+    rank_kv = kv_heads * repeat // degree
+    kv = lambda t: t.repeat_interleave(repeat, 1)[:, :rank_kv]  # noqa: E731
     return (q[:, :heads // degree].contiguous(), kv(k).contiguous(), kv(v).contiguous(),
             dout[:, :heads // degree].contiguous())
 
@@ -238,11 +247,7 @@ def bench_row(cu, cp, args, device, dtype, backend):
     fns = lambda c, *t: call_fns(backend, c, *t, scale)  # noqa: E731
     times["ideal"] = busiest([fns(full, q, k, v, dout)], args.repeats, device, cp)
     tiles = {"ideal": {"forward": 1.0, "backward": 1.0}}
-    rows = [(name, algo, u, exchange, False) for name, algo, u, exchange in OURS
-            if exchange != "steps" or args.steps]
-    rows += [(name + CONCURRENT[0], algo, u, exchange, CONCURRENT[1])
-             for name, algo, u, exchange in OURS if exchange == "batched"]
-    for name, algo, u, exchange, concurrent in rows:
+    for name, algo, u, exchange, concurrent in our_layouts(args.steps):
         plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
         rank_qkv = ulysses_rank_inputs(q, k, v, dout, u or 1)  # one rank's heads
         sim = SimulatedPlan(plan, *rank_qkv, backend, scale, exchange, concurrent)

@@ -45,7 +45,8 @@ import numpy as np  # noqa: E402
 
 from tile_model import TILES, plan_calls  # noqa: E402
 
-__all__ = ["DispatchModel", "cta_costs", "makespan", "calls_time", "dispatch_over_ideal"]
+__all__ = ["DispatchModel", "cta_costs", "makespan", "calls_time", "ideal_times",
+           "dispatch_over_ideal"]
 
 
 @dataclass(frozen=True)
@@ -120,22 +121,24 @@ def calls_time(calls, heads, direction, concurrent=False, model=DispatchModel())
     return sum(makespan(c, model.slots) for c in costs)
 
 
-def dispatch_over_ideal(calls_per_rank, cu, cp, heads, rank_heads=None, concurrent=False,
-                        model=DispatchModel()):
-    """{direction: the busiest rank's modelled time / (the whole row's one causal call / cp)};
-    calls_per_rank: [KernelCalls] per rank (a hybrid group's calls stand for each of its
-    ranks, run over `rank_heads` = H/u heads)."""
+def ideal_times(cu, cp, heads, model=DispatchModel()):
+    """{direction: the whole row's one causal call / cp}, modelled: the ideal a row's layouts
+    are measured against (computed once per row; its grid is the largest)."""
     from megatron_eod.plan.kv_schedule import call_from_rows
 
     docs = [np.arange(a, b) for a, b in zip(cu[:-1], cu[1:])]
     whole = call_from_rows(docs, docs, causal=True)
-    out = {}
-    for direction in TILES:
-        ideal = calls_time([whole], heads, direction, model=model) / cp
-        busiest = max(calls_time(calls, rank_heads or heads, direction, concurrent, model)
-                      for calls in calls_per_rank)
-        out[direction] = busiest / ideal
-    return out
+    return {direction: calls_time([whole], heads, direction, model=model) / cp
+            for direction in TILES}
+
+
+def dispatch_over_ideal(calls_per_rank, ideal, heads, concurrent=False, model=DispatchModel()):
+    """{direction: the busiest rank's modelled time / ideal[direction]} (`ideal_times`);
+    calls_per_rank: [KernelCalls] per rank, each run over `heads` heads (a hybrid group's
+    calls stand for each of its ranks: H/u heads)."""
+    return {direction: max(calls_time(calls, heads, direction, concurrent, model)
+                           for calls in calls_per_rank) / ideal[direction]
+            for direction in TILES}
 
 
 def layout_rows(cu, cp, heads, model=DispatchModel()):
@@ -147,22 +150,22 @@ def layout_rows(cu, cp, heads, model=DispatchModel()):
 
     from megatron_eod import plan_context_parallel
 
+    ideal = ideal_times(cu, cp, heads, model)
     rows = {}
     for name, algo, u in (("ours ring", "ring", None), ("ours hybrid u=2", "hybrid", 2)):
         plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
         rank_heads = heads // (u or 1)
         calls = plan_calls(plan, "batched")
-        rows[name] = dispatch_over_ideal(calls, cu, cp, heads, rank_heads, model=model)
-        rows[f"{name} (concurrent)"] = dispatch_over_ideal(calls, cu, cp, heads, rank_heads,
-                                                           concurrent=True, model=model)
+        rows[name] = dispatch_over_ideal(calls, ideal, rank_heads, model=model)
+        rows[f"{name} (concurrent)"] = dispatch_over_ideal(calls, ideal, rank_heads, True,
+                                                           model)
         one = [[c] for c in prefix_calls(cu, [plan_segments(plan, g, cu)
                                               for g in range(plan.ring_size)])]
-        rows[f"{name} (one call)"] = dispatch_over_ideal(one, cu, cp, heads, rank_heads,
-                                                         model=model)
+        rows[f"{name} (one call)"] = dispatch_over_ideal(one, ideal, rank_heads, model=model)
     others = {"contiguous": contiguous_segments(cu, cp),
               "doc-zigzag (padded)": doc_zigzag_segments(cu, cp)[0]}
     for name, segments in others.items():
-        rows[name] = dispatch_over_ideal([[c] for c in prefix_calls(cu, segments)], cu, cp,
+        rows[name] = dispatch_over_ideal([[c] for c in prefix_calls(cu, segments)], ideal,
                                          heads, model=model)
     return rows
 

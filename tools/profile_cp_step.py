@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from bench_cp_gpu import (CONCURRENT, OURS, mix_rows, parse_configs, random_qkv,  # noqa: E402
+from bench_cp_gpu import (mix_rows, our_layouts, parse_configs, random_qkv,  # noqa: E402
                           timed, ulysses_rank_inputs)
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention.backends import get_backend  # noqa: E402
@@ -111,10 +111,7 @@ def profile_row(cu, cp, args, device, dtype, backend):
     q, k, v, dout = random_qkv(n, args, device, dtype, torch.Generator().manual_seed(0))
     scale = args.head_dim ** -0.5
     out = {}
-    layouts = [(name, algo, u, exchange, False) for name, algo, u, exchange in OURS]
-    layouts += [(name + CONCURRENT[0], algo, u, exchange, CONCURRENT[1])
-                for name, algo, u, exchange in OURS if exchange == "batched"]
-    for name, algo, u, exchange, concurrent in layouts:
+    for name, algo, u, exchange, concurrent in our_layouts():
         plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
         sim = SimulatedPlan(plan, *ulysses_rank_inputs(q, k, v, dout, u or 1), backend, scale,
                             exchange, concurrent)  # one rank's heads

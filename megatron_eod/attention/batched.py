@@ -152,6 +152,9 @@ def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, t
                                             q_THD.device)
 
     beside = concurrent_calls and batched.call is not None
+    # Kept rows, one stream: the received keys' backward first, so its gradients travel
+    # during the local backward. Otherwise the local backward is queued first (beside: on
+    # the side stream, which must fork before the received keys' work is queued).
     if keep_received and not beside:
         gq, returning = received_backward(received_2NGD)
         dq, dk, dv = local_backward()
