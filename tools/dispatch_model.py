@@ -18,7 +18,8 @@ times less: that is the gap between a rank and the ideal that no tile count show
 
 Calls on concurrent CUDA streams are modelled as one queue of CTAs in launch order: a later
 call's CTAs fill the slots an earlier call's tail leaves idle (the executor option
-`concurrent_calls` makes the batched ring do this; tools/bench_cp_gpu.py measures it).
+`concurrent_calls` makes the batched ring do this; tools/bench_cp_gpu.py measures it), and
+with the local call in its two parts (plan/local_split.py) around the received keys' call.
 
 `DispatchModel` holds the parameters, in tiles of work: a CTA's fixed cost, a masked
 (diagonal) tile's cost, an empty CTA's cost, and the slots (132 SMs x 2 CTAs at head dim 128
@@ -29,7 +30,8 @@ A model, not a measurement: the next GPU run checks it (docs/BENCHMARKS.md).
 
 main() prints, for the mixes of tools/bench_cp_gpu.py (same rows, same seeds), the busiest
 rank over the ideal in this model, forward / backward, for the layouts the bench times and
-for our batched ring with its calls in sequence (today's executor) and concurrent.
+for our batched ring with its calls in sequence (the default executor), concurrent, and
+concurrent with the local call split.
 """
 
 import argparse
@@ -46,7 +48,7 @@ import numpy as np  # noqa: E402
 from tile_model import TILES, plan_calls  # noqa: E402
 
 __all__ = ["DispatchModel", "cta_costs", "makespan", "calls_time", "ideal_times",
-           "dispatch_over_ideal"]
+           "dispatch_over_ideal", "split_calls"]
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,17 @@ def dispatch_over_ideal(calls_per_rank, ideal, heads, concurrent=False, model=Di
             for direction in TILES}
 
 
+def split_calls(plan):
+    """[KernelCalls per ring group] in the order the batched ring launches them with
+    concurrent_calls where the local call splits (plan/local_split.py): its first part, the
+    received keys' call, its other part."""
+    out = []
+    for schedule, calls in zip(plan.schedules, plan_calls(plan, "batched")):
+        parts = schedule.local_parts
+        out.append(calls if parts is None else [parts[0]] + calls[1:] + [parts[1]])
+    return out
+
+
 def layout_rows(cu, cp, heads, model=DispatchModel()):
     """{layout: {direction: ratio}} for one row: the bench's one-call layouts and our batched
     ring's calls in sequence and concurrent."""
@@ -159,6 +172,8 @@ def layout_rows(cu, cp, heads, model=DispatchModel()):
         rows[name] = dispatch_over_ideal(calls, ideal, rank_heads, model=model)
         rows[f"{name} (concurrent)"] = dispatch_over_ideal(calls, ideal, rank_heads, True,
                                                            model)
+        rows[f"{name} (concurrent, split)"] = dispatch_over_ideal(split_calls(plan), ideal,
+                                                                  rank_heads, True, model)
         one = [[c] for c in prefix_calls(cu, [plan_segments(plan, g, cu)
                                               for g in range(plan.ring_size)])]
         rows[f"{name} (one call)"] = dispatch_over_ideal(one, ideal, rank_heads, model=model)

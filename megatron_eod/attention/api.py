@@ -51,7 +51,8 @@ def context_parallel_attention(q, k, v, plan, group=None, causal=True, softmax_s
     kernel calls), "batched-keep" (the same, the received rows kept for the backward instead
     of sent again) or "steps" (a transfer, a call and a merge per ring step); see ring.py.
     concurrent_calls (batched executors, on a GPU): the local call runs on a side CUDA stream
-    beside the call over received keys, so that each fills the other's tail (streams.py).
+    beside the call over received keys, so that each fills the other's tail (streams.py),
+    and in two parts where the kernel writes into given tensors (plan/local_split.py).
     """
     if not causal:
         raise ValueError("causal=False is not supported: EoD-reset training is causal")

@@ -2,15 +2,20 @@
 
 One job: one interface over three kernels, so the CP algorithms never touch a kernel:
 
-    out, lse = backend.forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale)
+    out, lse = backend.forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale,
+                               out=None)
     dq, dk, dv = backend.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
-                                  causal, softmax_scale)
+                                  causal, softmax_scale, grads=None)
 
 q: [Tq, H, D], k/v: [Tk, Hk, D] (Hk divides H: GQA without repeating), out: like q,
 lse: float32 (float64 for float64 inputs) [Tq, H], -inf for a row with no visible key.
 `causal` is bottom-right aligned per sequence (query i of sq sees keys 0..i + sk - sq), as
 flash-attn. `backward` takes the FINAL out and lse of a row (after merging partial results):
-that makes the per-block gradients exact pieces of the full gradient.
+that makes the per-block gradients exact pieces of the full gradient. `out=` (a tensor like
+q) and `grads=` ((dq, dk, dv) like q, k, v) take the results into given tensors, e.g. slices
+of one larger tensor (the batched ring's local call in two parts, batched.py): every backend
+accepts them; `writes_out` / `writes_grads` say whether its kernel writes there itself (else
+the result is copied there, which costs the copy the caller wanted to avoid).
 
 * `CPUExactBackend`: PyTorch's CPU flash kernel (`_scaled_dot_product_flash_attention_for_cpu`
   and its backward) over batches of sequences with a block-diagonal additive mask (bounded
@@ -46,6 +51,7 @@ class CPUExactBackend:
 
     name = "cpu"
     max_mask_elements = 1 << 22  # query x key elements of one call's additive mask
+    writes_out = writes_grads = True
 
     def _batches(self, cu_q: List[int], cu_k: List[int]) -> List[Tuple[int, int]]:
         batches, first = [], 0
@@ -80,8 +86,8 @@ class CPUExactBackend:
             mask, has_key = self._mask(cq, ck, a, b, causal, q.dtype)
             yield slice(cq[a], cq[b]), slice(ck[a], ck[b]), mask, has_key
 
-    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale):
-        out = torch.zeros_like(q)
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, out=None):
+        out = torch.zeros_like(q) if out is None else out.zero_()
         lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=accumulation_dtype(q.dtype))
         for qs, ks, mask, has_key in self._blocks(q, k, cu_q, cu_k, causal):
             if qs.stop == qs.start or ks.stop == ks.start:
@@ -97,8 +103,11 @@ class CPUExactBackend:
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
-                 softmax_scale):
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+                 softmax_scale, grads=None):
+        if grads is None:
+            dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        else:
+            dq, dk, dv = (g.zero_() for g in grads)
         for qs, ks, mask, has_key in self._blocks(q, k, cu_q, cu_k, causal):
             if qs.stop == qs.start or ks.stop == ks.start:
                 continue
@@ -141,42 +150,56 @@ class TorchVarlenBackend:
     """PyTorch's own CUDA flash kernels (no flash-attn needed)."""
 
     name = "torch_varlen"
+    # PyTorch >= 2.12 has a forward that writes into a given out (what varlen_attn_out
+    # runs); its backward always allocates the gradients.
+    writes_out = hasattr(torch.ops.aten, "_flash_attention_forward_no_dropout_inplace")
+    writes_grads = False
 
-    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale):
-        out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, out=None):
+        if out is not None and self.writes_out:
+            lse = torch.ops.aten._flash_attention_forward_no_dropout_inplace(
+                out, q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+                scale=softmax_scale)
+            return out, _lse_to_token_major(lse, q.shape[0], q.shape[1])
+        result, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
             q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=softmax_scale)
-        return out, _lse_to_token_major(lse, q.shape[0], q.shape[1])
+        return _into(out, result), _lse_to_token_major(lse, q.shape[0], q.shape[1])
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
-                 softmax_scale):
+                 softmax_scale, grads=None):
         unused = torch.empty((), dtype=torch.int64, device=q.device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             dout.contiguous(), q, k, v, out, backward_lse(lse), cu_q, cu_k, max_q, max_k, 0.0,
             causal, unused, unused, scale=softmax_scale)
-        return dq, dk, dv
+        if grads is None:
+            return dq, dk, dv
+        return tuple(_into(given, g) for given, g in zip(grads, (dq, dk, dv)))
 
 
 class FlashAttnBackend:
     """flash-attn's varlen kernels (imported only here, only when used)."""
 
     name = "flash_attn"
+    writes_out = False  # its Python forward allocates out; its backward takes dq, dk, dv
+    writes_grads = True
 
     def __init__(self):
         from flash_attn import flash_attn_interface as fai  # noqa: F401 - optional extra
 
         self._fai = fai
 
-    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale):
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, out=None):
         result = self._fai._flash_attn_varlen_forward(
             q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=softmax_scale,
             causal=causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
             alibi_slopes=None, return_softmax=False)
-        out, lse = result[0], result[1]
-        return out, _lse_to_token_major(lse, q.shape[0], q.shape[1])
+        return _into(out, result[0]), _lse_to_token_major(result[1], q.shape[0], q.shape[1])
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
-                 softmax_scale):
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                 softmax_scale, grads=None):
+        # Given gradients are written by the kernel (slices of contiguous tensors are too).
+        dq, dk, dv = grads if grads is not None else \
+            (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         self._fai._flash_attn_varlen_backward(
             dout.contiguous(), q, k, v, out, backward_lse(lse), dq, dk, dv, cu_q, cu_k, max_q,
             max_k, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal, window_size_left=-1,
@@ -184,6 +207,11 @@ class FlashAttnBackend:
             deterministic=torch.are_deterministic_algorithms_enabled(),  # --deterministic-mode
             rng_state=None)
         return dq, dk, dv
+
+
+def _into(given, result):
+    """result, copied into `given` when one is given (a kernel that cannot write there)."""
+    return result if given is None else given.copy_(result)
 
 
 def get_backend(device: torch.device, dtype: torch.dtype, prefer: str = "auto"):

@@ -18,6 +18,12 @@ reader: nothing to sum before the owner's float32 sum); in exchange all received
 held at once, a key row read by two query pieces arrives twice, and the exchange overlaps the
 local call only (the steps overlap each transfer with the previous step's compute).
 
+With concurrent_calls (on a GPU) the local call runs on a side stream beside the received
+keys' call, each filling the other's tail (streams.py); where the kernel writes into given
+tensors, in its two parts (plan/local_split.py): the part with the longest document first,
+the received keys' call, the other part, on three streams, writing into slices of one out
+(one dq, dk, dv).
+
 A message is a run of the sender's local rows (kv_batched.py splits messages there), so its
 keys and values leave as views of k and v, nothing gathered or stacked to send; they land in
 the two halves of one [2, N, G, D] buffer, so the call's k and v are contiguous views of it.
@@ -36,7 +42,7 @@ import torch
 
 from megatron_eod.attention.backends import accumulation_dtype
 from megatron_eod.attention.lse import merge_into
-from megatron_eod.attention.streams import Beside
+from megatron_eod.attention.streams import Beside, fork_point
 
 __all__ = ["batched_forward", "batched_backward", "call_forward", "call_backward",
            "runs_batched"]
@@ -92,25 +98,82 @@ def _check(schedule):
                          "(k_span (0, recv_count)): build it with kv_batched.build_batched")
 
 
+def _local_parts(schedule, concurrent_calls, in_place):
+    """The local call's two parts (plan/local_split.py) where they run: with
+    concurrent_calls, where the kernel writes into given tensors (`in_place`: else joining
+    the parts' results would cost a copy of them) and the call splits; else None."""
+    return schedule.local_parts if concurrent_calls and in_place else None
+
+
+class _LocalCalls:
+    """The local call's kernels, launched around the received keys' call: the whole call
+    (on a side stream with concurrent_calls, where there is a received keys' call), or its
+    two `parts` (`_local_parts`: the first before the received keys' call on one side
+    stream, the other after it on the other, waiting only for what was queued before the
+    first). `run(call, rows)` makes a call's kernels over its rows (a slice; None: all)."""
+
+    def __init__(self, run, schedule, device, concurrent_calls, received_call, parts):
+        self._run, self._device, self.parts = run, device, parts
+        if parts is None:
+            self._launched = [Beside(lambda: run(schedule.local, None), device,
+                                     concurrent_calls and received_call)]
+            return
+        self._fork = fork_point(device, True)
+        self._launched = [self._beside(self.parts[0], 0, None)]
+
+    def _beside(self, part, which, after):
+        rows = slice(*part.q_span)
+        return Beside(lambda: self._run(part, rows), self._device, True, which, after)
+
+    def launch_rest(self):
+        """After the received keys' call is queued: the second part."""
+        if self.parts is not None:
+            self._launched.append(self._beside(self.parts[1], 1, self._fork))
+
+    def results(self):
+        """The results of the launched calls, in row order; the current stream waits."""
+        done = [launched.result() for launched in self._launched]
+        if self.parts is not None and self.parts[0].q_span[0] > self.parts[1].q_span[0]:
+            done.reverse()
+        return done
+
+
+def _rows(x, rows):
+    return x if rows is None else x[rows]
+
+
 def batched_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale,
                     keep_received=False, concurrent_calls=False):
     """-> (out [T, H, D] in q's dtype, lse [T, H] float32/float64), and with keep_received
     the received [2, N, G, D] buffer too (None without a batched form, empty when nothing
     is received), for `batched_backward(received_2NGD=...)`. concurrent_calls: on a GPU,
-    the local call runs on a side stream beside the received keys' call (streams.py)."""
+    the local call runs on side streams beside the received keys' call (streams.py), in two
+    parts where the kernel writes into a given out (`_LocalCalls`)."""
     _check(schedule)
     pending = transport.start_all_kv(schedule, k_TGD, v_TGD) if schedule.batched else None
     call = schedule.batched.call if schedule.batched else None
-    local = schedule.local  # over the local rows in order: no gather
-    local_run = Beside(lambda: backend.forward(q_THD, k_TGD, v_TGD, local.cu_seqlens_q,
-                                               local.cu_seqlens_k, local.max_seqlen_q,
-                                               local.max_seqlen_k, local.causal, scale),
-                       q_THD.device, concurrent_calls and call is not None)
+    parts = _local_parts(schedule, concurrent_calls, backend.writes_out)
+    out_THD = torch.empty_like(q_THD) if parts is not None else None
+
+    def local_forward(local, rows):  # over the local rows in order: no gather
+        return backend.forward(_rows(q_THD, rows), _rows(k_TGD, rows), _rows(v_TGD, rows),
+                               local.cu_seqlens_q, local.cu_seqlens_k, local.max_seqlen_q,
+                               local.max_seqlen_k, local.causal, scale,
+                               out=None if rows is None else out_THD[rows])
+
+    local_calls = _LocalCalls(local_forward, schedule, q_THD.device, concurrent_calls,
+                              call is not None, parts)
     recv_2NGD = None if pending is None else pending.wait()
     if call is not None:
         k, v = _keys(recv_2NGD)
         o, lse = call_forward(backend, q_THD, k, v, call, scale)
-    out_THD, lse_TH = local_run.result()
+    local_calls.launch_rest()
+    done = local_calls.results()
+    if local_calls.parts is None:
+        out_THD, lse_TH = done[0]
+    else:  # one [H, T] lse of the parts' (the layout of a single call's), one launch
+        lse_TH = torch.cat([part_lse.transpose(0, 1) for _, part_lse in done],
+                           dim=1).transpose(0, 1)
     lse_TH = lse_TH.to(accumulation_dtype(q_THD.dtype))
     if call is not None:
         merge_into(out_THD, lse_TH, call.q_index, o, lse.to(lse_TH.dtype), span=call.q_span)
@@ -125,18 +188,33 @@ def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, t
     keys' backward runs first, so that their gradients travel while the local backward
     runs. Else the exchange is redone while the local backward runs, and the gradients
     travel after. concurrent_calls: on a GPU, the local backward runs on a side stream
-    beside the received keys' backward (queued first, so that both overlap)."""
+    beside the received keys' backward (queued first, so that both overlap), in two parts
+    where the kernel writes into given gradients (`_LocalCalls`)."""
     _check(schedule)
     batched = schedule.batched
-    local = schedule.local
+    parts = _local_parts(schedule, concurrent_calls, backend.writes_grads)
+    grads = None if parts is None else tuple(torch.empty_like(x) for x in (q_THD, k_TGD,
+                                                                             v_TGD))
 
-    def local_backward():
-        return backend.backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH,
+    def local_backward(local, rows):
+        given = None if rows is None else tuple(g[rows] for g in grads)
+        return backend.backward(*(_rows(x, rows) for x in (dout_THD, q_THD, k_TGD, v_TGD,
+                                                           out_THD, lse_TH)),
                                 local.cu_seqlens_q, local.cu_seqlens_k, local.max_seqlen_q,
-                                local.max_seqlen_k, local.causal, scale)
+                                local.max_seqlen_k, local.causal, scale, grads=given)
+
+    def launch_local(received_call):
+        return _LocalCalls(local_backward, schedule, q_THD.device, concurrent_calls,
+                           received_call, parts)
+
+    def local_grads(local_calls):
+        done = local_calls.results()
+        return grads if local_calls.parts is not None else done[0]
 
     if batched is None:
-        return local_backward()
+        local_calls = launch_local(False)
+        local_calls.launch_rest()
+        return local_grads(local_calls)
 
     def received_backward(recv_2NGD):
         """(dq of the call's rows or None, the transfer of the received rows' gradients)."""
@@ -151,18 +229,19 @@ def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, t
         return gq, transport.start_all_grad(schedule, gk, gv, k_TGD.shape[1:], k_TGD.dtype,
                                             q_THD.device)
 
-    beside = concurrent_calls and batched.call is not None
+    beside = concurrent_calls and (batched.call is not None or parts is not None)
     # Kept rows, one stream: the received keys' backward first, so its gradients travel
     # during the local backward. Otherwise the local backward is queued first (beside: on
-    # the side stream, which must fork before the received keys' work is queued).
+    # side streams, which must fork before the received keys' work is queued).
     if keep_received and not beside:
         gq, returning = received_backward(received_2NGD)
-        dq, dk, dv = local_backward()
+        local_calls = launch_local(False)
     else:
         pending = None if keep_received else transport.start_all_kv(schedule, k_TGD, v_TGD)
-        local_run = Beside(local_backward, q_THD.device, beside)
+        local_calls = launch_local(batched.call is not None)
         gq, returning = received_backward(received_2NGD if keep_received else pending.wait())
-        dq, dk, dv = local_run.result()
+    local_calls.launch_rest()
+    dq, dk, dv = local_grads(local_calls)
     if gq is not None:  # two terms per row: one sum, rounded once (in float32 for half
         span = batched.call.q_span  # precision)
         if span is not None:

@@ -233,7 +233,8 @@ def ring_attention(q_THD, k_TGD, v_TGD, schedule, group, backend, softmax_scale,
                    exchange="batched", concurrent_calls=False):
     """Document-masked causal attention of the local rows (see module docstring);
     `exchange`: one of RING_EXCHANGES (checked by the caller, api.py); concurrent_calls: the
-    batched executors run the local call beside the received keys' call on a GPU
-    (streams.py; the steps executor ignores it)."""
+    batched executors run the local call (in two parts where the kernel writes into given
+    tensors) beside the received keys' call on a GPU (batched.py, streams.py; the steps
+    executor ignores it)."""
     return _RingAttention.apply(q_THD, k_TGD, v_TGD, schedule, group, backend, softmax_scale,
                                 exchange, concurrent_calls)

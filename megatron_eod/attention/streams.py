@@ -13,6 +13,11 @@ one stream pay two tails; on two streams the later one's blocks run in the earli
     ... more work on the current stream ...
     out, lse = side.result()   # the current stream waits for the side work (no host sync)
 
+Several side streams (`which`) run several calls at once. A call launched after other work
+was queued on the current stream, but independent of it, waits only for the work queued
+before a `fork_point` taken earlier (`after=`): the batched ring launches its local call's
+second part after the received keys' call without waiting for that call.
+
 Memory: the side stream starts after everything the current stream had queued (its inputs
 are ready), and the current stream waits for it before using its results; the tensors it
 returns are marked as used by the current stream (`record_stream`), so the allocator does
@@ -26,21 +31,35 @@ What it does not do: no choice of what runs beside what (batched.py), no host sy
 
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["Beside", "side_stream"]
+__all__ = ["Beside", "fork_point", "side_stream"]
 
-_SIDE: Dict[int, "torch.cuda.Stream"] = {}
+_SIDE: Dict[Tuple[int, int], "torch.cuda.Stream"] = {}
+SIDE_STREAMS = 2
 
 
-def side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The one side stream of a CUDA device (made on first use)."""
+def side_stream(device: torch.device, which: int = 0) -> "torch.cuda.Stream":
+    """Side stream `which` (0 or 1) of a CUDA device (made on first use)."""
+    if not 0 <= which < SIDE_STREAMS:
+        raise ValueError(f"side stream {which}: there are {SIDE_STREAMS} (0 .. "
+                         f"{SIDE_STREAMS - 1})")
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE:
-        _SIDE[index] = torch.cuda.Stream(device=index)
-    return _SIDE[index]
+    if (index, which) not in _SIDE:
+        _SIDE[index, which] = torch.cuda.Stream(device=index)
+    return _SIDE[index, which]
+
+
+def fork_point(device: torch.device, enabled: bool) -> Optional["torch.cuda.Event"]:
+    """An event at the tip of the current stream of `device` (None disabled or off CUDA):
+    `Beside(after=...)` then waits for the work queued before it only."""
+    if not enabled or device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def _tensors(value):
@@ -52,17 +71,22 @@ def _tensors(value):
 
 
 class Beside:
-    """`fn()`'s kernels on the side stream of `device`, concurrent with the current stream's
-    next work; `result()` joins them. Disabled or off CUDA: `fn()` runs now."""
+    """`fn()`'s kernels on side stream `which` of `device`, concurrent with the current
+    stream's next work, after the current stream's work queued so far (or before `after`, a
+    `fork_point`); `result()` joins them. Disabled or off CUDA: `fn()` runs now."""
 
-    def __init__(self, fn: Callable, device: torch.device, enabled: bool):
+    def __init__(self, fn: Callable, device: torch.device, enabled: bool, which: int = 0,
+                 after: Optional["torch.cuda.Event"] = None):
         self._stream = None
         if not enabled or device.type != "cuda":
             self._value = fn()
             return
         self._current = torch.cuda.current_stream(device)
-        side = side_stream(device)
-        side.wait_stream(self._current)
+        side = side_stream(device, which)
+        if after is not None:
+            side.wait_event(after)
+        else:
+            side.wait_stream(self._current)
         with torch.cuda.stream(side):
             self._value = fn()
         self._stream = side

@@ -99,11 +99,16 @@ class GroupSchedule:
     local: KernelCall
     steps: Tuple[RingStep, ...]
     batched: Optional["BatchedExchange"] = None  # the steps as one exchange (kv_batched.py)
+    # The local call as two calls over two runs of rows, the one to launch first first
+    # (local_split.py): what the batched executors run side by side with concurrent_calls.
+    local_parts: Optional[Tuple[KernelCall, KernelCall]] = None
 
     def to(self, device) -> "GroupSchedule":
+        parts = None if self.local_parts is None else \
+            tuple(part.to(device) for part in self.local_parts)
         return GroupSchedule(self.group, self.num_tokens, self.local.to(device),
                              tuple(s.to(device) for s in self.steps),
-                             None if self.batched is None else self.batched.to(device))
+                             None if self.batched is None else self.batched.to(device), parts)
 
     @property
     def kv_tokens_received(self) -> int:

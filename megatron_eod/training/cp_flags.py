@@ -31,9 +31,12 @@ RING_EXCHANGE_HELP = ("how ring and hybrid CP move keys/values: batched (default
                       "merge per ring step; holds less received data and overlaps every "
                       "transfer with compute)")
 
-CONCURRENT_CALLS_HELP = ("on GPUs, run each ring rank's local attention call on a second CUDA "
-                         "stream beside its call over received keys (batched ring executors), "
-                         "so that each call's tail is filled by the other's blocks; no effect "
+CONCURRENT_CALLS_HELP = ("on GPUs, run each CP rank's attention kernel calls side by side on "
+                         "CUDA streams (batched ring executors): the local call beside the "
+                         "call over received keys and, where the kernel writes into given "
+                         "tensors (PyTorch >= 2.12's forward, flash-attn's backward), the "
+                         "local call in two parts, the one with the longest document first, "
+                         "so that each call's tail is filled by the others' blocks; no effect "
                          "on CPU. Not yet measured on hardware: tools/dispatch_model.py "
                          "predicts it, tools/bench_cp_gpu.py measures it")
 
@@ -97,8 +100,11 @@ def check_context_parallel(args) -> None:
                  "--cp-concurrent-calls runs the batched ring executors' two calls side by "
                  "side: it needs --cp-ring-exchange batched or batched-keep, not steps")
         if cp == 1 or algo == "ulysses":
-            warnings.warn(f"--cp-concurrent-calls has no effect with --context-parallel-size "
-                          f"{cp} --context-parallel-algo {algo} (no ring: one call per layer)")
+            warnings.warn(f"--cp-concurrent-calls with --context-parallel-size {cp} "
+                          f"--context-parallel-algo {algo} (no ring: one call per layer) only "
+                          f"splits that call in two, which takes a kernel writing into given "
+                          f"tensors (PyTorch >= 2.12's forward, flash-attn's backward); "
+                          f"without one it has no effect")
 
 
 def check_sequence_parallel_rows(args) -> None:

@@ -67,8 +67,40 @@ def check_backend(backend, device, dtype, tol):
             assert (mine.cpu().double() - ref).abs().max() < tol
 
 
+def check_given_tensors(backend, device, dtype):
+    """out= and grads= (slices of larger tensors, as the batched ring's local call in two
+    parts passes them): the same values as without, written there and nowhere else."""
+    for causal in (False, True):
+        q, k, v, cu_q, cu_k, mq, mk = varlen_case(device, dtype, causal, seed=2)
+        out, lse = backend.forward(q, k, v, cu_q, cu_k, mq, mk, causal, 0.3)
+        dout = torch.randn_like(q)
+        grads = backend.backward(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, causal, 0.3)
+        sentinel = 7.0
+        big_out = torch.full((q.shape[0] + 5,) + tuple(q.shape[1:]), sentinel, dtype=dtype,
+                             device=device)
+        got, got_lse = backend.forward(q, k, v, cu_q, cu_k, mq, mk, causal, 0.3,
+                                       out=big_out[2:-3])
+        assert got.data_ptr() == big_out[2:-3].data_ptr()
+        assert torch.equal(got, out) and torch.equal(got_lse, lse)
+        assert torch.all(big_out[:2] == sentinel) and torch.all(big_out[-3:] == sentinel)
+        bigs = [torch.full((x.shape[0] + 4,) + tuple(x.shape[1:]), sentinel, dtype=dtype,
+                           device=device) for x in (q, k, v)]
+        given = tuple(b[1:-3] for b in bigs)
+        got = backend.backward(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, causal, 0.3,
+                               grads=given)
+        for mine, ref, g, b in zip(got, grads, given, bigs):
+            assert mine.data_ptr() == g.data_ptr() and torch.equal(mine, ref)
+            assert torch.all(b[:1] == sentinel) and torch.all(b[-3:] == sentinel)
+
+
 def test_cpu_backend_is_exact_in_float64():
     check_backend(CPUExactBackend(), "cpu", torch.float64, 1e-12)
+
+
+def test_cpu_backend_writes_into_given_tensors():
+    backend = CPUExactBackend()
+    assert backend.writes_out and backend.writes_grads
+    check_given_tensors(backend, "cpu", torch.float64)
 
 
 def test_cpu_backend_batches_large_calls():
@@ -112,12 +144,16 @@ def test_two_key_blocks_merged_equal_one_call():
 @pytest.mark.gpu
 def test_torch_varlen_backend_on_gpu():
     check_backend(TorchVarlenBackend(), "cuda", torch.bfloat16, 2e-2)
+    check_given_tensors(TorchVarlenBackend(), "cuda", torch.bfloat16)
+    print(f"[figure] torch varlen forward writes into a given out: "
+          f"{TorchVarlenBackend.writes_out} (torch {torch.__version__})")
 
 
 @pytest.mark.gpu
 def test_flash_attn_backend_on_gpu():
     pytest.importorskip("flash_attn")
     check_backend(FlashAttnBackend(), "cuda", torch.bfloat16, 2e-2)
+    check_given_tensors(FlashAttnBackend(), "cuda", torch.bfloat16)
 
 
 def test_lse_fix_ups_are_one_kernel_each_and_keep_nan():

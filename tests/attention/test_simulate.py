@@ -2,12 +2,16 @@
 
 CPU float64: out and q/k/v gradients equal the dense document-masked oracle to 1e-10 for ring,
 hybrid and ulysses plans on random layouts, with both ring executors (batched, steps), the
-batched ones also with concurrent_calls (in sequence on a CPU). GPU (marked): the same in
+batched ones also with concurrent_calls (in sequence on a CPU, the local call in its two
+parts: the CPU kernel writes into given tensors). GPU (marked): the same in
 bf16 through PyTorch's flash kernels, where the error must stay within twice that of ONE
 varlen call over the whole stream (both against float64): bf16 rounding is the only
 difference, so a planning or merging bug (errors of order 1) fails it while kernel rounding
 (order 1e-2) passes; with concurrent_calls (two CUDA streams) the forward output must also
-equal the one-stream run's bit for bit, run after run (a race would not).
+equal the one-stream run's bit for bit, run after run (a race would not); "+split" forces
+the local call's two parts on three streams where the kernel cannot write into given tensors
+(PyTorch < 2.12: the parts' results are copied), and its forward must equal itself run
+after run.
 """
 
 import pytest
@@ -25,10 +29,25 @@ EXECUTORS = ["batched", "batched-keep", "steps", "batched+concurrent",
              "batched-keep+concurrent"]
 
 
+# On a GPU also: the local call's parts on side streams even where they cost a copy.
+GPU_EXECUTORS = EXECUTORS + ["batched+split", "batched-keep+split"]
+
+
 def _executor(name):
     """(ring exchange, concurrent_calls) of an EXECUTORS name."""
     exchange, _, concurrent = name.partition("+")
     return exchange, bool(concurrent)
+
+
+class _SplitTorchVarlen(TorchVarlenBackend):
+    """PyTorch's kernels, the batched ring told they write into given tensors (they copy
+    there where they cannot): the local call then runs in its two parts."""
+
+    writes_out = writes_grads = True
+
+
+def _gpu_backend(executor):
+    return _SplitTorchVarlen() if executor.endswith("+split") else TorchVarlenBackend()
 
 
 def _case(kind, b, s, heads, kv_heads, dim, seed, device="cpu", dtype=torch.float64):
@@ -65,9 +84,9 @@ def test_simulation_equals_dense_reference(algo, cp, degree, kind, executor):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("executor", GPU_EXECUTORS)
 @pytest.mark.parametrize("algo,cp,degree", [("ring", 4, None), ("ring", 8, None),
-                                            ("hybrid", 8, 2)])
+                                            ("hybrid", 8, 2), ("ulysses", 4, None)])
 def test_simulation_on_gpu_in_bf16(algo, cp, degree, executor):
     cu, tensors = _case("mixed", 2, 1024, 8, 2, 64, seed=1, device="cuda",
                         dtype=torch.bfloat16)
@@ -75,11 +94,13 @@ def test_simulation_on_gpu_in_bf16(algo, cp, degree, executor):
     plan = plan_context_parallel(cu, cp, algo, degree)
     ref = _oracle(q, k, v, dout, cu, 0.125)
     exchange, concurrent = _executor(executor)
-    got = SimulatedPlan(plan, q, k, v, dout, TorchVarlenBackend(), 0.125, exchange,
-                        concurrent).run()
-    if concurrent:  # two streams: the same forward bits as one stream, run after run
-        alone = SimulatedPlan(plan, q, k, v, dout, TorchVarlenBackend(), 0.125, exchange)
-        both = SimulatedPlan(plan, q, k, v, dout, TorchVarlenBackend(), 0.125, exchange, True)
+    backend = _gpu_backend(executor)
+    got = SimulatedPlan(plan, q, k, v, dout, backend, 0.125, exchange, concurrent).run()
+    if concurrent:  # side streams: the same forward bits run after run (and, for the whole
+        # local call beside the received keys' call, as one stream)
+        both = SimulatedPlan(plan, q, k, v, dout, backend, 0.125, exchange, True)
+        split = executor.endswith("+split")
+        alone = both if split else SimulatedPlan(plan, q, k, v, dout, backend, 0.125, exchange)
         for g in range(plan.ring_size):
             expected = alone.forward_group(g)[0]
             for _ in range(5):
@@ -96,7 +117,7 @@ def test_simulation_on_gpu_in_bf16(algo, cp, degree, executor):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("executor", GPU_EXECUTORS)
 @pytest.mark.parametrize("algo,cp,degree", [("ring", 4, None), ("hybrid", 8, 2)])
 def test_ring_steps_make_no_host_syncs_on_gpu(algo, cp, degree, executor):
     """The schedule executors' forward and backward (every group's kernels, merges, gathers
@@ -105,7 +126,8 @@ def test_ring_steps_make_no_host_syncs_on_gpu(algo, cp, degree, executor):
     cu, tensors = _case("mixed", 2, 1024, 8, 2, 64, seed=2, device="cuda",
                         dtype=torch.bfloat16)
     plan = plan_context_parallel(cu, cp, algo, degree)
-    simulated = SimulatedPlan(plan, *tensors, TorchVarlenBackend(), 0.125, *_executor(executor))
+    simulated = SimulatedPlan(plan, *tensors, _gpu_backend(executor), 0.125,
+                              *_executor(executor))
     for g in range(plan.ring_size):  # compiles the fused merges, by index and on runs of rows
         simulated.run_group(g)        # (compiling may sync; running must not)
     torch.cuda.synchronize()

@@ -6,7 +6,7 @@ show as a wrong value)."""
 import pytest
 import torch
 
-from megatron_eod.attention.streams import Beside, side_stream
+from megatron_eod.attention.streams import Beside, fork_point, side_stream
 
 
 @pytest.mark.parametrize("enabled", [False, True])
@@ -16,6 +16,13 @@ def test_on_cpu_the_work_runs_at_once(enabled):
     assert calls == [1]
     assert torch.equal(side.result(), torch.ones(2))
     assert torch.equal(side.result(), torch.ones(2))  # joining twice is harmless
+
+
+def test_off_cuda_there_is_no_fork_point_and_two_side_streams():
+    assert fork_point(torch.device("cpu"), True) is None
+    assert fork_point(torch.device("cuda"), False) is None
+    with pytest.raises(ValueError, match="side stream 2"):
+        side_stream(torch.device("cuda", 0), 2)
 
 
 def _slow_side_work(x):
@@ -41,6 +48,41 @@ def test_on_gpu_both_waits_hold_without_host_syncs():
             total = doubled + plus_one  # on the current stream, after the side work
             torch.cuda.set_sync_debug_mode("default")
             assert torch.all(total == 3 * step + 1).item()
+            torch.cuda.set_sync_debug_mode("error")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+def test_on_gpu_work_after_a_fork_point_waits_for_what_came_before_it_only():
+    """Side stream 1 after a fork point sees the writes queued before it, and does not wait
+    for the current stream's later work (the batched ring's second local part)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = torch.device("cuda")
+    x = torch.zeros(1 << 20, device=device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(1, 4):
+            torch.cuda._sleep(20_000_000)
+            x.fill_(step)
+            fork = fork_point(device, True)
+            first = Beside(lambda: _slow_side_work(x), device, True, which=0)
+            torch.cuda._sleep(200_000_000)  # later work on the current stream ...
+            started = torch.cuda.Event(enable_timing=True)
+            second = Beside(lambda: (started.record(), x * 3)[1], device, True, which=1,
+                            after=fork)
+            ended = torch.cuda.Event(enable_timing=True)
+            ended.record()  # ... ends after this side work has started
+            assert second._stream is side_stream(device, 1)
+            tripled = second.result()
+            (doubled, plus_one) = first.result()
+            total = doubled + plus_one + tripled
+            torch.cuda.set_sync_debug_mode("default")
+            assert torch.all(total == 6 * step + 1).item()
+            torch.cuda.synchronize()
+            assert started.elapsed_time(ended) > 50  # ms: it ran during the long sleep
             torch.cuda.set_sync_debug_mode("error")
     finally:
         torch.cuda.set_sync_debug_mode("default")
