@@ -14,6 +14,10 @@ time (it sets the step time), forward, backward (forward+backward minus forward)
                steps; with --steps only)
   ours ring (concurrent)  the batched ring with its local call on a second CUDA stream beside
                the call over received keys (--cp-concurrent-calls; on a CPU: in sequence)
+  ours ring (concurrent, split)  the same with the local call in its two parts on two more
+               streams (plan/local_split.py), forced: where the kernel cannot write into
+               given tensors (PyTorch < 2.12's forward, its backward), the parts' results
+               are copied, a cost the executor itself avoids by not splitting there
   ours hybrid  Ulysses degree 2: what ONE rank of a group computes after the all-to-all:
                the group's rows over H/2 query heads (and its share of key/value heads),
                batched and steps (before 2026-11-25 this was the group's all-head work / 2,
@@ -65,13 +69,37 @@ OURS = (("ours ring", "ring", None, "batched"), ("ours ring (steps)", "ring", No
 
 
 def our_layouts(steps=True):
-    """(name, algo, Ulysses degree, ring exchange, concurrent_calls) of each of our layouts
-    the GPU tools time: OURS (the steps rows only with `steps`), then the batched ones with
-    --cp-concurrent-calls."""
+    """(name, algo, Ulysses degree, ring exchange, concurrency) of each of our layouts the
+    GPU tools time: OURS (the steps rows only with `steps`), then the batched ones with
+    --cp-concurrent-calls, concurrency "beside" (as the executor runs it with this kernel)
+    and "split" (the local call's parts forced: `layout_backend`); False without."""
     rows = [(name, algo, u, exchange, False) for name, algo, u, exchange in OURS
             if exchange != "steps" or steps]
-    return rows + [(f"{name} (concurrent)", algo, u, exchange, True)
+    return rows + [(f"{name} ({label})", algo, u, exchange, mode)
+                   for label, mode in (("concurrent", "beside"), ("concurrent, split", "split"))
                    for name, algo, u, exchange in OURS if exchange == "batched"]
+
+
+class SplitForced:
+    """`backend` claiming to write into given tensors, so that the batched ring runs the
+    local call in its two parts with concurrent_calls whatever the kernel (every backend
+    takes out= and grads=, copying there where its kernel cannot)."""
+
+    writes_out = writes_grads = True
+
+    def __init__(self, backend):
+        self.backend, self.name = backend, backend.name
+
+    def forward(self, *args, **kwargs):
+        return self.backend.forward(*args, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        return self.backend.backward(*args, **kwargs)
+
+
+def layout_backend(backend, concurrency):
+    """The backend a layout of `our_layouts` runs with."""
+    return SplitForced(backend) if concurrency == "split" else backend
 
 
 def timed(fn, repeats, device):
@@ -250,7 +278,8 @@ def bench_row(cu, cp, args, device, dtype, backend):
     for name, algo, u, exchange, concurrent in our_layouts(args.steps):
         plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
         rank_qkv = ulysses_rank_inputs(q, k, v, dout, u or 1)  # one rank's heads
-        sim = SimulatedPlan(plan, *rank_qkv, backend, scale, exchange, concurrent)
+        sim = SimulatedPlan(plan, *rank_qkv, layout_backend(backend, concurrent), scale,
+                            exchange, bool(concurrent))
         times[name] = busiest([(lambda g=g: sim.forward_group(g), lambda g=g: sim.run_group(g))
                                for g in range(plan.ring_size)], args.repeats, device)
         tiles[name] = tiles_over_ideal(plan_calls(plan, exchange), cu, cp, u or 1)

@@ -5,7 +5,8 @@
 
 tools/bench_cp_gpu.py says how far the busiest rank is from the ideal; this says why. For
 the busiest group of our ring and hybrid (u=2) plans, with both ring executors (batched also
-with --cp-concurrent-calls, whose two streams' kernels overlap), on the same rows, sizes and
+with --cp-concurrent-calls, whose streams' kernels overlap, and with the local call's two
+parts forced as bench_cp_gpu.py does), on the same rows, sizes and
 kernel, it times one forward+backward (best of --repeats, no profiler) and profiles one more
 with torch.profiler, then splits the time:
   attention  device time in the attention kernels (names with flash / fmha / attention)
@@ -33,8 +34,8 @@ import torch  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from bench_cp_gpu import (mix_rows, our_layouts, parse_configs, random_qkv,  # noqa: E402
-                          timed, ulysses_rank_inputs)
+from bench_cp_gpu import (layout_backend, mix_rows, our_layouts, parse_configs,  # noqa: E402
+                          random_qkv, timed, ulysses_rank_inputs)
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
@@ -113,8 +114,9 @@ def profile_row(cu, cp, args, device, dtype, backend):
     out = {}
     for name, algo, u, exchange, concurrent in our_layouts():
         plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
-        sim = SimulatedPlan(plan, *ulysses_rank_inputs(q, k, v, dout, u or 1), backend, scale,
-                            exchange, concurrent)  # one rank's heads
+        sim = SimulatedPlan(plan, *ulysses_rank_inputs(q, k, v, dout, u or 1),  # one rank's
+                            layout_backend(backend, concurrent), scale, exchange,  # heads
+                            bool(concurrent))
         g = max(range(plan.ring_size),
                 key=lambda g: timed(lambda: sim.run_group(g), 1, device))
         out[name] = profile_group(sim, g, device, args.repeats)

@@ -25,7 +25,8 @@ def test_small_cpu_run_prints_every_layout_fwd_bwd(capsys):
     assert [r[0] for r in rows] == ["| " + name for name in (
         "ideal", "ours ring", "ours ring (one call)", "ours ring (steps)", "ours hybrid u=2",
         "ours hybrid u=2 (one call)", "ours hybrid u=2 (steps)", "ours ring (concurrent)",
-        "ours hybrid u=2 (concurrent)", "contiguous", "doc-zigzag (padded)")] * 2
+        "ours hybrid u=2 (concurrent)", "ours ring (concurrent, split)",
+        "ours hybrid u=2 (concurrent, split)", "contiguous", "doc-zigzag (padded)")] * 2
     for cells in rows:
         fwd, bwd, both = (float(x) for x in cells[1].split(" / "))
         # backward = both - forward, two timings: on a busy CPU it can come out <= 0

@@ -38,7 +38,9 @@ def test_small_cpu_run_prints_our_layouts(capsys):
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ours")]
     assert [r[0] for r in rows] == ["| ours ring", "| ours ring (steps)", "| ours hybrid u=2",
                                     "| ours hybrid u=2 (steps)", "| ours ring (concurrent)",
-                                    "| ours hybrid u=2 (concurrent)"]
+                                    "| ours hybrid u=2 (concurrent)",
+                                    "| ours ring (concurrent, split)",
+                                    "| ours hybrid u=2 (concurrent, split)"]
     for cells in rows:
         wall = float(cells[1])
         parts = [float(c.split()[0]) for c in cells[2:5]]  # "10.441 (48%)"
