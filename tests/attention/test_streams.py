@@ -3,6 +3,8 @@ GPU (marked) orders the side stream after the work queued before it and the curr
 after the side work, with no host sync (a sleep kernel ahead of each makes a missing wait
 show as a wrong value)."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -30,15 +32,30 @@ def _slow_side_work(x):
     return x * 2, x + 1
 
 
-@pytest.mark.gpu
-def test_on_gpu_both_waits_hold_without_host_syncs():
+@contextlib.contextmanager
+def _gpu_without_host_syncs():
+    """A CUDA device, with any host sync an error inside (`checked` lifts it to read)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    device = torch.device("cuda")
-    x = torch.zeros(1 << 20, device=device)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
+        yield torch.device("cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _checked(condition):
+    """Assert a device value (a host read, allowed here only)."""
+    torch.cuda.set_sync_debug_mode("default")
+    assert condition()
+    torch.cuda.set_sync_debug_mode("error")
+
+
+@pytest.mark.gpu
+def test_on_gpu_both_waits_hold_without_host_syncs():
+    with _gpu_without_host_syncs() as device:
+        x = torch.zeros(1 << 20, device=device)
         for step in range(1, 6):
             torch.cuda._sleep(20_000_000)  # the current stream is busy ...
             x.fill_(step)  # ... before this write, which the side work must see
@@ -46,24 +63,15 @@ def test_on_gpu_both_waits_hold_without_host_syncs():
             assert side._stream is side_stream(device)
             doubled, plus_one = side.result()
             total = doubled + plus_one  # on the current stream, after the side work
-            torch.cuda.set_sync_debug_mode("default")
-            assert torch.all(total == 3 * step + 1).item()
-            torch.cuda.set_sync_debug_mode("error")
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+            _checked(lambda: torch.all(total == 3 * step + 1).item())
 
 
 @pytest.mark.gpu
 def test_on_gpu_work_after_a_fork_point_waits_for_what_came_before_it_only():
     """Side stream 1 after a fork point sees the writes queued before it, and does not wait
     for the current stream's later work (the batched ring's second local part)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    device = torch.device("cuda")
-    x = torch.zeros(1 << 20, device=device)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _gpu_without_host_syncs() as device:
+        x = torch.zeros(1 << 20, device=device)
         for step in range(1, 4):
             torch.cuda._sleep(20_000_000)
             x.fill_(step)
@@ -74,15 +82,10 @@ def test_on_gpu_work_after_a_fork_point_waits_for_what_came_before_it_only():
             second = Beside(lambda: (started.record(), x * 3)[1], device, True, which=1,
                             after=fork)
             ended = torch.cuda.Event(enable_timing=True)
-            ended.record()  # ... ends after this side work has started
+            ended.record()  # ... ends well after this side work has started
             assert second._stream is side_stream(device, 1)
             tripled = second.result()
-            (doubled, plus_one) = first.result()
+            doubled, plus_one = first.result()
             total = doubled + plus_one + tripled
-            torch.cuda.set_sync_debug_mode("default")
-            assert torch.all(total == 6 * step + 1).item()
-            torch.cuda.synchronize()
-            assert started.elapsed_time(ended) > 50  # ms: it ran during the long sleep
-            torch.cuda.set_sync_debug_mode("error")
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+            _checked(lambda: torch.all(total == 6 * step + 1).item())
+            _checked(lambda: started.elapsed_time(ended) > 50)  # ms: during the long sleep
