@@ -147,10 +147,15 @@ def split_calls(plan):
     """[KernelCalls per ring group] in the order the batched ring launches them with
     concurrent_calls where the local call splits (plan/local_split.py): its first part, the
     received keys' call, its other part."""
+    from megatron_eod.attention.ring import BATCHED, executor_for
+
     out = []
     for schedule, calls in zip(plan.schedules, plan_calls(plan, "batched")):
         parts = schedule.local_parts
-        out.append(calls if parts is None else [parts[0]] + calls[1:] + [parts[1]])
+        if parts is None or executor_for(schedule, "batched") not in BATCHED:
+            out.append(calls)  # one sequence, or the steps run (they ignore the parts)
+        else:
+            out.append([parts[0]] + calls[1:] + [parts[1]])
     return out
 
 

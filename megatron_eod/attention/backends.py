@@ -146,17 +146,20 @@ def backward_lse(lse_TH, dtype=torch.float32):
                             neginf=0.0, out=out)
 
 
+# PyTorch >= 2.12 has a flash forward that writes into a given out (what varlen_attn_out
+# runs); before, the result is copied there.
+_FORWARD_INTO_OUT = hasattr(torch.ops.aten, "_flash_attention_forward_no_dropout_inplace")
+
+
 class TorchVarlenBackend:
     """PyTorch's own CUDA flash kernels (no flash-attn needed)."""
 
     name = "torch_varlen"
-    # PyTorch >= 2.12 has a forward that writes into a given out (what varlen_attn_out
-    # runs); its backward always allocates the gradients.
-    writes_out = hasattr(torch.ops.aten, "_flash_attention_forward_no_dropout_inplace")
-    writes_grads = False
+    writes_out = _FORWARD_INTO_OUT
+    writes_grads = False  # its backward always allocates the gradients
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, out=None):
-        if out is not None and self.writes_out:
+        if out is not None and _FORWARD_INTO_OUT:
             lse = torch.ops.aten._flash_attention_forward_no_dropout_inplace(
                 out, q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
                 scale=softmax_scale)

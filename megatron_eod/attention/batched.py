@@ -98,11 +98,18 @@ def _check(schedule):
                          "(k_span (0, recv_count)): build it with kv_batched.build_batched")
 
 
-def _local_parts(schedule, concurrent_calls, in_place):
+def _local_parts(schedule, concurrent_calls, backend, writes):
     """The local call's two parts (plan/local_split.py) where they run: with
-    concurrent_calls, where the kernel writes into given tensors (`in_place`: else joining
-    the parts' results would cost a copy of them) and the call splits; else None."""
+    concurrent_calls, where the kernel writes into given tensors (its attribute `writes`,
+    "writes_out" or "writes_grads", True: else joining the parts' results would cost a copy
+    of them) and the call splits; else None."""
+    in_place = getattr(backend, writes, False)  # a caller's own backend may not say
     return schedule.local_parts if concurrent_calls and in_place else None
+
+
+def _empty_like(x):
+    """A contiguous tensor like x (what the kernels return), for the parts to write into."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 class _LocalCalls:
@@ -152,14 +159,14 @@ def batched_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale,
     _check(schedule)
     pending = transport.start_all_kv(schedule, k_TGD, v_TGD) if schedule.batched else None
     call = schedule.batched.call if schedule.batched else None
-    parts = _local_parts(schedule, concurrent_calls, backend.writes_out)
-    out_THD = torch.empty_like(q_THD) if parts is not None else None
+    parts = _local_parts(schedule, concurrent_calls, backend, "writes_out")
+    out_THD = _empty_like(q_THD) if parts is not None else None
 
     def local_forward(local, rows):  # over the local rows in order: no gather
+        given = {} if rows is None else {"out": out_THD[rows]}
         return backend.forward(_rows(q_THD, rows), _rows(k_TGD, rows), _rows(v_TGD, rows),
                                local.cu_seqlens_q, local.cu_seqlens_k, local.max_seqlen_q,
-                               local.max_seqlen_k, local.causal, scale,
-                               out=None if rows is None else out_THD[rows])
+                               local.max_seqlen_k, local.causal, scale, **given)
 
     local_calls = _LocalCalls(local_forward, schedule, q_THD.device, concurrent_calls,
                               call is not None, parts)
@@ -192,16 +199,15 @@ def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, t
     where the kernel writes into given gradients (`_LocalCalls`)."""
     _check(schedule)
     batched = schedule.batched
-    parts = _local_parts(schedule, concurrent_calls, backend.writes_grads)
-    grads = None if parts is None else tuple(torch.empty_like(x) for x in (q_THD, k_TGD,
-                                                                             v_TGD))
+    parts = _local_parts(schedule, concurrent_calls, backend, "writes_grads")
+    grads = None if parts is None else tuple(_empty_like(x) for x in (q_THD, k_TGD, v_TGD))
 
     def local_backward(local, rows):
-        given = None if rows is None else tuple(g[rows] for g in grads)
+        given = {} if rows is None else {"grads": tuple(g[rows] for g in grads)}
         return backend.backward(*(_rows(x, rows) for x in (dout_THD, q_THD, k_TGD, v_TGD,
                                                            out_THD, lse_TH)),
                                 local.cu_seqlens_q, local.cu_seqlens_k, local.max_seqlen_q,
-                                local.max_seqlen_k, local.causal, scale, grads=given)
+                                local.max_seqlen_k, local.causal, scale, **given)
 
     def launch_local(received_call):
         return _LocalCalls(local_backward, schedule, q_THD.device, concurrent_calls,

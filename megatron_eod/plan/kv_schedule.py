@@ -233,7 +233,7 @@ def _by_group(group_of: np.ndarray, groups: int):
 def build_schedule(split: SplitDocuments, group: int) -> GroupSchedule:
     """Group `group`'s local call and its R - 1 ring steps (see the module)."""
     p, groups = split.pieces, split.pieces.groups
-    start, length, local_start = p.start, p.length, split.local_start
+    length, local_start = p.length, split.local_start
     rows = lambda i: ranges(local_start[i], local_start[i] + length[i])  # noqa: E731
     q_piece, k_piece = needed_pieces(split, group)
     from_order, from_bounds = _by_group(p.group[k_piece], groups)

@@ -220,3 +220,30 @@ def test_batched_executor_refuses_a_call_that_does_not_read_its_buffer_in_order(
                                                                     call=reversed_keys))
     with pytest.raises(ValueError, match="read its receive buffer once, in order"):
         batched_forward(q[:64], k[:64], v[:64], bad, None, get_backend(q.device, q.dtype), 0.3)
+
+
+class _OldStyleBackend:
+    """A caller's own kernel as the interface was before out= and grads=: no writes_out,
+    no keyword for given tensors."""
+
+    def __init__(self):
+        from megatron_eod.attention.backends import CPUExactBackend
+        self._cpu = CPUExactBackend()
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        return self._cpu.forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+        return self._cpu.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
+                                  scale)
+
+
+@pytest.mark.parametrize("exchange", ["batched", "batched-keep"])
+def test_concurrent_calls_with_a_kernel_that_cannot_take_given_tensors(exchange):
+    """Such a kernel runs the whole local call (no split), exactly."""
+    cu, (q, k, v, dout) = _case("mixed", 2, 128, 4, 2, 8, seed=4)
+    plan = plan_context_parallel(cu, 4, "ring")
+    assert any(s.local_parts is not None for s in plan.schedules)
+    got = SimulatedPlan(plan, q, k, v, dout, _OldStyleBackend(), 0.3, exchange, True).run()
+    for mine, ref in zip(got, _oracle(q, k, v, dout, cu, 0.3)):
+        assert (mine - ref).abs().max().item() < 1e-10

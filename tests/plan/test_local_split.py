@@ -94,7 +94,10 @@ def test_a_call_over_received_keys_is_refused():
 def test_moved_with_the_schedule():
     cu = torch.tensor([0, 100, 1000, 1100, 4096])
     schedule = plan_context_parallel(cu, 2, "ring").schedule(0)
-    moved = schedule.to("cpu")
+    moved = schedule.to("meta")  # another device, without one
     assert moved.local_parts is not None
     for a, b in zip(schedule.local_parts, moved.local_parts):
-        assert a.q_span == b.q_span and torch.equal(a.cu_seqlens_q, b.cu_seqlens_q)
+        assert a.q_span == b.q_span and a.max_seqlen_q == b.max_seqlen_q
+        for t in (b.cu_seqlens_q, b.cu_seqlens_k, b.q_index, b.k_index):
+            assert t.device.type == "meta"
+        assert b.cu_seqlens_q.shape == a.cu_seqlens_q.shape
