@@ -32,6 +32,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
+from megatron_eod.plan.cost import doc_pairs
 from megatron_eod.plan.kv_schedule import GroupSchedule, KernelCall, make_call
 
 __all__ = ["split_local_call", "with_local_parts"]
@@ -57,7 +58,7 @@ def split_local_call(local: KernelCall) -> Optional[Tuple[KernelCall, KernelCall
     if lengths.size < 2:
         return None
     longest = int(np.argmax(lengths))
-    pairs = np.cumsum(lengths * (lengths + 1) // 2)
+    pairs = np.cumsum(doc_pairs(lengths))
     before = int(pairs[longest])  # pairs of the rows up to and including it
     after = int(pairs[-1] - (pairs[longest - 1] if longest else 0))  # of the rows from it on
     # A side that is the whole call is no split: the other side is then the one.
