@@ -14,8 +14,9 @@
 #   training      pretrain_gpt.py in bf16: CP=1 vs the CPU golden losses (both trainers), CP=N on N GPUs,
 #                 CP=2/4 processes sharing one GPU vs CP=1 (sets CP_TOL and GOLDEN_TOL)
 #   bench-cp      tools/bench_cp_gpu.py: busiest CP rank vs ideal, ring and hybrid
-#   profile       tools/profile_cp_step.py: that rank's time split into attention kernels,
-#                 glue kernels and idle device, and its costliest glue kernels
+#   profile       tools/profile_cp_step.py: that rank's time, forward alone and forward+backward,
+#                 split into attention kernels, glue kernels and idle device, and its
+#                 costliest glue kernels
 #   e2e           tools/bench_e2e.py --preset 1b: EoD reset vs causal tokens/s, ~1.2B GPT, 32k
 # --list prints each stage and its command, runs nothing.
 #   GPU_CHECKS_OUT     logs and summary.md (default: $OUT when set, else <repo>/runs/gpu_checks)

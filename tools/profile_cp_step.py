@@ -7,13 +7,18 @@ tools/bench_cp_gpu.py says how far the busiest rank is from the ideal; this says
 the busiest group of our ring and hybrid (u=2) plans, with both ring executors (batched also
 with --cp-concurrent-calls, whose streams' kernels overlap, and with the local call's two
 parts forced as bench_cp_gpu.py does), on the same rows, sizes and
-kernel, it times one forward+backward (best of --repeats, no profiler) and profiles one more
-with torch.profiler, then splits the time:
+kernel, it times the forward alone and the forward+backward (each best of --repeats, no
+profiler) and profiles one more of each with torch.profiler, then splits the time (the
+forward apart, because the bench's forward is the direction furthest from its kernels):
   attention  device time in the attention kernels (names with flash / fmha / attention)
   glue       device time in every other kernel: merges, gathers, casts, gradient sums
   idle       the rest of the wall time: the device waits for the host to launch work
              (many small launches, Python overhead)
-and lists the glue kernels that take the most time. Times are per rank (for hybrid: one rank
+and lists the glue kernels that take the most time. On a GPU it also gives the pass's memory:
+the peak allocated and the peak reserved by PyTorch's caching allocator, over what was there
+before (after emptying the cache), across --repeats runs: each CUDA stream keeps its own
+pool of cached blocks, so the concurrent rows' side streams may reserve more than they
+allocate. Times are per rank (for hybrid: one rank
 of the group, its H/u heads over the group's rows). Busy time is the union of kernel
 intervals, so overlapping kernels count once (the concurrent rows' attention share is then
 the time some attention kernel runs). On a CPU the same split covers the top-level aten
@@ -86,14 +91,32 @@ def split_time(intervals, wall_s):
             "idle": max(0.0, wall_s - att_s - glue_s), "wall": wall_s}, by_name
 
 
-def profile_group(sim, g, device, repeats):
-    """(split, glue by name, attention kernel count, glue kernel count) of group g."""
-    wall = timed(lambda: sim.run_group(g), repeats, device)
+def memory_mib(run, device, repeats):
+    """(peak allocated, peak reserved) MiB over `repeats` runs of `run()`, above what was
+    allocated / reserved before, the allocator's cache emptied first; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(repeats):
+        run()
+    torch.cuda.synchronize(device)
+    return ((torch.cuda.max_memory_allocated(device) - allocated) / 2**20,
+            (torch.cuda.max_memory_reserved(device) - reserved) / 2**20)
+
+
+def profile_pass(run, device, repeats):
+    """(split, glue by name, attention kernel count, glue kernel count, memory_mib) of
+    `run()`."""
+    memory = memory_mib(run, device, repeats)
+    wall = timed(run, repeats, device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])
     with profile(activities=activities) as prof:
         start = time.perf_counter()
-        sim.run_group(g)
+        run()
         if device.type == "cuda":
             torch.cuda.synchronize()
         profiled_wall = time.perf_counter() - start
@@ -102,12 +125,20 @@ def profile_group(sim, g, device, repeats):
     intervals = kernel_intervals(prof, device)
     split, by_name = split_time(intervals, wall)
     n_att = sum(1 for i in intervals if _ATTENTION.search(i[0]))
-    return split, by_name, n_att, len(intervals) - n_att
+    return split, by_name, n_att, len(intervals) - n_att, memory
+
+
+PASSES = ("fwd", "fwd+bwd")
+
+
+def profile_group(sim, g, device, repeats):
+    """{pass: profile_pass(...)} of group g: its forward alone, and forward+backward."""
+    runs = {"fwd": lambda: sim.forward_group(g), "fwd+bwd": lambda: sim.run_group(g)}
+    return {name: profile_pass(runs[name], device, repeats) for name in PASSES}
 
 
 def profile_row(cu, cp, args, device, dtype, backend):
-    """{layout: (split per rank, glue by name, attention kernels, glue kernels)} for the
-    busiest group of each of our layouts."""
+    """{layout: {pass: profile_pass(...)}} for the busiest group of each of our layouts."""
     n = int(cu[-1])
     q, k, v, dout = random_qkv(n, args, device, dtype, torch.Generator().manual_seed(0))
     scale = args.head_dim ** -0.5
@@ -125,18 +156,24 @@ def profile_row(cu, cp, args, device, dtype, backend):
 
 def report(mix, n, cp, results, top):
     print(f"\n{mix} {n // 1024}k tokens / CP {cp}: busiest group, per rank")
-    print("| layout | wall ms | attention ms | glue ms | idle ms | kernels: attention / glue |")
-    print("|---|---|---|---|---|---|")
-    for layout, (split, _, n_att, n_glue) in results.items():
-        wall = split["wall"]
-        cells = " | ".join(f"{split[k] * 1e3:.3f} ({100 * split[k] / wall:.0f}%)"
-                           for k in ("attention", "glue", "idle"))
-        print(f"| {layout} | {wall * 1e3:.3f} | {cells} | {n_att} / {n_glue} |")
-    for layout, (_, by_name, _, _) in results.items():
-        ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
-        print(f"\n{layout}: top glue kernels (count, ms)")
-        for name, (count, seconds) in ranked:
-            print(f"  {seconds * 1e3:8.3f} ms  x{count:<4d} {name[:100]}")
+    print("| layout | pass | wall ms | attention ms | glue ms | idle ms | "
+          "kernels: attention / glue | peak MiB: allocated / reserved |")
+    print("|---|---|---|---|---|---|---|---|")
+    for layout, passes in results.items():
+        for name in PASSES:
+            split, _, n_att, n_glue, memory = passes[name]
+            wall = split["wall"]
+            cells = " | ".join(f"{split[k] * 1e3:.3f} ({100 * split[k] / wall:.0f}%)"
+                               for k in ("attention", "glue", "idle"))
+            mib = "- / -" if memory is None else f"{memory[0]:.0f} / {memory[1]:.0f}"
+            print(f"| {layout} | {name} | {wall * 1e3:.3f} | {cells} | {n_att} / {n_glue} | "
+                  f"{mib} |")
+    for layout, passes in results.items():
+        for name in PASSES:
+            ranked = sorted(passes[name][1].items(), key=lambda item: -item[1][1])[:top]
+            print(f"\n{layout}, {name}: top glue kernels (count, ms)")
+            for kernel, (count, seconds) in ranked:
+                print(f"  {seconds * 1e3:8.3f} ms  x{count:<4d} {kernel[:100]}")
     sys.stdout.flush()
 
 

@@ -1,6 +1,7 @@
 """tools/profile_cp_step.py: the interval arithmetic it splits time with (a union, overlaps
 counted once; attention told from glue by kernel name; the parts add up to the wall time),
-and a small CPU run (the GPU session's `profile` stage relies on it) printing our four layouts."""
+and a small CPU run (the GPU session's `profile` stage relies on it) printing our layouts,
+each forward alone and forward+backward."""
 
 import os
 import sys
@@ -36,21 +37,51 @@ def test_small_cpu_run_prints_our_layouts(capsys):
                           "--kv-heads", "2", "--head-dim", "16", "--repeats", "1"])
     out = capsys.readouterr().out
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ours")]
-    assert [r[0] for r in rows] == ["| ours ring", "| ours ring (steps)", "| ours hybrid u=2",
-                                    "| ours hybrid u=2 (steps)", "| ours ring (concurrent)",
-                                    "| ours hybrid u=2 (concurrent)",
-                                    "| ours ring (concurrent, split)",
-                                    "| ours hybrid u=2 (concurrent, split)"]
+    layouts = ["| ours ring", "| ours ring (steps)", "| ours hybrid u=2",
+               "| ours hybrid u=2 (steps)", "| ours ring (concurrent)",
+               "| ours hybrid u=2 (concurrent)", "| ours ring (concurrent, split)",
+               "| ours hybrid u=2 (concurrent, split)"]
+    # Each layout's forward alone, then its forward+backward.
+    assert [(r[0], r[1]) for r in rows] == [(layout, p) for layout in layouts
+                                            for p in ("fwd", "fwd+bwd")]
     for cells in rows:
-        wall = float(cells[1])
-        parts = [float(c.split()[0]) for c in cells[2:5]]  # "10.441 (48%)"
+        wall = float(cells[2])
+        parts = [float(c.split()[0]) for c in cells[3:6]]  # "10.441 (48%)"
         assert parts[0] > 0 and abs(sum(parts) - wall) < 0.01 * wall + 2e-3, cells
-        attention, glue = (int(x) for x in cells[5].rstrip(" |").split(" / "))
-        assert attention >= 2 and glue > 0
-    assert "top glue kernels" in out
+        attention, glue = (int(x) for x in cells[6].rstrip(" |").split(" / "))
+        # forward: at least the local call; forward+backward: at least two calls more.
+        assert attention >= (1 if cells[1] == "fwd" else 2) and glue > 0, cells
+        assert cells[7].rstrip(" |") == "- / -"  # memory: CUDA only
+    for fwd, both in zip(rows[::2], rows[1::2]):
+        assert int(both[6].split(" / ")[0]) > int(fwd[6].split(" / ")[0]), (fwd, both)
+    assert "ours ring, fwd: top glue kernels" in out
+    assert "ours ring, fwd+bwd: top glue kernels" in out
 
 
 def test_bad_arguments_name_the_flag(capsys):
     with pytest.raises(SystemExit):
         profile_cp_step.main(["--mixes", "web,books"])
     assert "--mixes" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_memory_counts_what_a_pass_holds_and_what_side_streams_keep():
+    import torch
+
+    device = torch.device("cuda")
+    mib = 1 << 20
+    peak, reserved = profile_cp_step.memory_mib(
+        lambda: torch.empty(64 * mib, dtype=torch.uint8, device=device), device, 3)
+    assert 64 <= peak < 65 and reserved >= peak, (peak, reserved)
+    side = torch.cuda.Stream(device)
+
+    def on_side_stream():  # freed on the side stream: cached in its pool, not reused here
+        with torch.cuda.stream(side):
+            torch.empty(64 * mib, dtype=torch.uint8, device=device)
+        torch.empty(64 * mib, dtype=torch.uint8, device=device)
+
+    peak, reserved = profile_cp_step.memory_mib(on_side_stream, device, 3)
+    print(f"[figure] profile memory: one 64 MiB block per stream: peak {peak:.0f} MiB, "
+          f"reserved {reserved:.0f} MiB")
+    assert 64 <= peak < 65 and reserved >= 128, (peak, reserved)
+    assert profile_cp_step.memory_mib(lambda: None, torch.device("cpu"), 1) is None
