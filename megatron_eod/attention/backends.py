@@ -22,7 +22,9 @@ the result is copied there, which costs the copy the caller wanted to avoid).
   size per call). Exact, fp32/fp64; the test oracle's partner.
 * `TorchVarlenBackend`: PyTorch's CUDA flash kernels (`aten._flash_attention_forward/_backward`,
   what `torch.nn.attention.varlen.varlen_attn` runs), for GPUs without flash-attn; fp16/bf16.
-* `FlashAttnBackend`: flash-attn's varlen forward/backward, when installed; fp16/bf16.
+* `FlashAttnBackend`: flash-attn's varlen forward/backward (>= 2.6), when installed;
+  fp16/bf16. Where one is installed but unusable (too old, its extension does not load),
+  "auto" warns and takes `TorchVarlenBackend`; "flash_attn" (--use-flash-attn) refuses.
 
 What it does not do: no communication, no merging (lse.py), no dropout.
 """
@@ -30,13 +32,16 @@ What it does not do: no communication, no merging (lse.py), no dropout.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
-from typing import List, Tuple
+import warnings
+from typing import List, Optional, Tuple
 
 import torch
 
 __all__ = ["CPUExactBackend", "TorchVarlenBackend", "FlashAttnBackend", "get_backend",
-           "has_transformer_engine", "accumulation_dtype", "default_scale", "backward_lse"]
+           "has_transformer_engine", "accumulation_dtype", "default_scale", "backward_lse",
+           "flash_attn_problem", "writes_given_out", "FLASH_ATTN_MISSING", "MIN_FLASH_ATTN"]
 
 _GPU_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -125,12 +130,12 @@ class CPUExactBackend:
 
 def _lse_to_token_major(lse, total_q, heads):
     """Kernels give [H, Tq] (packed) or [B, H, max_q] (padded, old flash-attn): -> [Tq, H]
-    float32 (a view of H-major memory), in one kernel."""
+    float32 (float64 from a float64 lse) (a view of H-major memory), in one kernel."""
     if lse.dim() == 2 and lse.shape == (heads, total_q):
         # flash kernels mark rows without any key with +inf (so that their backward is 0);
         # the contract here is -inf (no probability mass), which merges correctly. NaN stays.
-        return torch.nan_to_num(lse.float(), nan=math.nan, posinf=-math.inf,
-                                neginf=-math.inf).transpose(0, 1)
+        return torch.nan_to_num(lse.to(accumulation_dtype(lse.dtype)), nan=math.nan,
+                                posinf=-math.inf, neginf=-math.inf).transpose(0, 1)
     raise ValueError(f"unexpected softmax_lse shape {tuple(lse.shape)} for {total_q} queries "
                      f"and {heads} heads (flash-attn < 2.6 pads lse per row; use >= 2.6)")
 
@@ -151,6 +156,16 @@ def backward_lse(lse_TH, dtype=torch.float32):
 _FORWARD_INTO_OUT = hasattr(torch.ops.aten, "_flash_attention_forward_no_dropout_inplace")
 
 
+def writes_given_out(q, k, max_q) -> bool:
+    """Whether a FlashAttention-2 varlen forward (flash-attn's, or PyTorch's copy of it)
+    given an out writes the result there. Not where every query sequence has one row and q
+    has more heads than k: there it regroups the heads of q and out (its decoding path,
+    `seqlenq_ngroups_swapped`), and out's regrouped copy is what it writes and returns, the
+    given tensor untouched. A split local call's part of 1-token documents under GQA is
+    such a call; its result is then copied into out (`_into`)."""
+    return not (max_q == 1 and q.shape[1] > k.shape[1])
+
+
 class TorchVarlenBackend:
     """PyTorch's own CUDA flash kernels (no flash-attn needed)."""
 
@@ -159,7 +174,7 @@ class TorchVarlenBackend:
     writes_grads = False  # its backward always allocates the gradients
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, out=None):
-        if out is not None and _FORWARD_INTO_OUT:
+        if out is not None and _FORWARD_INTO_OUT and writes_given_out(q, k, max_q):
             lse = torch.ops.aten._flash_attention_forward_no_dropout_inplace(
                 out, q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
                 scale=softmax_scale)
@@ -179,24 +194,88 @@ class TorchVarlenBackend:
         return tuple(_into(given, g) for given, g in zip(grads, (dq, dk, dv)))
 
 
+# flash-attn: 2.6 is the first to return the varlen log-sum-exp unpadded ([H, total_q]);
+# 2.7 renamed window_size (a pair) to window_size_left/right and returns (out, lse, ...)
+# instead of (out, q, k, v, out_padded, lse, ...). Its extension's varlen_fwd takes an out
+# (the 4th of its 21 positional arguments, from 2.6.1 to 2.8.x at least): used, to write a
+# given out, only for the versions read to have that signature.
+MIN_FLASH_ATTN = (2, 6)
+_FLASH_ATTN_OUT_VERSIONS = ((2, 7), (2, 9))  # [first, last): varlen_fwd(q, k, v, out, ...)
+
+
+def _version(text: str) -> Tuple[int, ...]:
+    """(2, 8, 3) of "2.8.3.post1": the leading numbers."""
+    numbers = []
+    for part in str(text).split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        numbers.append(int(digits))
+    return tuple(numbers)
+
+
+FLASH_ATTN_MISSING = "flash-attn is not installed (pip install flash-attn)"
+
+
+def flash_attn_problem() -> Optional[str]:
+    """None where a flash-attn this backend can use imports, else why not (for the flag
+    checks and the kernel choice): FLASH_ATTN_MISSING, or what is wrong with the one there."""
+    try:
+        import flash_attn  # noqa: F401 - optional extra
+    except ModuleNotFoundError as error:
+        if error.name == "flash_attn":
+            return FLASH_ATTN_MISSING
+        return f"flash-attn is installed but cannot be imported ({error})"
+    except (ImportError, OSError) as error:  # e.g. its CUDA extension does not load
+        return f"flash-attn is installed but cannot be imported ({error})"
+    version = getattr(flash_attn, "__version__", "unknown")
+    if _version(version) < MIN_FLASH_ATTN:
+        return (f"flash-attn {version} is installed, but megatron-eod needs flash-attn >= "
+                f"{'.'.join(map(str, MIN_FLASH_ATTN))} (earlier versions pad the varlen "
+                f"log-sum-exp per sequence)")
+    return None
+
+
 class FlashAttnBackend:
-    """flash-attn's varlen kernels (imported only here, only when used)."""
+    """flash-attn's varlen kernels (imported only here, only when used), 2.6 and later."""
 
     name = "flash_attn"
-    writes_out = False  # its Python forward allocates out; its backward takes dq, dk, dv
-    writes_grads = True
+    writes_grads = True  # its backward takes dq, dk, dv
 
     def __init__(self):
-        from flash_attn import flash_attn_interface as fai  # noqa: F401 - optional extra
+        problem = flash_attn_problem()
+        if problem is not None:
+            raise ImportError(problem)
+        import flash_attn
+        from flash_attn import flash_attn_interface as fai
 
         self._fai = fai
+        version = _version(flash_attn.__version__)
+        self._pair_window = version < (2, 7)  # window_size=(-1, -1); lse 6th of 8 results
+        first, last = _FLASH_ATTN_OUT_VERSIONS
+        extension = getattr(fai, "flash_attn_gpu", None) or getattr(fai, "flash_attn_cuda", None)
+        self._varlen_fwd = getattr(extension, "varlen_fwd", None) \
+            if first <= version < last else None
+        # The forward writes into a given out where the extension's call is known (else the
+        # Python forward allocates out, and the result is copied there).
+        self.writes_out = self._varlen_fwd is not None
+
+    def _windows(self):
+        return ({"window_size": (-1, -1)} if self._pair_window
+                else {"window_size_left": -1, "window_size_right": -1})
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, out=None):
+        if out is not None and self.writes_out and writes_given_out(q, k, max_q):
+            result = self._varlen_fwd(
+                q, k, v, out, cu_q, cu_k, None, None, None, None, max_q, max_k, 0.0,
+                softmax_scale, False, causal, -1, -1, 0.0, False, None)
+            return out, _lse_to_token_major(result[1], q.shape[0], q.shape[1])
         result = self._fai._flash_attn_varlen_forward(
             q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=softmax_scale,
-            causal=causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
-            alibi_slopes=None, return_softmax=False)
-        return _into(out, result[0]), _lse_to_token_major(result[1], q.shape[0], q.shape[1])
+            causal=causal, softcap=0.0, alibi_slopes=None, return_softmax=False,
+            block_table=None, **self._windows())
+        lse = result[5] if self._pair_window else result[1]
+        return _into(out, result[0]), _lse_to_token_major(lse, q.shape[0], q.shape[1])
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
                  softmax_scale, grads=None):
@@ -204,11 +283,11 @@ class FlashAttnBackend:
         dq, dk, dv = grads if grads is not None else \
             (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         self._fai._flash_attn_varlen_backward(
-            dout.contiguous(), q, k, v, out, backward_lse(lse), dq, dk, dv, cu_q, cu_k, max_q,
-            max_k, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal, window_size_left=-1,
-            window_size_right=-1, softcap=0.0, alibi_slopes=None,
+            dout.contiguous(), q, k, v, out, backward_lse(lse, accumulation_dtype(q.dtype)), dq,
+            dk, dv, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=softmax_scale,
+            causal=causal, softcap=0.0, alibi_slopes=None,
             deterministic=torch.are_deterministic_algorithms_enabled(),  # --deterministic-mode
-            rng_state=None)
+            rng_state=None, **self._windows())
         return dq, dk, dv
 
 
@@ -231,11 +310,22 @@ def get_backend(device: torch.device, dtype: torch.dtype, prefer: str = "auto"):
     if prefer in ("auto", "flash_attn"):
         try:
             return FlashAttnBackend()
-        except ImportError:
+        except ImportError as error:
             if prefer == "flash_attn":
-                raise ValueError("backend 'flash_attn' requested but flash-attn is not "
-                                 "installed (pip install flash-attn)") from None
+                raise ValueError(f"backend 'flash_attn' requested (--use-flash-attn) but "
+                                 f"{error}") from None
+            if str(error) != FLASH_ATTN_MISSING:  # there but unusable: say so, go on
+                _warn_once(f"{error}; using PyTorch's varlen flash kernels instead")
     return TorchVarlenBackend()
+
+
+_WARNED = set()
+
+
+def _warn_once(message):
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message)
 
 
 def has_transformer_engine() -> bool:

@@ -6,7 +6,8 @@ normalises `context_parallel_algo` (the Ascend spellings too), sets `ulysses_deg
 plan's one rule, and raises `FlagError` naming the flags; `check_sequence_parallel_rows(args)`
 checks that sequence parallelism can split a rank's packed micro-batch over TP;
 `check_gloo_on_cuda(args, cuda_available)` refuses what gloo on CUDA cannot overlap
-(megatron/gloo_on_cuda.py reduces gradients bucket by bucket there).
+(megatron/gloo_on_cuda.py reduces gradients bucket by bucket there); `check_flash_attn`
+refuses --use-flash-attn without CUDA or without a flash-attn the attention can use.
 
 What it does not do: no parsing (args.py, megatron_lm_args.py).
 """
@@ -15,13 +16,15 @@ from __future__ import annotations
 
 import warnings
 
+from megatron_eod.attention.backends import flash_attn_problem
 from megatron_eod.attention.ring import RING_EXCHANGES
 from megatron_eod.megatron import gloo_on_cuda
 from megatron_eod.plan import ulysses_degree_for
 
 __all__ = ["CONCURRENT_CALLS_HELP", "CP_ALGO_ALIASES", "FlagError", "RING_EXCHANGES",
            "RING_EXCHANGE_HELP",
-           "check_context_parallel", "check_gloo_on_cuda", "check_sequence_parallel_rows"]
+           "check_context_parallel", "check_flash_attn", "check_gloo_on_cuda",
+           "check_sequence_parallel_rows"]
 
 RING_EXCHANGE_HELP = ("how ring and hybrid CP move keys/values: batched (default: all of a "
                       "layer's transfers at once, 2 attention calls per direction), "
@@ -37,7 +40,8 @@ CONCURRENT_CALLS_HELP = ("on GPUs, run each CP rank's attention kernel calls sid
                          "tensors (PyTorch >= 2.12's forward, flash-attn's backward), the "
                          "local call in two parts, the one with the longest document first, "
                          "so that each call's tail is filled by the others' blocks; no effect "
-                         "on CPU. Not yet measured on hardware: tools/dispatch_model.py "
+                         "on CPU (with flash-attn >= 2.7 its forward writes there too). "
+                         "Not yet measured on hardware: tools/dispatch_model.py "
                          "predicts it, tools/bench_cp_gpu.py measures it")
 
 # Accepted --context-parallel-algo values -> the name stored in args.context_parallel_algo.
@@ -132,3 +136,14 @@ def check_gloo_on_cuda(args, cuda_available: bool) -> None:
         _require(not getattr(args, flag, False),
                  f"--{flag.replace('_', '-')} needs --distributed-backend nccl on CUDA (with "
                  f"gloo, CUDA gradients are reduced one bucket at a time, synchronously)")
+
+
+def check_flash_attn(args, cuda_available: bool) -> None:
+    """--use-flash-attn: CUDA, and a flash-attn the attention can use (attention/backends.py:
+    installed, importable, >= 2.6), checked at start-up rather than at the first layer."""
+    if not getattr(args, "use_flash_attn", False):
+        return
+    _require(cuda_available, "--use-flash-attn needs CUDA; drop it on CPU")
+    problem = flash_attn_problem()
+    _require(problem is None, f"--use-flash-attn needs a usable flash-attn: {problem}; drop "
+                              f"the flag to use PyTorch's varlen flash kernels")

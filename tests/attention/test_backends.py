@@ -6,6 +6,8 @@ flash-attn when installed, in bf16 against the float64 reference; tolerance 2e-2
 keeps 8 bits of mantissa and the softmax sums hundreds of terms.
 """
 
+import itertools
+
 import pytest
 import torch
 
@@ -35,9 +37,13 @@ def reference(q, k, v, cu_q, cu_k, causal, scale):
     return torch.cat(outs), torch.cat(lses)
 
 
-def varlen_case(device, dtype, causal, seed=0):
+def varlen_case(device, dtype, causal, seed=0, one_row=False):
+    """Four sequences, GQA (4 query heads, 2 key heads); one_row: every sequence one query
+    row (a part of 1-token documents; flash kernels take another path there)."""
     gen = torch.Generator().manual_seed(seed)
     lq, lk = [5, 1, 17, 3], ([9, 1, 17, 3] if causal else [4, 2, 30, 0])
+    if one_row:
+        lq, lk = [1, 1, 1, 1], ([3, 1, 2, 1] if causal else [4, 2, 30, 0])
     cu = lambda ls: torch.tensor([0] + torch.tensor(ls).cumsum(0).tolist(), dtype=torch.int32)  # noqa: E731
     q = torch.randn(sum(lq), 4, 16, generator=gen)
     k = torch.randn(sum(lk), 2, 16, generator=gen)
@@ -48,8 +54,8 @@ def varlen_case(device, dtype, causal, seed=0):
 
 
 def check_backend(backend, device, dtype, tol):
-    for causal in (False, True):
-        q, k, v, cu_q, cu_k, mq, mk = varlen_case(device, dtype, causal)
+    for causal, one_row in itertools.product((False, True), (False, True)):
+        q, k, v, cu_q, cu_k, mq, mk = varlen_case(device, dtype, causal, one_row=one_row)
         out, lse = backend.forward(q, k, v, cu_q, cu_k, mq, mk, causal, 0.3)
         ref_out, ref_lse = reference(q.cpu(), k.cpu(), v.cpu(), cu_q.cpu(), cu_k.cpu(), causal,
                                      0.3)
@@ -69,9 +75,11 @@ def check_backend(backend, device, dtype, tol):
 
 def check_given_tensors(backend, device, dtype):
     """out= and grads= (slices of larger tensors, as the batched ring's local call in two
-    parts passes them): the same values as without, written there and nowhere else."""
-    for causal in (False, True):
-        q, k, v, cu_q, cu_k, mq, mk = varlen_case(device, dtype, causal, seed=2)
+    parts passes them): the same values as without, written there and nowhere else; also
+    where every sequence has one query row under GQA, where flash kernels regroup heads."""
+    for causal, one_row in itertools.product((False, True), (False, True)):
+        q, k, v, cu_q, cu_k, mq, mk = varlen_case(device, dtype, causal, seed=2,
+                                                  one_row=one_row)
         out, lse = backend.forward(q, k, v, cu_q, cu_k, mq, mk, causal, 0.3)
         dout = torch.randn_like(q)
         grads = backend.backward(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, causal, 0.3)

@@ -44,8 +44,10 @@ LAUNCHERS = [("train_1node.sh", {}, 8),
 def test_gpu_launcher_flags_are_valid(script, env, world, algo, flash, monkeypatch):
     launcher, flags = dry_run(script, algo, {**env, "USE_FLASH_ATTN": flash})
     assert ("--use-flash-attn" in flags) == (flash == "1")
-    if flash == "1":  # validation checks that flash_attn imports: pretend it does
-        monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    if flash == "1":  # validation checks that a usable flash_attn imports: pretend
+        module = types.ModuleType("flash_attn")
+        module.__version__ = "2.8.3"  # a release the attention takes
+        monkeypatch.setitem(sys.modules, "flash_attn", module)
     assert "torchrun" in launcher
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in launcher  # Megatron's TP/CP overlap needs it
     assert flags[:2] == ["--trainer", "lean"]  # these are the lean trainer's flags

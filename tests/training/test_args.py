@@ -170,14 +170,26 @@ def test_gloo_on_cuda_refuses_overlapped_gradient_collectives(flag):
     assert getattr(parse(flag, *extra), flag[2:].replace("-", "_"))  # gloo on CPU
 
 
+def _flash_attn(monkeypatch, version):
+    module = types.ModuleType("flash_attn")
+    module.__version__ = version
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
+
+
 def test_flash_attn_available(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    _flash_attn(monkeypatch, "2.8.3")
     assert parse("--use-flash-attn", cuda=True).use_flash_attn
 
 
 def test_flash_attn_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # makes `import flash_attn` fail
     with pytest.raises(FlagError, match=r"--use-flash-attn .*pip install flash-attn"):
+        parse("--use-flash-attn", cuda=True)
+
+
+def test_flash_attn_too_old(monkeypatch):
+    _flash_attn(monkeypatch, "2.5.8")  # pads the varlen lse per sequence
+    with pytest.raises(FlagError, match=r"--use-flash-attn .*2\.5\.8 .*>= 2\.6"):
         parse("--use-flash-attn", cuda=True)
 
 

@@ -249,6 +249,26 @@ def test_gloo_on_cuda_refuses_overlapped_gradient_collectives(monkeypatch, flag)
         checked(*extra, "--distributed-backend", "gloo")
 
 
+def test_use_flash_attn_needs_a_flash_attn_the_attention_can_use(monkeypatch):
+    """Megatron-LM's --use-flash-attn picks our flash-attn kernel: refused at start-up, as in
+    the lean trainer, without CUDA or without a usable flash-attn (attention/backends.py)."""
+    import sys
+    import types
+
+    import torch
+
+    with pytest.raises(FlagError, match="--use-flash-attn needs CUDA"):
+        checked("--use-flash-attn")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    old = types.ModuleType("flash_attn")
+    old.__version__ = "2.5.9"
+    monkeypatch.setitem(sys.modules, "flash_attn", old)
+    with pytest.raises(FlagError, match=r"--use-flash-attn .*2\.5\.9 .*>= 2\.6"):
+        checked("--use-flash-attn")
+    old.__version__ = "2.7.4.post1"
+    assert checked("--use-flash-attn").use_flash_attn
+
+
 def test_full_validation_one_sequence_at_a_time():
     """Megatron-LM >= 0.19 validates --full-validation one sequence a micro-batch: the steps
     accept that row count, and a pipeline (shaped for --micro-batch-size) or a sequence

@@ -1,0 +1,144 @@
+"""A stand-in for flash-attn on machines without it (CPU): the Python entry points our
+FlashAttnBackend calls, with each release's signatures as they read in flash-attn's source
+(v2.6.0, v2.6.3, v2.7.x, v2.8.x: flash_attn/flash_attn_interface.py and csrc's
+mha_varlen_fwd), computing with the exact CPU kernel.
+
+What it proves: that the adapter speaks each release's calling convention (keyword names,
+the window argument's form, where lse sits in the results, the extension's 21 positional
+arguments with out 4th) and obeys the kernel's known behaviour that matters to it: with one
+query row per sequence under GQA the extension regroups heads into a copy of the given out
+and leaves that tensor untouched (`seqlenq_ngroups_swapped`). Not the kernels themselves:
+the GPU-marked tests run the real flash-attn wherever it is installed.
+
+`install(monkeypatch, version)` puts it in sys.modules as `flash_attn` for one test.
+"""
+
+import sys
+import types
+
+import torch
+
+from megatron_eod.attention.backends import CPUExactBackend
+
+_CPU = CPUExactBackend()
+# The extension's varlen_fwd calls given an out: (max query rows, query heads, key heads);
+# those at which it regrouped heads (so that the given out was left untouched).
+INTO_OUT = []
+SWAPPED = []
+
+
+def _flash_lse(lse_TH):
+    """Our [T, H] lse (-inf for a row without keys) as flash returns it: [H, T], +inf (in
+    the accumulation dtype: float64 here, so that the checks can be exact)."""
+    return torch.where(torch.isinf(lse_TH), torch.full_like(lse_TH, float("inf")),
+                       lse_TH).transpose(0, 1).contiguous()
+
+
+def _forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window):
+    assert dropout_p == 0.0 and window == (-1, -1), (dropout_p, window)
+    out, lse = _CPU.forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+    return out, _flash_lse(lse)
+
+
+def _backward(dout, q, k, v, out, lse_HT, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p,
+              scale, causal, window, deterministic, rng_state):
+    assert dropout_p == 0.0 and window == (-1, -1) and rng_state is None
+    assert lse_HT.shape == (q.shape[1], q.shape[0]) and lse_HT.is_contiguous()
+    assert torch.isfinite(lse_HT).all(), "the backward needs rows without keys given 0"
+    _CPU.backward(dout, q, k, v, out, lse_HT.transpose(0, 1), cu_q, cu_k, max_q, max_k,
+                  causal, scale, grads=(dq, dk, dv))
+
+
+def _interface(version):
+    """flash_attn.flash_attn_interface of `version` (a tuple)."""
+    fai = types.ModuleType("flash_attn.flash_attn_interface")
+    pair = version < (2, 7)
+
+    if version < (2, 6, 1):  # no defaults, block_table required, no leftpad_k
+        def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                    softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax,
+                    block_table):
+            out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k, dropout_p, softmax_scale, causal,
+                                tuple(window_size))
+            return out, q, k, v, out, lse, None, None
+    elif pair:
+        def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                    softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
+                    seqused_k=None):
+            out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k, dropout_p, softmax_scale, causal,
+                                tuple(window_size))
+            return out, q, k, v, out, lse, None, None
+    else:
+        def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                    softmax_scale, causal, window_size_left=-1, window_size_right=-1,
+                    softcap=0.0, alibi_slopes=None, return_softmax=False, block_table=None,
+                    leftpad_k=None, seqused_k=None, zero_tensors=False):
+            out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k, dropout_p, softmax_scale, causal,
+                                (window_size_left, window_size_right))
+            return out, lse, None, None
+
+    if pair:
+        def backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                     softcap, alibi_slopes, deterministic, rng_state=None):
+            _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                      max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                      tuple(window_size), deterministic, rng_state)
+            return dq, dk, dv, None
+    else:
+        def backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                     window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
+                     rng_state=None, zero_tensors=False):
+            _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                      max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                      (window_size_left, window_size_right), deterministic, rng_state)
+            return dq, dk, dv, None
+
+    def varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k,
+                   block_table, alibi_slopes, max_seqlen_q, max_seqlen_k, p_dropout,
+                   softmax_scale, zero_tensors, is_causal, window_size_left, window_size_right,
+                   softcap, return_softmax, gen):
+        assert (seqused_k, leftpad_k, block_table, alibi_slopes, gen) == (None,) * 5
+        assert (zero_tensors, softcap, return_softmax) == (False, 0.0, False)
+        result, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                               max_seqlen_k, p_dropout, softmax_scale, is_causal,
+                               (window_size_left, window_size_right))
+        out = torch.empty_like(q) if out_ is None else out_
+        if out_ is not None:
+            INTO_OUT.append((max_seqlen_q, q.shape[1], k.shape[1]))
+        if max_seqlen_q == 1 and q.shape[1] > k.shape[1]:  # heads regrouped: out_ untouched
+            SWAPPED.append((max_seqlen_q, q.shape[1], k.shape[1]))
+            out = out.clone()
+        out.copy_(result)
+        return out, lse, None, None
+
+    def other_varlen_fwd(*args):  # 2.6: 20 or 21 arguments, 8 results; not called by us
+        raise AssertionError("flash-attn < 2.7's varlen_fwd: not the signature the adapter "
+                             "was written for")
+
+    fai._flash_attn_varlen_forward = forward
+    fai._flash_attn_varlen_backward = backward
+    extension = types.ModuleType("flash_attn_2_cuda")
+    extension.varlen_fwd = other_varlen_fwd if pair else varlen_fwd
+    setattr(fai, "flash_attn_gpu" if version >= (2, 8) else "flash_attn_cuda", extension)
+    return fai
+
+
+def install(monkeypatch, version: str):
+    """flash_attn `version` ("2.8.3", ...) as `import flash_attn` finds it, for one test."""
+    from megatron_eod.attention.backends import _version
+
+    package = types.ModuleType("flash_attn")
+    package.__version__ = version
+    package.flash_attn_interface = _interface(_version(version))
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface",
+                        package.flash_attn_interface)
+    INTO_OUT.clear()
+    SWAPPED.clear()
+    return package
