@@ -142,3 +142,42 @@ def install(monkeypatch, version: str):
     INTO_OUT.clear()
     SWAPPED.clear()
     return package
+
+
+def install_torch_ops(monkeypatch):
+    """PyTorch's flash ops as TorchVarlenBackend calls them (>= 2.12: with the in-place
+    forward), computed on the CPU and regrouping heads as the CUDA kernel does, for one test."""
+    import torch.ops
+
+    from megatron_eod.attention import backends
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug, scale=None):
+        out, lse = _forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal,
+                            (-1, -1))
+        return out, lse, None, None, None
+
+    def forward_inplace(out, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug,
+                        scale=None):
+        INTO_OUT.append((max_q, q.shape[1], k.shape[1]))
+        result, lse, *_ = forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug,
+                                  scale)
+        if max_q == 1 and q.shape[1] > k.shape[1]:  # heads regrouped: out untouched
+            SWAPPED.append((max_q, q.shape[1], k.shape[1]))
+            return lse
+        out.copy_(result)
+        return lse
+
+    def backward(dout, q, k, v, out, lse_HT, cu_q, cu_k, max_q, max_k, dropout_p, causal,
+                 seed, offset, scale=None):
+        grads = tuple(torch.empty_like(x) for x in (q, k, v))
+        _backward(dout, q, k, v, out, lse_HT.to(q.dtype), *grads, cu_q, cu_k, max_q, max_k,
+                  dropout_p, scale, causal, (-1, -1), False, None)
+        return grads
+
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", forward)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward_no_dropout_inplace",
+                        forward_inplace)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", backward)
+    monkeypatch.setattr(backends, "_FORWARD_INTO_OUT", True)
+    INTO_OUT.clear()
+    SWAPPED.clear()

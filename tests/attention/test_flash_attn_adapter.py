@@ -86,3 +86,17 @@ def test_missing_flash_attn_falls_back_quietly_unless_asked_for(monkeypatch, rec
     assert not [w for w in recwarn if "flash" in str(w.message)]
     with pytest.raises(ValueError, match=r"--use-flash-attn.*pip install flash-attn"):
         get_backend(cuda, torch.bfloat16, prefer="flash_attn")
+
+
+def test_torch_kernels_write_into_a_given_out_except_where_they_regroup_heads(monkeypatch):
+    """TorchVarlenBackend on PyTorch >= 2.12 (its in-place forward), with PyTorch's flash
+    ops stood in for on the CPU: a given out is written by the kernel, except with one query
+    row per sequence under GQA, where the result is copied there."""
+    fake_flash_attn.install_torch_ops(monkeypatch)
+    backend = TorchVarlenBackend()
+    check_given_tensors(backend, "cpu", torch.float64)
+    assert fake_flash_attn.INTO_OUT and not fake_flash_attn.SWAPPED
+    assert all(call[0] > 1 for call in fake_flash_attn.INTO_OUT)
+    monkeypatch.setattr(backends, "writes_given_out", lambda q, k, max_q: True)
+    with pytest.raises(AssertionError):  # without the rule: the caller's out left as it was
+        check_given_tensors(backend, "cpu", torch.float64)
