@@ -176,7 +176,7 @@ def install_torch_ops(monkeypatch):
 
     monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", forward)
     monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward_no_dropout_inplace",
-                        forward_inplace)
+                        forward_inplace, raising=False)  # PyTorch < 2.12 has none
     monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", backward)
     monkeypatch.setattr(backends, "_FORWARD_INTO_OUT", True)
     INTO_OUT.clear()
