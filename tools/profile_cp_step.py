@@ -110,8 +110,8 @@ def memory_mib(run, device, repeats):
 def profile_pass(run, device, repeats):
     """(split, glue by name, attention kernel count, glue kernel count, memory_mib) of
     `run()`."""
+    wall = timed(run, repeats, device)  # its first run warms up (compiles, workspaces)
     memory = memory_mib(run, device, repeats)
-    wall = timed(run, repeats, device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])
     with profile(activities=activities) as prof:

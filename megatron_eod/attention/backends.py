@@ -160,9 +160,9 @@ def writes_given_out(q, k, max_q) -> bool:
     """Whether a FlashAttention-2 varlen forward (flash-attn's, or PyTorch's copy of it)
     given an out writes the result there. Not where every query sequence has one row and q
     has more heads than k: there it regroups the heads of q and out (its decoding path,
-    `seqlenq_ngroups_swapped`), and out's regrouped copy is what it writes and returns, the
-    given tensor untouched. A split local call's part of 1-token documents under GQA is
-    such a call; its result is then copied into out (`_into`)."""
+    `seqlenq_ngroups_swapped`) into new tensors, writes those and returns them, the given
+    tensor in general not written. A split local call's part of 1-token documents under GQA
+    is such a call; its result is then copied into out (`_into`)."""
     return not (max_q == 1 and q.shape[1] > k.shape[1])
 
 
@@ -204,9 +204,10 @@ _FLASH_ATTN_OUT_VERSIONS = ((2, 7), (2, 9))  # [first, last): varlen_fwd(q, k, v
 
 
 def _version(text: str) -> Tuple[int, ...]:
-    """(2, 8, 3) of "2.8.3.post1": the leading numbers."""
+    """(2, 8, 3) of "2.8.3.post1" or "2.8.3+cu121torch2.3": the leading numbers of the public
+    version; () where there are none."""
     numbers = []
-    for part in str(text).split("."):
+    for part in str(text).split("+")[0].split("."):
         digits = "".join(itertools.takewhile(str.isdigit, part))
         if not digits:
             break
@@ -225,14 +226,17 @@ def flash_attn_problem() -> Optional[str]:
     except ModuleNotFoundError as error:
         if error.name == "flash_attn":
             return FLASH_ATTN_MISSING
-        return f"flash-attn is installed but cannot be imported ({error})"
-    except (ImportError, OSError) as error:  # e.g. its CUDA extension does not load
-        return f"flash-attn is installed but cannot be imported ({error})"
-    version = getattr(flash_attn, "__version__", "unknown")
+        return f"flash-attn is installed but cannot be imported ({error!r})"
+    except Exception as error:  # noqa: BLE001 - its CUDA extension or op registration
+        return f"flash-attn is installed but cannot be imported ({error!r})"
+    version = getattr(flash_attn, "__version__", None)
+    needed = ".".join(map(str, MIN_FLASH_ATTN))
+    if not _version(version):
+        return (f"flash-attn is installed, but its version ({version!r}) cannot be read; "
+                f"megatron-eod needs flash-attn >= {needed}")
     if _version(version) < MIN_FLASH_ATTN:
         return (f"flash-attn {version} is installed, but megatron-eod needs flash-attn >= "
-                f"{'.'.join(map(str, MIN_FLASH_ATTN))} (earlier versions pad the varlen "
-                f"log-sum-exp per sequence)")
+                f"{needed} (earlier versions pad the varlen log-sum-exp per sequence)")
     return None
 
 
@@ -266,6 +270,9 @@ class FlashAttnBackend:
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, out=None):
         if out is not None and self.writes_out and writes_given_out(q, k, max_q):
+            # What _flash_attn_varlen_forward passes, with out given (and q, k, v made
+            # contiguous in their last dimension as it makes them).
+            q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
             result = self._varlen_fwd(
                 q, k, v, out, cu_q, cu_k, None, None, None, None, max_q, max_k, 0.0,
                 softmax_scale, False, causal, -1, -1, 0.0, False, None)
@@ -312,7 +319,7 @@ def get_backend(device: torch.device, dtype: torch.dtype, prefer: str = "auto"):
             return FlashAttnBackend()
         except ImportError as error:
             if prefer == "flash_attn":
-                raise ValueError(f"backend 'flash_attn' requested (--use-flash-attn) but "
+                raise ValueError(f"backend 'flash_attn' requested (--use-flash-attn): "
                                  f"{error}") from None
             if str(error) != FLASH_ATTN_MISSING:  # there but unusable: say so, go on
                 _warn_once(f"{error}; using PyTorch's varlen flash kernels instead")

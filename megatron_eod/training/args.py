@@ -26,8 +26,8 @@ from megatron_eod.megatron.dataset import NO_DATA, PER_SPLIT_SOURCES, data_sourc
 from megatron_eod.training import args_optim as optim
 from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIASES,
                                             RING_EXCHANGE_HELP, RING_EXCHANGES, FlagError,
-                                            check_context_parallel, check_flash_attn,
-                                            check_gloo_on_cuda, check_sequence_parallel_rows)
+                                            check_context_parallel, check_gloo_on_cuda,
+                                            check_gpu_attention, check_sequence_parallel_rows)
 
 __all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "check_context_parallel", "parse_args",
            "validate_args"]
@@ -307,7 +307,7 @@ def _check_device_flags(args, cuda_available: bool) -> None:
                  f"drop {_flag(dest)} on CPU")
     args.params_dtype = (torch.bfloat16 if args.bf16 else
                          torch.float16 if args.fp16 else torch.float32)
-    check_flash_attn(args, cuda_available)
+    check_gpu_attention(args, cuda_available)
     if args.transformer_impl == "transformer_engine":
         _require(cuda_available, "--transformer-impl transformer_engine needs CUDA; pass "
                                  "--transformer-impl local on CPU")

@@ -6,8 +6,9 @@ normalises `context_parallel_algo` (the Ascend spellings too), sets `ulysses_deg
 plan's one rule, and raises `FlagError` naming the flags; `check_sequence_parallel_rows(args)`
 checks that sequence parallelism can split a rank's packed micro-batch over TP;
 `check_gloo_on_cuda(args, cuda_available)` refuses what gloo on CUDA cannot overlap
-(megatron/gloo_on_cuda.py reduces gradients bucket by bucket there); `check_flash_attn`
-refuses --use-flash-attn without CUDA or without a flash-attn the attention can use.
+(megatron/gloo_on_cuda.py reduces gradients bucket by bucket there); `check_gpu_attention`
+refuses a head dim the GPU flash kernels cannot take and --use-flash-attn without CUDA or
+without a flash-attn the attention can use.
 
 What it does not do: no parsing (args.py, megatron_lm_args.py).
 """
@@ -23,7 +24,7 @@ from megatron_eod.plan import ulysses_degree_for
 
 __all__ = ["CONCURRENT_CALLS_HELP", "CP_ALGO_ALIASES", "FlagError", "RING_EXCHANGES",
            "RING_EXCHANGE_HELP",
-           "check_context_parallel", "check_flash_attn", "check_gloo_on_cuda",
+           "check_context_parallel", "check_gloo_on_cuda", "check_gpu_attention",
            "check_sequence_parallel_rows"]
 
 RING_EXCHANGE_HELP = ("how ring and hybrid CP move keys/values: batched (default: all of a "
@@ -138,9 +139,18 @@ def check_gloo_on_cuda(args, cuda_available: bool) -> None:
                  f"gloo, CUDA gradients are reduced one bucket at a time, synchronously)")
 
 
-def check_flash_attn(args, cuda_available: bool) -> None:
-    """--use-flash-attn: CUDA, and a flash-attn the attention can use (attention/backends.py:
-    installed, importable, >= 2.6), checked at start-up rather than at the first layer."""
+def check_gpu_attention(args, cuda_available: bool) -> None:
+    """The GPU attention kernels' rules, checked at start-up rather than at the first layer:
+    FlashAttention-2 (PyTorch's or flash-attn's, called below their Python wrappers, which
+    would pad) takes a head dim that is a multiple of 8, at most 256; --use-flash-attn needs
+    CUDA and a flash-attn the attention can use (attention/backends.py: importable, >= 2.6)."""
+    half = getattr(args, "bf16", False) or getattr(args, "fp16", False)
+    head_dim = getattr(args, "kv_channels", None)
+    if cuda_available and half and head_dim is not None:
+        _require(head_dim % 8 == 0 and head_dim <= 256,
+                 f"the attention head dim (--kv-channels, default --hidden-size / "
+                 f"--num-attention-heads) is {head_dim}: the GPU flash kernels take a "
+                 f"multiple of 8, at most 256")
     if not getattr(args, "use_flash_attn", False):
         return
     _require(cuda_available, "--use-flash-attn needs CUDA; drop it on CPU")

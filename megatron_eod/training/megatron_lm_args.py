@@ -30,8 +30,8 @@ from megatron_eod.training import megatron_lm_data
 from megatron_eod.training.args_optim import ramp_as_step_schedule
 from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIASES,
                                             RING_EXCHANGE_HELP, RING_EXCHANGES, FlagError,
-                                            check_context_parallel, check_flash_attn,
-                                            check_gloo_on_cuda, check_sequence_parallel_rows)
+                                            check_context_parallel, check_gloo_on_cuda,
+                                            check_gpu_attention, check_sequence_parallel_rows)
 
 __all__ = ["REFUSED", "add_eod_args", "eod_args_from_megatron"]
 
@@ -112,7 +112,7 @@ def eod_args_from_megatron(args) -> None:
     _check_rampup(args)
     _check_cuda_graphs(args)
     check_gloo_on_cuda(args, torch.cuda.is_available())
-    check_flash_attn(args, torch.cuda.is_available())
+    check_gpu_attention(args, torch.cuda.is_available())
     _check_validation_data(args)
     _check_full_validation(args)
 

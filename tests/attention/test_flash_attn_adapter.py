@@ -1,10 +1,13 @@
 """FlashAttnBackend against each flash-attn release's calling convention, on a CPU.
 
 flash-attn cannot be installed here, so `fake_flash_attn` stands in: its entry points have
-the signatures of v2.6.0, v2.6.3, v2.7.4 and v2.8.3 as they read in flash-attn's source and
-compute with the exact CPU kernel. A wrong keyword, window form, result index or positional
-argument of the extension's varlen_fwd fails here; the kernels themselves are checked by the
-GPU-marked tests of test_backends.py wherever flash-attn is installed.
+the signatures of v2.6.0, v2.6.3, v2.7.0, v2.7.4 and v2.8.3 as they read in flash-attn's
+source and compute with the exact CPU kernel, asserting the C++ side's checks and argument
+types and that the sequence maxima are the sequences'. A wrong keyword, window form, result
+index, extension name or misplaced positional argument of its varlen_fwd fails here (two
+arguments of one type and value swapped would not: the GPU tests would); the kernels
+themselves are checked by the GPU-marked tests of test_backends.py wherever flash-attn is
+installed.
 """
 
 import pytest
@@ -19,7 +22,8 @@ from tests.attention import fake_flash_attn
 from tests.attention.test_backends import check_backend, check_given_tensors
 from tests.attention.test_simulate import _case, _oracle
 
-RELEASES = ["2.6.0", "2.6.3", "2.7.4.post1", "2.8.3"]
+# 2.7.0: the new calling convention under the old extension name (flash_attn_cuda).
+RELEASES = ["2.6.0", "2.6.3", "2.7.0", "2.7.4.post1", "2.8.3"]
 
 
 @pytest.mark.parametrize("release", RELEASES)

@@ -193,6 +193,27 @@ def test_flash_attn_too_old(monkeypatch):
         parse("--use-flash-attn", cuda=True)
 
 
+@pytest.mark.parametrize("hidden,heads,kv_channels,ok", [
+    (96, 4, None, True),   # head dim 24
+    (60, 6, None, False),  # 10
+    (96, 4, 12, False),
+    (96, 4, 264, False),
+    (96, 4, 256, True)])
+def test_gpu_head_dim_is_one_the_flash_kernels_take(hidden, heads, kv_channels, ok):
+    """On CUDA in half precision the head dim, however it comes, must be a multiple of 8 and
+    at most 256 (FlashAttention-2, called below the wrappers that would pad); on CPU the
+    exact kernel takes any."""
+    flags = ["--hidden-size", str(hidden), "--num-attention-heads", str(heads)]
+    if kv_channels is not None:
+        flags += ["--kv-channels", str(kv_channels)]
+    if ok:
+        parse(*flags, "--bf16", cuda=True)
+        return
+    with pytest.raises(FlagError, match=r"head dim \(--kv-channels.*multiple of 8, at most 256"):
+        parse(*flags, "--bf16", cuda=True)
+    parse(*flags)
+
+
 def test_world_size_and_cuda_defaults(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -257,6 +257,7 @@ def test_use_flash_attn_needs_a_flash_attn_the_attention_can_use(monkeypatch):
 
     import torch
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(FlagError, match="--use-flash-attn needs CUDA"):
         checked("--use-flash-attn")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
