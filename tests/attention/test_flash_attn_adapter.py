@@ -104,3 +104,12 @@ def test_torch_kernels_write_into_a_given_out_except_where_they_regroup_heads(mo
     monkeypatch.setattr(backends, "writes_given_out", lambda q, k, max_q: True)
     with pytest.raises(AssertionError):  # without the rule: the caller's out left as it was
         check_given_tensors(backend, "cpu", torch.float64)
+
+
+def test_versions_are_read_as_released(monkeypatch):
+    assert backends._version("2.8.3.post1") == (2, 8, 3)
+    assert backends._version("2.6.0+cu121torch2.3") == (2, 6, 0)  # a local build's tag
+    assert backends._version("2.7.0rc1") == (2, 7, 0)
+    assert backends._version(None) == () and backends._version("dev") == ()
+    fake_flash_attn.install(monkeypatch, "dev")
+    assert "cannot be read" in flash_attn_problem()
