@@ -142,11 +142,15 @@ def check_gloo_on_cuda(args, cuda_available: bool) -> None:
 def check_gpu_attention(args, cuda_available: bool) -> None:
     """The GPU attention kernels' rules, checked at start-up rather than at the first layer:
     FlashAttention-2 (PyTorch's or flash-attn's, called below their Python wrappers, which
-    would pad) takes a head dim that is a multiple of 8, at most 256; --use-flash-attn needs
-    CUDA and a flash-attn the attention can use (attention/backends.py: importable, >= 2.6)."""
+    would pad) takes bf16 or fp16, and a head dim that is a multiple of 8, at most 256;
+    --use-flash-attn needs CUDA and a flash-attn the attention can use (attention/backends.py:
+    importable, >= 2.6)."""
     half = getattr(args, "bf16", False) or getattr(args, "fp16", False)
+    _require(half or not cuda_available,
+             "on CUDA the attention's flash kernels take bfloat16 or float16: pass --bf16 or "
+             "--fp16 (float32 attention runs on CPU only)")
     head_dim = getattr(args, "kv_channels", None)
-    if cuda_available and half and head_dim is not None:
+    if cuda_available and head_dim is not None:
         _require(head_dim % 8 == 0 and head_dim <= 256,
                  f"the attention head dim (--kv-channels, default --hidden-size / "
                  f"--num-attention-heads) is {head_dim}: the GPU flash kernels take a "

@@ -154,19 +154,28 @@ def test_sequence_parallel():
 
 
 @pytest.mark.parametrize("flags,dtype", [
-    ([], torch.float32), (["--bf16"], torch.bfloat16), (["--fp16"], torch.float16)])
+    (["--bf16"], torch.bfloat16), (["--fp16"], torch.float16)])
 def test_cuda_dtypes_and_backend(flags, dtype):
     args = parse(*flags, cuda=True)
     assert args.params_dtype is dtype and args.distributed_backend == "nccl"
     assert parse(*flags, "--distributed-backend", "gloo", cuda=True).distributed_backend == "gloo"
 
 
+def test_float32_attention_is_refused_on_cuda_at_start_up():
+    """The GPU flash kernels take half precision only: said before any data or model work,
+    not at the first layer; on CPU float32 is the default."""
+    with pytest.raises(FlagError, match=r"on CUDA .* pass --bf16 or --fp16"):
+        parse(cuda=True)
+    assert parse().params_dtype is torch.float32
+
+
 @pytest.mark.parametrize("flag", ["--overlap-grad-reduce", "--overlap-param-gather"])
 def test_gloo_on_cuda_refuses_overlapped_gradient_collectives(flag):
     extra = ["--use-distributed-optimizer"] if flag == "--overlap-param-gather" else []
     with pytest.raises(FlagError, match=flag + r" needs --distributed-backend nccl on CUDA"):
-        parse(flag, *extra, "--distributed-backend", "gloo", cuda=True)
-    assert getattr(parse(flag, *extra, cuda=True), flag[2:].replace("-", "_"))  # nccl
+        parse(flag, *extra, "--distributed-backend", "gloo", "--bf16", cuda=True)
+    assert getattr(parse(flag, *extra, "--bf16", cuda=True),
+                   flag[2:].replace("-", "_"))  # nccl
     assert getattr(parse(flag, *extra), flag[2:].replace("-", "_"))  # gloo on CPU
 
 
@@ -178,19 +187,19 @@ def _flash_attn(monkeypatch, version):
 
 def test_flash_attn_available(monkeypatch):
     _flash_attn(monkeypatch, "2.8.3")
-    assert parse("--use-flash-attn", cuda=True).use_flash_attn
+    assert parse("--use-flash-attn", "--bf16", cuda=True).use_flash_attn
 
 
 def test_flash_attn_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # makes `import flash_attn` fail
     with pytest.raises(FlagError, match=r"--use-flash-attn .*pip install flash-attn"):
-        parse("--use-flash-attn", cuda=True)
+        parse("--use-flash-attn", "--bf16", cuda=True)
 
 
 def test_flash_attn_too_old(monkeypatch):
     _flash_attn(monkeypatch, "2.5.8")  # pads the varlen lse per sequence
     with pytest.raises(FlagError, match=r"--use-flash-attn .*2\.5\.8 .*>= 2\.6"):
-        parse("--use-flash-attn", cuda=True)
+        parse("--use-flash-attn", "--bf16", cuda=True)
 
 
 @pytest.mark.parametrize("hidden,heads,kv_channels,ok", [

@@ -244,9 +244,9 @@ def test_gloo_on_cuda_refuses_overlapped_gradient_collectives(monkeypatch, flag)
     extra = [flag, "--use-distributed-optimizer"]
     assert getattr(checked(*extra, "--distributed-backend", "gloo"), flag[2:].replace("-", "_"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert getattr(checked(*extra), flag[2:].replace("-", "_"))  # nccl
+    assert getattr(checked(*extra, "--bf16"), flag[2:].replace("-", "_"))  # nccl
     with pytest.raises(FlagError, match=flag + " needs --distributed-backend nccl on CUDA"):
-        checked(*extra, "--distributed-backend", "gloo")
+        checked(*extra, "--distributed-backend", "gloo", "--bf16")
 
 
 def test_use_flash_attn_needs_a_flash_attn_the_attention_can_use(monkeypatch):
@@ -265,9 +265,11 @@ def test_use_flash_attn_needs_a_flash_attn_the_attention_can_use(monkeypatch):
     old.__version__ = "2.5.9"
     monkeypatch.setitem(sys.modules, "flash_attn", old)
     with pytest.raises(FlagError, match=r"--use-flash-attn .*2\.5\.9 .*>= 2\.6"):
-        checked("--use-flash-attn")
+        checked("--use-flash-attn", "--bf16")
     old.__version__ = "2.7.4.post1"
-    assert checked("--use-flash-attn").use_flash_attn
+    assert checked("--use-flash-attn", "--bf16").use_flash_attn
+    with pytest.raises(FlagError, match=r"on CUDA .* pass --bf16 or --fp16"):
+        checked("--use-flash-attn")  # float32: no GPU kernel of ours takes it
 
 
 def test_full_validation_one_sequence_at_a_time():
