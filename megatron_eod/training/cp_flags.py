@@ -7,8 +7,8 @@ plan's one rule, and raises `FlagError` naming the flags; `check_sequence_parall
 checks that sequence parallelism can split a rank's packed micro-batch over TP;
 `check_gloo_on_cuda(args, cuda_available)` refuses what gloo on CUDA cannot overlap
 (megatron/gloo_on_cuda.py reduces gradients bucket by bucket there); `check_gpu_attention`
-refuses a head dim the GPU flash kernels cannot take and --use-flash-attn without CUDA or
-without a flash-attn the attention can use.
+refuses what the GPU flash kernels cannot take (float32, a head dim off their sizes) and
+--use-flash-attn without CUDA or without a flash-attn the attention can use.
 
 What it does not do: no parsing (args.py, megatron_lm_args.py).
 """
@@ -38,11 +38,11 @@ RING_EXCHANGE_HELP = ("how ring and hybrid CP move keys/values: batched (default
 CONCURRENT_CALLS_HELP = ("on GPUs, run each CP rank's attention kernel calls side by side on "
                          "CUDA streams (batched ring executors): the local call beside the "
                          "call over received keys and, where the kernel writes into given "
-                         "tensors (PyTorch >= 2.12's forward, flash-attn's backward), the "
-                         "local call in two parts, the one with the longest document first, "
-                         "so that each call's tail is filled by the others' blocks; no effect "
-                         "on CPU (with flash-attn >= 2.7 its forward writes there too). "
-                         "Not yet measured on hardware: tools/dispatch_model.py "
+                         "tensors (PyTorch >= 2.12's forward, flash-attn 2.7-2.8's forward, "
+                         "flash-attn's backward), the local call in two parts, the one with "
+                         "the longest document first, so that each call's tail is filled by "
+                         "the others' blocks; no effect on CPU. Not yet measured on "
+                         "hardware: tools/dispatch_model.py "
                          "predicts it, tools/bench_cp_gpu.py measures it")
 
 # Accepted --context-parallel-algo values -> the name stored in args.context_parallel_algo.
@@ -108,8 +108,8 @@ def check_context_parallel(args) -> None:
             warnings.warn(f"--cp-concurrent-calls with --context-parallel-size {cp} "
                           f"--context-parallel-algo {algo} (no ring: one call per layer) only "
                           f"splits that call in two, which takes a kernel writing into given "
-                          f"tensors (PyTorch >= 2.12's forward, flash-attn's backward); "
-                          f"without one it has no effect")
+                          f"tensors (PyTorch >= 2.12's forward, flash-attn 2.7-2.8's forward, "
+                          f"flash-attn's backward); without one it has no effect")
 
 
 def check_sequence_parallel_rows(args) -> None:
