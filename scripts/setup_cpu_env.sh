@@ -44,6 +44,16 @@ fi
 STAMP="$VENV/.megatron_eod_installed"
 WANT="${CORE:+$CORE }$(cat "$ROOT/requirements/cpu.txt" "$ROOT/setup.py" | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
+  # pip fails half-way with "No space left on device" otherwise; say so before it starts.
+  NEED_MIB=$([ -z "$CORE" ] && echo 2048 || echo 8192)  # the venv plus pip's unpacking
+  for dir in "$VENV" "${TMPDIR:-/tmp}"; do
+    FREE_MIB=$(df -Pm "$dir" 2>/dev/null | awk 'NR == 2 {print $4}') || continue
+    if [ "${FREE_MIB:-0}" -lt "$NEED_MIB" ]; then
+      echo "[setup] only $FREE_MIB MiB free under $dir; installing needs about $NEED_MIB MiB" \
+        "(free some space, or set MEGATRON_EOD_VENV / TMPDIR to another disk)" >&2
+      exit 1
+    fi
+  done
   echo "[setup] installing requirements/cpu.txt${CORE:+ with megatron-core $CORE} into $VENV"
   # One pip command for torch and megatron-core together (see requirements/cpu.txt).
   if [ -z "$CORE" ]; then
