@@ -9,8 +9,9 @@ gets here). Returns [s, b, heads*dim] as megatron-core expects.
 
 RoPE follows the TransformerConfig and the GPTModel rotary arguments as megatron-core's own
 RotaryEmbedding does (base, percent, interleaved layout, Llama-3 scaling, position
-interpolation): its inverse frequencies, at the reset positions. Settings this module cannot
-honour (attention dropout, sliding windows, non-vanilla softmax, MLA) raise, naming them.
+interpolation, no RoPE on the layers of --no-rope-freq): its inverse frequencies, at the
+reset positions. Settings this module cannot honour (attention dropout, sliding windows,
+non-vanilla softmax, MLA) raise, naming them.
 
 What it does not do: no dropout on attention probabilities (varlen kernels here have none;
 --attention-dropout must be 0), no padding masks (pads are documents of their own).
@@ -71,8 +72,11 @@ class EodCoreAttention(_module.MegatronModule):
         self.registry = registry
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale or default_scale(self.head_dim)
-        self.rotary = None  # rotary_percent = 0: no RoPE (--position-embedding-type none)
-        if rotary_percent:
+        # No RoPE with rotary_percent = 0 (--position-embedding-type none) or on the layers
+        # --no-rope-freq marks (as megatron-core's Attention; layer_number is 1-based, global).
+        skip = config.no_rope_freq[layer_number - 1] if config.no_rope_freq else False
+        self.rotary = None
+        if rotary_percent and not skip:
             # megatron-core's own frequencies (base, percent, Llama-3 scaling); the angles
             # are taken at the reset position ids instead of 0..s-1.
             self.rotary = _rotary.RotaryEmbedding(

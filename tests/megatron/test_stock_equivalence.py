@@ -6,7 +6,7 @@ document inside a packed row. Ours (the EoD layer spec, RoPE inside the attentio
 positions) gets the same weights and the whole packed micro-batch; its logits at each
 document's tokens must equal stock's logits for that document alone, float64. Rotary
 variants cover every setting stock's RoPE reads: interleaved pairs, rotary_percent, base,
-Llama-3 scaling, position interpolation; plus q/k layer norms, GQA and learned absolute
+Llama-3 scaling, position interpolation, layers without RoPE (--no-rope-freq); plus q/k layer norms, GQA and learned absolute
 positions. A RoPE that ignored any of them, or attended across an EoD, fails here.
 """
 
@@ -31,6 +31,7 @@ VARIANTS = {
     "qk-layernorm-mha": dict(qk_layernorm=True, config=dict(num_query_groups=4,
                                                              qk_layernorm=True)),
     "learned-absolute": dict(position="learned_absolute"),
+    "no-rope-layers": dict(config=dict(no_rope_freq=[0, 1])),
 }
 
 
