@@ -70,3 +70,33 @@ def tiny_data(tmp_path_factory):
     prefix = os.path.join(root, "stdlib")
     preprocess_jsonl(corpus, prefix, ByteTokenizer(), append_eod=True, log=lambda msg: None)
     return prefix + "_text_document"
+
+
+@pytest.fixture(scope="session")
+def short_docs_data(tmp_path_factory):
+    """The tiny corpus cut into short documents (about 2 EoDs per 128-token row): the data of
+    the CP/TP/PP parity runs, so that their rows hold many documents, 2-token ones (a byte and
+    its EoD; 1-token ones where a row starts at a document's EoD), and documents spanning CP
+    ranks and rows. tiny_data's documents (the
+    stdlib's files, 1,600 bytes on average) leave most 128-token rows without an EoD, where a
+    wrong mask, position id or loss mask would not change the losses."""
+    import gzip
+    import json
+    import random
+
+    from megatron_eod.data.preprocess import preprocess_jsonl
+    from megatron_eod.data.tokenizers import ByteTokenizer
+
+    root = tmp_path_factory.mktemp("short_docs_data")
+    corpus = os.path.join(root, "short.jsonl")
+    lengths = random.Random(7)
+    with gzip.open(TINY_CORPUS, "rt") as src, open(corpus, "w") as dst:
+        for line in src:
+            text, at = json.loads(line)["text"], 0
+            while at < len(text):
+                end = at + lengths.choice([1, 2, 5, 12, 25, 40, 80, 300])
+                dst.write(json.dumps({"text": text[at:end]}) + "\n")
+                at = end
+    prefix = os.path.join(root, "short")
+    preprocess_jsonl(corpus, prefix, ByteTokenizer(), append_eod=True, log=lambda msg: None)
+    return prefix + "_text_document"

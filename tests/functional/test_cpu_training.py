@@ -37,13 +37,17 @@ def assert_same(losses, reference, tol=TOL):
 
 
 @pytest.fixture(scope="module")
-def cp1(tiny_data):
-    return train(1, tiny_data)
+def cp1(short_docs_data):
+    """The CP=1 reference of the parity tests, on short documents (conftest.short_docs_data:
+    about 2 EoDs a row, so masks, position ids and the loss mask shape every loss)."""
+    return train(1, short_docs_data)
 
 
-def test_cp1_matches_golden_losses(cp1):
-    """Golden per-iteration losses of the tiny config (as Megatron's functional tests keep).
-    Regenerate with MEGATRON_EOD_UPDATE_GOLDEN=1 after an intended change."""
+def test_cp1_matches_golden_losses(tiny_data):
+    """Golden per-iteration losses of the tiny config (as Megatron's functional tests keep;
+    tests/functional/test_gpu_training.py compares its GPU runs with them). Regenerate with
+    MEGATRON_EOD_UPDATE_GOLDEN=1 after an intended change."""
+    cp1 = train(1, tiny_data)
     if os.environ.get("MEGATRON_EOD_UPDATE_GOLDEN"):
         with open(GOLDEN, "w") as f:
             json.dump({"lm_loss": cp1}, f, indent=1)
@@ -51,6 +55,21 @@ def test_cp1_matches_golden_losses(cp1):
         golden = json.load(f)["lm_loss"]
     assert_same(cp1, golden, tol=1e-4)  # across machines: thread counts change sum orders
     assert cp1[-1] < cp1[0] - 0.3  # and it learns
+
+
+@pytest.mark.parametrize("flag,extra", [
+    ("--reset-attention-mask", []), ("--eod-mask-loss", []),
+    # With RoPE, position ids do not matter inside a document-masked attention (its angles are
+    # relative); with learned absolute positions they do.
+    ("--reset-position-ids", ["--position-embedding-type", "learned_absolute"])])
+def test_the_parity_data_makes_each_eod_flag_matter(cp1, short_docs_data, flag, extra):
+    """Without each EoD flag the same run gives other losses (measured: 1.2e-3, 1.7e-3 and
+    6e-4 relative, against the parity tests' 1e-5): on this data a CP run that got a
+    document's mask, loss mask or position ids wrong cannot match CP=1. (On tiny_data the
+    first 10 iterations see no EoD: the three differences are 0.)"""
+    reference = train(1, short_docs_data, *extra) if extra else cp1
+    without = train(1, short_docs_data, *extra, drop=(flag,))
+    assert max(abs(a - b) / b for a, b in zip(without, reference)) > 1e-4
 
 
 def _megatron_lm_rank(rank, world, argv):
@@ -64,39 +83,39 @@ def _megatron_lm_rank(rank, world, argv):
         pretrain_gpt.main(["--trainer", "megatron-lm", *argv])
 
 
-def test_every_data_source_trains_as_its_data_path_twin(cp1, tiny_data, tmp_path):
+def test_every_data_source_trains_as_its_data_path_twin(cp1, short_docs_data, tmp_path):
     """The lean trainer reads Megatron's other data sources: --data-args-path (the blend in a
     file) trains exactly as --data-path; a blend per split (--train-data-path ..., or the same
     in --per-split-data-args-path) trains on the whole train blend, as --split 100,0,0."""
     words = tmp_path / "blend.txt"
-    words.write_text(tiny_data + "\n")
-    assert_same(train(1, tiny_data, "--data-args-path", str(words), drop=("--data-path",)), cp1)
-    whole = train(1, tiny_data, "--split", "100,0,0")
-    assert_same(train(1, tiny_data, "--train-data-path", tiny_data, "--valid-data-path",
-                      tiny_data, drop=("--data-path", "--split")), whole)
+    words.write_text(short_docs_data + "\n")
+    assert_same(train(1, short_docs_data, "--data-args-path", str(words),
+                      drop=("--data-path",)), cp1)
+    whole = train(1, short_docs_data, "--split", "100,0,0")
+    assert_same(train(1, short_docs_data, "--train-data-path", short_docs_data, "--valid-data-path",
+                      short_docs_data, drop=("--data-path", "--split")), whole)
     spec = tmp_path / "splits.json"
-    spec.write_text(json.dumps({"train": tiny_data, "valid": tiny_data}))
-    assert_same(train(1, tiny_data, "--per-split-data-args-path", str(spec),
+    spec.write_text(json.dumps({"train": short_docs_data, "valid": short_docs_data}))
+    assert_same(train(1, short_docs_data, "--per-split-data-args-path", str(spec),
                       drop=("--data-path", "--split")), whole)
 
 
 @needs_megatron_lm
-def test_megatron_lm_trainer_trains_like_the_lean_trainer(tiny_data, tmp_path):
-    """Megatron-LM's own `pretrain()` with our providers trains the tiny GPT to the golden
-    (lean trainer) losses: same initialisation (--use-cpu-initialization, as the lean trainer
+def test_megatron_lm_trainer_trains_like_the_lean_trainer(cp1, short_docs_data, tmp_path):
+    """Megatron-LM's own `pretrain()` with our providers trains the tiny GPT to the lean
+    trainer's losses, on the short documents (so its masks, position ids and loss mask are
+    the lean trainer's): same initialisation (--use-cpu-initialization, as the lean trainer
     always does without CUDA; Megatron-LM otherwise draws the weights from its model-parallel
     generator), data order, schedule and loss (measured: equal to 5e-8).
     tests/functional/test_gpu_training.py repeats it on a GPU."""
     import_megatron_lm()
     metrics = tmp_path / "megatron_lm.jsonl"
-    argv = megatron_lm_tiny_flags(tiny_data, null_tokenizer_vocab_size(256), "--metrics-file",
-                                  str(metrics), "--distributed-backend", "gloo",
+    argv = megatron_lm_tiny_flags(short_docs_data, null_tokenizer_vocab_size(256),
+                                  "--metrics-file", str(metrics), "--distributed-backend", "gloo",
                                   "--eval-interval", "1000", "--use-cpu-initialization")
     run_ranks(_megatron_lm_rank, 1, argv, timeout=200, daemon=False)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    with open(GOLDEN) as f:
-        golden = json.load(f)["lm_loss"]
-    assert_same([r["lm_loss"] for r in records if "kind" not in r], golden, tol=1e-4)
+    assert_same([r["lm_loss"] for r in records if "kind" not in r], cp1)
 
 
 @pytest.mark.parametrize("world,algo", [
@@ -104,59 +123,60 @@ def test_megatron_lm_trainer_trains_like_the_lean_trainer(tiny_data, tmp_path):
     (4, ["hybrid", "--ulysses-degree-in-cp", "2"]), (4, ["hybrid_cp_algo",
                                                          "--ulysses-degree-in-cp", "2"])],
     ids=["ring2", "ring4", "ulysses2", "ulysses4", "hybrid2x2", "ascend-hybrid2x2"])
-def test_cp_losses_equal_cp1(cp1, tiny_data, world, algo):
-    losses = train(world, tiny_data, "--context-parallel-size", str(world),
+def test_cp_losses_equal_cp1(cp1, short_docs_data, world, algo):
+    losses = train(world, short_docs_data, "--context-parallel-size", str(world),
                    "--context-parallel-algo", *algo)
     assert_same(losses, cp1)
 
 
-def test_tp2_cp2_equals_cp1(cp1, tiny_data):
+def test_tp2_cp2_equals_cp1(cp1, short_docs_data):
     """CPU initialisation makes tensor-parallel weights TP-invariant; the vocabulary is padded
     to a multiple of divisible-by x TP, so halve divisible-by to keep 384 rows."""
-    losses = train(4, tiny_data, "--tensor-model-parallel-size", "2",
+    losses = train(4, short_docs_data, "--tensor-model-parallel-size", "2",
                    "--context-parallel-size", "2", "--sequence-parallel",
                    "--make-vocab-size-divisible-by", "64")
     assert_same(losses, cp1)
 
 
-def test_planning_ahead_changes_nothing(tiny_data):
+def test_planning_ahead_changes_nothing(short_docs_data):
     """Plans made one micro-batch ahead on a worker thread (the default) give exactly the
     losses of plans made in the step, with TP 2 (peers follow the source's streams through
     the header broadcast) and validation interleaved with training every 5 iterations."""
     flags = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
              "--make-vocab-size-divisible-by", "64"]
-    assert train(4, tiny_data, *flags) == train(4, tiny_data, *flags, "--no-plan-ahead")
+    assert train(4, short_docs_data, *flags) == train(4, short_docs_data, *flags, "--no-plan-ahead")
 
 
-def test_tp2_with_empty_validation_and_test_splits_finishes(tiny_data):
+def test_tp2_with_empty_validation_and_test_splits_finishes(short_docs_data):
     """Only TP rank 0 reads data; every TP rank must agree to skip an empty split's
     evaluation (else the others wait in the TP broadcast for a batch that never comes)."""
-    losses = train(2, tiny_data, "--tensor-model-parallel-size", "2", "--split", "100,0,0")
+    losses = train(2, short_docs_data, "--tensor-model-parallel-size", "2", "--split", "100,0,0")
     assert len(losses) == ITERS and all(math.isfinite(x) for x in losses)
 
 
 @pytest.mark.parametrize("granularity", [["full", "--recompute-method", "uniform"],
                                          ["selective"]])
-def test_recompute_with_cp2_equals_cp1(cp1, tiny_data, granularity):
-    losses = train(2, tiny_data, "--context-parallel-size", "2",
+def test_recompute_with_cp2_equals_cp1(cp1, short_docs_data, granularity):
+    losses = train(2, short_docs_data, "--context-parallel-size", "2",
                    "--recompute-granularity", *granularity)
     assert_same(losses, cp1)
 
 
-def test_pp2_cp2_equals_pp2_cp1(tiny_data):
+def test_pp2_cp2_equals_pp2_cp1(short_docs_data):
     """Megatron seeds each pipeline stage differently (seed + 100 * stage), so PP=2 starts
     from other weights than PP=1; CP must not change PP=2's curve."""
-    reference = train(2, tiny_data, "--pipeline-model-parallel-size", "2")
-    losses = train(4, tiny_data, "--pipeline-model-parallel-size", "2",
+    reference = train(2, short_docs_data, "--pipeline-model-parallel-size", "2")
+    losses = train(4, short_docs_data, "--pipeline-model-parallel-size", "2",
                    "--context-parallel-size", "2")
     assert_same(losses, reference)
 
 
-def test_data_parallel_cp_equals_cp1(cp1, tiny_data, tmp_path):
+def test_data_parallel_cp_equals_cp1(cp1, short_docs_data, tmp_path):
     """DP=2 x CP=2: each DP rank trains half of the global batch. Its --metrics-file holds
     one record per iteration with the reported losses, and validation records."""
     metrics = tmp_path / "metrics.jsonl"
-    losses = train(4, tiny_data, "--context-parallel-size", "2", "--metrics-file", str(metrics))
+    losses = train(4, short_docs_data, "--context-parallel-size", "2",
+                   "--metrics-file", str(metrics))
     assert_same(losses, cp1)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     train_records = [r for r in records if "kind" not in r]
@@ -171,18 +191,18 @@ def test_data_parallel_cp_equals_cp1(cp1, tiny_data, tmp_path):
     assert [r["iteration"] for r in records if r.get("kind") == "valid"] == [5, 10]
 
 
-def test_kill_and_resume_is_bit_identical(cp1, tiny_data, tmp_path):
+def test_kill_and_resume_is_bit_identical(cp1, short_docs_data, tmp_path):
     save = str(tmp_path / "ckpt")
-    first = train(2, tiny_data, "--context-parallel-size", "2", "--save", save,
+    first = train(2, short_docs_data, "--context-parallel-size", "2", "--save", save,
                   "--exit-interval", "4")
     assert len(first) == 4
-    rest = train(2, tiny_data, "--context-parallel-size", "2", "--load", save)
-    full = train(2, tiny_data, "--context-parallel-size", "2")
+    rest = train(2, short_docs_data, "--context-parallel-size", "2", "--load", save)
+    full = train(2, short_docs_data, "--context-parallel-size", "2")
     assert first + rest == full  # exactly, not approximately
     assert_same(full, cp1)
 
 
-def test_rope_variants_and_learned_positions_under_cp(tiny_data):
+def test_rope_variants_and_learned_positions_under_cp(short_docs_data):
     """The lean trainer builds through the same EoD wiring as Megatron-LM's providers:
     learned absolute positions with q/k layer norms, and interleaved, Llama-3-scaled RoPE,
     each at CP=4 hybrid 2x2 == CP=1 (that each layout is right is checked against stock
@@ -191,4 +211,4 @@ def test_rope_variants_and_learned_positions_under_cp(tiny_data):
                   ["--rotary-interleaved", "--use-rope-scaling", "--rotary-base", "500000"]):
         hybrid = ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid",
                   "--ulysses-degree-in-cp", "2"]
-        assert_same(train(4, tiny_data, *extra, *hybrid), train(1, tiny_data, *extra))
+        assert_same(train(4, short_docs_data, *extra, *hybrid), train(1, short_docs_data, *extra))

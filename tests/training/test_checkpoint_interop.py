@@ -35,27 +35,27 @@ def lean_train(tmp_path, name, data, *extra):
     return {r["iteration"]: r["lm_loss"] for r in records if "kind" not in r}
 
 
-def test_lean_checkpoint_continues_in_megatron_lm(tiny_data, tmp_path):
-    reference = lean_train(tmp_path, "lean", tiny_data)
+def test_lean_checkpoint_continues_in_megatron_lm(short_docs_data, tmp_path):
+    reference = lean_train(tmp_path, "lean", short_docs_data)
     ckpt = str(tmp_path / "ckpt")
-    first = lean_train(tmp_path, "save", tiny_data, "--context-parallel-size", "4", "--save",
+    first = lean_train(tmp_path, "save", short_docs_data, "--context-parallel-size", "4", "--save",
                        ckpt, "--exit-interval", "2")
     assert sorted(first) == [1, 2]
-    resumed, log = megatron_lm_train(tmp_path, "load", tiny_data, "--context-parallel-size",
+    resumed, log = megatron_lm_train(tmp_path, "load", short_docs_data, "--context-parallel-size",
                                      "2", "--load", ckpt, "--ckpt-format", "torch_dist")
     assert sorted(resumed) == [3, 4]
     for iteration in (3, 4):
         assert resumed[iteration] == pytest.approx(reference[iteration], rel=1e-5), iteration
 
 
-def test_megatron_lm_checkpoint_continues_in_lean(baseline, tiny_data, tmp_path):  # noqa: F811
+def test_megatron_lm_checkpoint_continues_in_lean(baseline, short_docs_data, tmp_path):  # noqa: F811
     reference, _ = baseline
     ckpt = str(tmp_path / "ckpt")
-    megatron_lm_train(tmp_path, "save", tiny_data, "--context-parallel-size", "4", "--save",
+    megatron_lm_train(tmp_path, "save", short_docs_data, "--context-parallel-size", "4", "--save",
                       ckpt, "--save-interval", "2", "--exit-interval", "2", "--ckpt-format",
                       "torch_dist")
-    resumed = lean_train(tmp_path, "load", tiny_data, "--context-parallel-size", "2", "--load",
-                         ckpt)
+    resumed = lean_train(tmp_path, "load", short_docs_data, "--context-parallel-size", "2",
+                         "--load", ckpt)
     assert sorted(resumed) == [3, 4]
     for iteration in (3, 4):
         assert resumed[iteration] == pytest.approx(reference[iteration], rel=1e-5), iteration

@@ -88,16 +88,16 @@ def _first_loss(rank, world, data, extra):
     (2, ["--context-parallel-algo", "ring"]),
     (4, ["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"])],
     ids=["ring2", "hybrid2x2"])
-def test_providers_give_the_cp1_loss(tiny_data, world, extra):
-    reference, _ = run_ranks(_first_loss, 1, tiny_data, [])[0]
-    for loss, algo in run_ranks(_first_loss, world, tiny_data, extra):
+def test_providers_give_the_cp1_loss(short_docs_data, world, extra):
+    reference, _ = run_ranks(_first_loss, 1, short_docs_data, [])[0]
+    for loss, algo in run_ranks(_first_loss, world, short_docs_data, extra):
         assert loss == pytest.approx(reference, rel=1e-5)
         assert algo == extra[1].replace("_cp_algo", "")
 
 
-def test_hybrid_from_ulysses_degree_alone_fills_megatron_hierarchical_sizes(tiny_data):
+def test_hybrid_from_ulysses_degree_alone_fills_megatron_hierarchical_sizes(short_docs_data):
     """One fact asked once: --ulysses-degree-in-cp alone gives Megatron-LM the sizes."""
-    args = megatron_lm_args(tiny_data, 4, "--context-parallel-algo", "hybrid",
+    args = megatron_lm_args(short_docs_data, 4, "--context-parallel-algo", "hybrid",
                             "--ulysses-degree-in-cp", "2")
     args.hierarchical_context_parallel_sizes, args.cp_comm_type = None, None
     eod_args_from_megatron(args)
@@ -105,8 +105,8 @@ def test_hybrid_from_ulysses_degree_alone_fills_megatron_hierarchical_sizes(tiny
     assert args.cp_comm_type == ["a2a+p2p"] and args.ulysses_degree == 2
 
 
-def test_cp_rules_apply_to_megatron_lm_args(tiny_data):
-    args = megatron_lm_args(tiny_data, 4, "--context-parallel-algo", "ring")
+def test_cp_rules_apply_to_megatron_lm_args(short_docs_data):
+    args = megatron_lm_args(short_docs_data, 4, "--context-parallel-algo", "ring")
     args.context_parallel_algo = "zigzag"
     with pytest.raises(FlagError, match="--context-parallel-algo 'zigzag'"):
         eod_args_from_megatron(args)

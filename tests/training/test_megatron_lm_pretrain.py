@@ -1,6 +1,7 @@
 """Megatron-LM's REAL `pretrain()` (core_v0.16.1, from ../shared/megatron-lm or
 $MEGATRON_LM_PATH) with our providers, on 4 gloo CPU ranks, through pretrain_gpt.py's
-`--trainer megatron-lm` path (training/megatron_lm_run.py).
+`--trainer megatron-lm` path (training/megatron_lm_run.py), on short documents
+(conftest.short_docs_data: about 2 EoDs a row, so every loss depends on the EoD masks).
 
 What this shows: per-iteration lm loss (from --metrics-file, Megatron-LM's own loss of each
 iteration) is the CP=1 x DP=4 loss at CP=4 ring, ulysses and hybrid 2x2 (spelled the
@@ -84,9 +85,9 @@ def train(tmp_path, name, data, *extra, drop_iters=False, drop=()):
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_data, tmp_path_factory):
+def baseline(short_docs_data, tmp_path_factory):
     """CP=1 x DP=4, uninterrupted."""
-    return train(tmp_path_factory.mktemp("cp1"), "cp1", tiny_data)
+    return train(tmp_path_factory.mktemp("cp1"), "cp1", short_docs_data)
 
 
 @pytest.mark.parametrize("extra", [
@@ -96,9 +97,9 @@ def baseline(tiny_data, tmp_path_factory):
      "--hierarchical-context-parallel-sizes", "2", "2"],
     ["--context-parallel-size", "2", "--cp-ring-exchange", "batched-keep"],
 ], ids=["ring4", "ulysses4", "hybrid2x2", "cp2xdp2-keep"])
-def test_cp_matches_cp1_under_megatron_lm(baseline, tiny_data, tmp_path, extra):
+def test_cp_matches_cp1_under_megatron_lm(baseline, short_docs_data, tmp_path, extra):
     reference, _ = baseline
-    losses, _ = train(tmp_path, "cp", tiny_data, *extra)
+    losses, _ = train(tmp_path, "cp", short_docs_data, *extra)
     assert sorted(losses) == list(range(1, ITERS + 1))
     for iteration, loss in reference.items():
         assert losses[iteration] == pytest.approx(loss, rel=1e-5), iteration
@@ -112,7 +113,7 @@ def test_cp_matches_cp1_under_megatron_lm(baseline, tiny_data, tmp_path, extra):
      ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
       "--context-parallel-size", "2"]),
 ], ids=["tp2-sp-cp2", "pp2-cp2-mbs2"])
-def test_tensor_and_pipeline_parallel_cp_match_under_megatron_lm(tiny_data, tmp_path,
+def test_tensor_and_pipeline_parallel_cp_match_under_megatron_lm(short_docs_data, tmp_path,
                                                                   reference_flags, flags):
     """TP x CP with sequence parallelism == TP=1 x CP=1 (both initialised on the CPU, as one
     master weight split, so TP=2 holds the TP=1 model; the vocabulary, 257 with the null
@@ -122,14 +123,14 @@ def test_tensor_and_pipeline_parallel_cp_match_under_megatron_lm(tiny_data, tmp_
     between stages; at 2 sequences a micro-batch they are [2*s/cp, 1, h], not the
     [s/cp, 2, h] it shapes its buffers for unless told (`pack_stage_shapes`; per-token loss:
     the global batch's loss does not depend on how it is cut into micro-batches)."""
-    reference, _ = train(tmp_path, "reference", tiny_data, *reference_flags)
-    losses, _ = train(tmp_path, "parallel", tiny_data, *flags)
+    reference, _ = train(tmp_path, "reference", short_docs_data, *reference_flags)
+    losses, _ = train(tmp_path, "parallel", short_docs_data, *flags)
     assert sorted(losses) == sorted(reference) == list(range(1, ITERS + 1))
     for iteration, loss in reference.items():
         assert losses[iteration] == pytest.approx(loss, rel=1e-5), iteration
 
 
-def test_every_data_source_megatron_lm_reads(baseline, tiny_data, tmp_path):
+def test_every_data_source_megatron_lm_reads(baseline, short_docs_data, tmp_path):
     """Megatron-LM's other data sources mean what they mean there (its own
     get_blend_and_blend_per_split): --data-args-path (the blend in a file) trains exactly as
     --data-path; a blend per split (--train/--valid/--test-data-path) trains on the whole
@@ -138,13 +139,14 @@ def test_every_data_source_megatron_lm_reads(baseline, tiny_data, tmp_path):
     dropped."""
     reference, _ = baseline
     blend_file = tmp_path / "blend.txt"
-    blend_file.write_text(f"{tiny_data}\n")
-    losses, _ = train(tmp_path, "args_file", tiny_data, "--data-args-path", str(blend_file),
+    blend_file.write_text(f"{short_docs_data}\n")
+    losses, _ = train(tmp_path, "args_file", short_docs_data, "--data-args-path", str(blend_file),
                       drop=("--data-path",))
     assert losses == pytest.approx(reference, rel=1e-6)
-    whole, _ = train(tmp_path, "whole", tiny_data, "--split", "100,0,0", "--eval-iters", "0")
-    per_split, log = train(tmp_path, "per_split", tiny_data, "--train-data-path", tiny_data,
-                           "--valid-data-path", tiny_data, "--test-data-path", tiny_data,
+    whole, _ = train(tmp_path, "whole", short_docs_data, "--split", "100,0,0", "--eval-iters", "0")
+    data = short_docs_data
+    per_split, log = train(tmp_path, "per_split", data, "--train-data-path", data,
+                           "--valid-data-path", data, "--test-data-path", data,
                            "--no-mmap-bin-files", drop=("--data-path", "--split"))
     assert sorted(per_split) == list(range(1, ITERS + 1))
     assert per_split == pytest.approx(whole, rel=1e-6)
@@ -152,7 +154,7 @@ def test_every_data_source_megatron_lm_reads(baseline, tiny_data, tmp_path):
     assert set(evaluations) == {"valid", "test"}
 
 
-def test_multiple_validation_sets(tiny_data, tmp_path):
+def test_multiple_validation_sets(short_docs_data, tmp_path):
     """--multiple-validation-sets (with --full-validation, which Megatron-LM requires): a
     validation blend of two prefixes is evaluated as two sets, each whole, and
     --metrics-file records each set's loss (the same data twice here: equal losses)."""
@@ -164,7 +166,7 @@ def test_multiple_validation_sets(tiny_data, tmp_path):
     preprocess_jsonl(small + ".jsonl", small, ByteTokenizer(), append_eod=True,
                      log=lambda message: None)
     small += "_text_document"
-    losses, log = train(tmp_path, "multi", tiny_data, "--train-data-path", tiny_data,
+    losses, log = train(tmp_path, "multi", short_docs_data, "--train-data-path", short_docs_data,
                         "--valid-data-path", small, small, "--multiple-validation-sets",
                         "--full-validation", drop=("--data-path", "--split"))
     assert sorted(losses) == list(range(1, ITERS + 1))
@@ -188,15 +190,15 @@ def test_megatron_lm_log_lines(baseline):
             f"on {label} set")[1].splitlines()[0]
 
 
-def test_torch_dist_checkpoint_resumes_at_another_layout(baseline, tiny_data, tmp_path):
+def test_torch_dist_checkpoint_resumes_at_another_layout(baseline, short_docs_data, tmp_path):
     reference, _ = baseline
     ckpt = str(tmp_path / "ckpt")
-    first, _ = train(tmp_path, "save", tiny_data, "--context-parallel-size", "4", "--save",
+    first, _ = train(tmp_path, "save", short_docs_data, "--context-parallel-size", "4", "--save",
                      ckpt, "--save-interval", "2", "--exit-interval", "2", "--ckpt-format",
                      "torch_dist")
     assert sorted(first) == [1, 2]
     assert os.path.isdir(os.path.join(ckpt, "iter_0000002"))
-    resumed, _ = train(tmp_path, "load", tiny_data, "--context-parallel-size", "2", "--load",
+    resumed, _ = train(tmp_path, "load", short_docs_data, "--context-parallel-size", "2", "--load",
                        ckpt, "--ckpt-format", "torch_dist")
     assert sorted(resumed) == [3, 4]
     for iteration in (1, 2):
@@ -205,12 +207,12 @@ def test_torch_dist_checkpoint_resumes_at_another_layout(baseline, tiny_data, tm
         assert resumed[iteration] == pytest.approx(reference[iteration], rel=1e-5), iteration
 
 
-def test_megatron_lm_default_learned_positions_under_cp(tiny_data, tmp_path):
+def test_megatron_lm_default_learned_positions_under_cp(short_docs_data, tmp_path):
     """Megatron-LM's default --position-embedding-type learned_absolute, looked up at reset
     positions, with q/k layer norms: CP=4 hybrid 2x2 == CP=1."""
     extra = ["--position-embedding-type", "learned_absolute", "--qk-layernorm"]
-    reference, _ = train(tmp_path, "cp1_learned", tiny_data, *extra)
-    losses, _ = train(tmp_path, "hybrid_learned", tiny_data, *extra,
+    reference, _ = train(tmp_path, "cp1_learned", short_docs_data, *extra)
+    losses, _ = train(tmp_path, "hybrid_learned", short_docs_data, *extra,
                       "--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
                       "--hierarchical-context-parallel-sizes", "2", "2")
     assert sorted(losses) == sorted(reference) == list(range(1, ITERS + 1))
@@ -223,7 +225,7 @@ def test_megatron_lm_default_learned_positions_under_cp(tiny_data, tmp_path):
     ["--context-parallel-size", "2", "--recompute-granularity", "full", "--recompute-method",
      "uniform", "--recompute-num-layers", "1", "--rerun-mode", "disabled"],
 ], ids=["cp1-mbs1", "cp2-mbs2-recompute-planahead"])
-def test_virtual_pipeline_stages_continue_a_plain_pipeline_run(tiny_data, tmp_path_factory,
+def test_virtual_pipeline_stages_continue_a_plain_pipeline_run(short_docs_data, tmp_path_factory,
                                                                plain_pp2_checkpoint, extra):
     """Virtual pipeline stages (Megatron-LM's interleaved schedule with overlapped p2p: each
     model chunk reads its own data iterator and keeps its own batch contexts, several
@@ -236,7 +238,7 @@ def test_virtual_pipeline_stages_continue_a_plain_pipeline_run(tiny_data, tmp_pa
     stage apart and chunks hold other layers: the layouts would not start from one model."""
     reference, ckpt = plain_pp2_checkpoint
     tmp_path = tmp_path_factory.mktemp("vpp")
-    resumed, _ = train(tmp_path, "vpp", tiny_data, *_PP2_CHECKPOINT_FLAGS,
+    resumed, _ = train(tmp_path, "vpp", short_docs_data, *_PP2_CHECKPOINT_FLAGS,
                        "--pipeline-model-parallel-layout", "Ett|t|t|tL", "--load", ckpt,
                        "--ckpt-step", "2", *extra)
     assert sorted(resumed) == [3, 4]
@@ -246,7 +248,7 @@ def test_virtual_pipeline_stages_continue_a_plain_pipeline_run(tiny_data, tmp_pa
         assert resumed[iteration] == pytest.approx(reference[iteration], rel=1e-5), iteration
 
 
-def test_evaluation_in_micro_batches_of_its_own(tiny_data, tmp_path):
+def test_evaluation_in_micro_batches_of_its_own(short_docs_data, tmp_path):
     """Megatron-LM >= 0.18 reads validation and test data in --eval-micro-batch-size rows. At
     PP=2 x CP=2 (the stage tensors packed for the evaluation's rows, the plans made for them,
     TP-less peers told their size), evaluating 4 sequences a micro-batch gives the validation
@@ -255,8 +257,8 @@ def test_evaluation_in_micro_batches_of_its_own(tiny_data, tmp_path):
         pytest.skip("this Megatron-LM has no --eval-micro-batch-size (from 0.18)")
     common = ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2",
               "--eval-iters", "2", "--rerun-mode", "disabled"]
-    reference, reference_log = train(tmp_path, "eval2", tiny_data, *common)
-    losses, log = train(tmp_path, "eval4", tiny_data, *common, "--eval-micro-batch-size", "4")
+    reference, reference_log = train(tmp_path, "eval2", short_docs_data, *common)
+    losses, log = train(tmp_path, "eval4", short_docs_data, *common, "--eval-micro-batch-size", "4")
     assert losses == pytest.approx(reference, rel=1e-6)
     expected = json.loads(reference_log.splitlines()[-1])
     evaluations = json.loads(log.splitlines()[-1])
@@ -266,12 +268,12 @@ def test_evaluation_in_micro_batches_of_its_own(tiny_data, tmp_path):
                                                              rel=1e-5), kind
 
 
-def test_batch_ramp_up(tiny_data, tmp_path):
+def test_batch_ramp_up(short_docs_data, tmp_path):
     """--rampup-batch-size 4 4 16 to a global batch of 8 over 40 samples: 4 sequences an
     iteration until 16 are consumed, then 8 (megatron-core <= 0.17's own ramp; from 0.18,
     which ignores it, the same ramp as the step schedule the rules hand Megatron-LM); the
     metrics count each iteration's own batch."""
-    losses, _ = train(tmp_path, "ramp", tiny_data, "--train-samples", "40",
+    losses, _ = train(tmp_path, "ramp", short_docs_data, "--train-samples", "40",
                       "--micro-batch-size", "1", "--global-batch-size", "8",
                       "--rampup-batch-size", "4", "4", "16", drop_iters=True)
     records = [json.loads(line) for line in (tmp_path / "ramp.jsonl").read_text().splitlines()]
@@ -284,13 +286,13 @@ _PP2_CHECKPOINT_FLAGS = ["--num-layers", "5", "--pipeline-model-parallel-size", 
 
 
 @pytest.fixture(scope="module")
-def plain_pp2_checkpoint(tiny_data, tmp_path_factory):
+def plain_pp2_checkpoint(short_docs_data, tmp_path_factory):
     """A plain PP=2 x CP=1 run at micro-batch 1, 5 layers split 3 + 2, saved at iteration 2:
     its losses and the checkpoint directory."""
     tmp_path = tmp_path_factory.mktemp("pp2")
     ckpt = str(tmp_path / "ckpt")
-    losses, _ = train(tmp_path, "pp2", tiny_data, *_PP2_CHECKPOINT_FLAGS, "--micro-batch-size",
-                      "1", "--pipeline-model-parallel-layout", "Ettt|ttL", "--save", ckpt,
-                      "--save-interval", "2")
+    losses, _ = train(tmp_path, "pp2", short_docs_data, *_PP2_CHECKPOINT_FLAGS,
+                      "--micro-batch-size", "1", "--pipeline-model-parallel-layout", "Ettt|ttL",
+                      "--save", ckpt, "--save-interval", "2")
     assert sorted(losses) == list(range(1, ITERS + 1))
     return losses, ckpt
