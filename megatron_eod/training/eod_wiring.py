@@ -24,6 +24,9 @@ __all__ = ["block_spec", "gpt_position_embedding_type", "datasets", "megatron_lm
            "check_datasets", "steps", "hybrid_groups"]
 
 
+_OBJECT_STORAGE = ("s3://", "msc://")  # megatron-core's object_storage_utils prefixes
+
+
 def block_spec(registry, config, args, use_transformer_engine: bool, vp_stage=None):
     """This pipeline stage's (model chunk's) block spec with EoD attention and the args' RoPE
     settings."""
@@ -66,7 +69,9 @@ def megatron_lm_datasets(args, tokenizer, sizes):
 
 def _checked_datasets(args, tokenizer, sizes, blend, blend_per_split, **settings):
     if not getattr(args, "mock_data", False):
-        check_datasets(blend_prefixes(blend, blend_per_split), tokenizer,
+        prefixes = blend_prefixes(blend, blend_per_split)
+        check_object_storage(args, [p for p in prefixes if _on_object_storage(p)])
+        check_datasets([p for p in prefixes if not _on_object_storage(p)], tokenizer,
                        null_tokenizer_eod_flags(args, tokenizer))
     return build_gpt_datasets(
         None, args.seq_length, tokenizer, list(sizes), split=args.split, seed=args.seed,
@@ -86,6 +91,32 @@ def null_tokenizer_eod_flags(args, tokenizer):
         return lambda eod: f"--null-tokenizer-eod-id {eod}"
     offset = args.vocab_size - tokenizer.eod
     return lambda eod: f"--tokenizer-type NullTokenizer --vocab-size {eod + offset}"
+
+
+def _on_object_storage(prefix) -> bool:
+    return prefix.startswith(_OBJECT_STORAGE)
+
+
+def check_object_storage(args, prefixes) -> None:
+    """Datasets on object storage (s3://, msc://) are read by megatron-core alone, with the
+    flags it needs (it only asserts them); data/checks.py cannot read them, so their index,
+    size and tokenizer checks are skipped, said once on rank 0."""
+    if not prefixes:
+        return
+    where = f"--data-path {prefixes[0]}: data on object storage ({', '.join(_OBJECT_STORAGE)})"
+    if not hasattr(args, "object_storage_cache_path"):
+        raise DatasetError(f"{where} is read through Megatron-LM's --object-storage-cache-path; "
+                           f"the lean trainer reads local files only: use --trainer megatron-lm")
+    if args.object_storage_cache_path is None:
+        raise DatasetError(f"{where} needs --object-storage-cache-path (a local folder where "
+                           f"megatron-core keeps the .idx files)")
+    if args.mmap_bin_files:
+        raise DatasetError(f"{where} needs --no-mmap-bin-files (megatron-core streams the "
+                           f".bin in chunks; it cannot memory-map it)")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"megatron-eod: {len(prefixes)} dataset(s) on object storage, first "
+              f"{prefixes[0]}: not checked here (index, size, tokenizer, EoD id); megatron-core "
+              f"reads them", flush=True)
 
 
 def check_datasets(prefixes, tokenizer, eod_flags=None) -> None:

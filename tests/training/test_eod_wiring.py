@@ -44,3 +44,28 @@ def test_positions_other_than_rope_turn_rope_off(tiny_data):
                                                    kind))
         assert wired["params"]["rotary_percent"] == 0.0
         assert wired["gpt_positions"] == kind
+
+
+def test_object_storage_data_needs_megatron_lm_flags_and_skips_local_checks(capsys):
+    """s3:// and msc:// prefixes are megatron-core's to read: the flags it only asserts are
+    named, and the local checks (which would call the data unreadable) are skipped."""
+    import argparse
+
+    import pytest
+
+    from megatron_eod.data.checks import DatasetError
+
+    remote = ["s3://bucket/corpus_text_document"]
+    with pytest.raises(DatasetError, match="lean trainer reads local files only"):
+        eod_wiring.check_object_storage(argparse.Namespace(), remote)
+    args = argparse.Namespace(object_storage_cache_path=None, mmap_bin_files=True)
+    with pytest.raises(DatasetError, match="s3://bucket/corpus_text_document.*needs "
+                                           "--object-storage-cache-path"):
+        eod_wiring.check_object_storage(args, remote)
+    args.object_storage_cache_path = "/tmp/idx-cache"
+    with pytest.raises(DatasetError, match="needs --no-mmap-bin-files"):
+        eod_wiring.check_object_storage(args, remote)
+    args.mmap_bin_files = False
+    eod_wiring.check_object_storage(args, ["msc://profile/corpus_text_document"])
+    assert "not checked here" in capsys.readouterr().out
+    eod_wiring.check_object_storage(argparse.Namespace(), [])  # local data: nothing to say
