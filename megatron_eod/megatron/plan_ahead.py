@@ -13,7 +13,9 @@ pending batch by the stream number the source sent, so the train and validation 
 mix, and an exhausted iterator raises StopIteration on every TP rank at the same call instead
 of hanging the peers in a broadcast. Samples keep their order: the batch read ahead is the
 stream's next one. A stream is forgotten (its read-ahead batch dropped, on every rank) only
-once its iterator no longer exists, so no live stream ever loses a sample.
+once its iterator no longer exists, so no live stream ever loses a sample. A read ahead that
+raises (a sampler past its dataset's end, a bad batch) fails only if that micro-batch is asked
+for, then on every TP rank: a run that ends exactly where its data ends finishes.
 
 What it does not do: no planning itself (batch.py), no choice of which stream comes next.
 """
@@ -25,9 +27,23 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Tuple
 
-__all__ = ["PlanAhead"]
+__all__ = ["PlanAhead", "ReadFailed"]
 
 Batch = Dict[str, object]  # tokens / labels / loss_mask tensors of one micro-batch
+
+
+class ReadFailed:
+    """A micro-batch whose read raised: the error on the source rank, None on its peers (the
+    header's size -1 tells them); raised when the micro-batch is asked for."""
+
+    def __init__(self, error: Optional[BaseException] = None):
+        self.error = error
+
+    def raise_(self):
+        if self.error is not None:
+            raise self.error
+        raise RuntimeError("the tensor-parallel source rank (TP rank 0) could not read this "
+                           "micro-batch; its error says why")
 
 
 class PlanAhead:
@@ -40,11 +56,12 @@ class PlanAhead:
     plan(batch) -> planned: host work, run on the worker thread;
     worker_init: run once on the worker thread first (e.g. select the CUDA device);
     size(batch) -> a positive int the header announces for each batch read, for peers to
-        allocate it (e.g. its rows: training and evaluation micro-batches may differ).
+        allocate it (e.g. its rows: training and evaluation micro-batches may differ); share
+        sends no batch for a size of 0 (None: the stream ended) or -1 (ReadFailed()).
     """
 
     HEADER_SIZE = 6  # stream, pending, stream to forget (-1: none), reads, read 1 and read 2
-    #                  sizes (0: the stream ended)
+    #                  sizes (0: the stream ended, -1: the read failed)
 
     def __init__(self, read: Callable, share: Callable, plan: Callable, is_source: bool,
                  worker_init: Optional[Callable[[], None]] = None,
@@ -73,6 +90,8 @@ class PlanAhead:
         batch, future = current
         if batch is None:
             raise StopIteration
+        if isinstance(batch, ReadFailed):
+            batch.raise_()
         start = time.perf_counter()
         planned = future.result()
         self.waited_s += time.perf_counter() - start
@@ -93,9 +112,12 @@ class PlanAhead:
         reads: List[Optional[Batch]] = []
         if not pending:
             reads.append(self.read(iterator))
-        if (reads[-1] if reads else self._pending[stream][0]) is not None:
-            reads.append(self.read(iterator))  # the next one, to plan while this one trains
-        sizes = [self.size(b) if b is not None else 0 for b in reads] + [0] * (2 - len(reads))
+        if _more(reads[-1] if reads else self._pending[stream][0]):
+            try:  # the next one, to plan while this one trains
+                reads.append(self.read(iterator))
+            except Exception as error:  # only an error if this micro-batch is asked for
+                reads.append(ReadFailed(error))
+        sizes = [_size_of(b, self.size) for b in reads] + [0] * (2 - len(reads))
         return [stream, int(pending), forget, len(reads)] + sizes, reads
 
     def _stream(self, iterator) -> int:
@@ -113,9 +135,20 @@ class PlanAhead:
         return number
 
     def _start(self, batch: Optional[Batch]):
-        if batch is None:
-            return None, None
+        if not _more(batch):
+            return batch, None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eod-plan",
                                             initializer=self.worker_init)
         return batch, self._pool.submit(self.plan, batch)
+
+
+def _more(batch) -> bool:
+    """Whether the stream goes on after `batch` (not its end, nor a failed read)."""
+    return batch is not None and not isinstance(batch, ReadFailed)
+
+
+def _size_of(batch, size) -> int:
+    if batch is None:
+        return 0
+    return -1 if isinstance(batch, ReadFailed) else size(batch)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from megatron_eod.megatron.batch import LocalBatch, local_batch, plan_batch
 from megatron_eod.megatron.imports import import_megatron
-from megatron_eod.megatron.plan_ahead import PlanAhead
+from megatron_eod.megatron.plan_ahead import PlanAhead, ReadFailed
 
 __all__ = ["EodGPTSteps", "is_dataset_built_on_rank"]
 
@@ -150,8 +150,8 @@ class EodGPTSteps:
         source = ps.get_tensor_model_parallel_rank() == 0  # get_batch, which sends sizes)
         shared = []
         for i, rows in enumerate(PlanAhead.batches_in(header)):
-            if not rows:
-                shared.append(None)
+            if rows <= 0:  # the stream's end, or a read that failed on the source
+                shared.append(None if rows == 0 else batches[i] if source else ReadFailed())
                 continue
             batch = batches[i] if source else {key: torch.empty(
                 (rows, self.seq_length), device=self.device, dtype=_DTYPES[key])

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from megatron_eod.megatron.plan_ahead import PlanAhead
+from megatron_eod.megatron.plan_ahead import PlanAhead, ReadFailed
 
 
 def counting_iterator(name, n):
@@ -40,7 +40,9 @@ class Pair:
     def receive(self, header, batches):
         assert header == [] and batches == []  # a peer reads nothing itself
         header, batches = self.wire.pop(0)
-        return header, list(batches)
+        # What steps._share gives a peer: nothing sent for a failed read, only its size -1.
+        return header, [ReadFailed() if size == -1 else batch
+                        for size, batch in zip(PlanAhead.batches_in(header), batches)]
 
     def next(self, iterator):
         """(source result, peer result): the peer passes None, as TP ranks > 0 do."""
@@ -50,6 +52,8 @@ class Pair:
                 results.append(side.next(it))
             except StopIteration:
                 results.append(StopIteration)
+            except RuntimeError as error:
+                results.append(str(error))
         return tuple(results)
 
 
@@ -117,3 +121,21 @@ def test_an_error_while_planning_reaches_the_step():
     with pytest.raises(ValueError, match="cannot plan a0"):
         ahead.next(counting_iterator("a", 3))
     ahead.close()
+
+
+def ends_with_an_error(name, n):
+    """Like training/data.MicroBatches: past its dataset's end it raises, not StopIteration."""
+    yield from counting_iterator(name, n)
+    raise RuntimeError(f"{name} has {n} samples")
+
+
+def test_a_read_ahead_that_fails_matters_only_if_its_batch_is_asked_for():
+    """A run that ends exactly where its data ends finishes (the read ahead of the batch past
+    the end failed, and nobody asks for it); asking for that batch raises the source's error
+    on the source and a RuntimeError naming it on the peer, at the same call."""
+    pair = Pair()
+    data = ends_with_an_error("t", 3)
+    assert [pair.next(data)[0][0] for _ in range(3)] == ["t0", "t1", "t2"]
+    source, peer = pair.next(data)
+    assert source == "t has 3 samples" and "TP rank 0) could not read" in peer
+    pair.source.close()

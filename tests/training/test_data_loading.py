@@ -60,3 +60,17 @@ def test_training_with_workers_is_training_without(tiny_data):
 
     with_workers = train(2, tiny_data, "--context-parallel-size", "2", "--num-workers", "2")
     assert with_workers == train(2, tiny_data, "--context-parallel-size", "2")
+
+
+def test_a_run_that_ends_where_its_data_ends_finishes(short_docs_data):
+    """A weighted blend has exactly the samples the run asks for, so reading one micro-batch
+    ahead (plan-ahead, the default) reads past its end on the last step: that read's error
+    counts only if the step asks for it (it crashed the last iteration). TP=2: the peer
+    learns of the failed read from the source's header."""
+    from tests.functional.test_cpu_training import ITERS, train
+
+    blend = ("--data-path", "0.3", short_docs_data, "0.7", short_docs_data)
+    for world, extra in ((1, ()), (2, ("--tensor-model-parallel-size", "2",
+                                       "--make-vocab-size-divisible-by", "64"))):
+        losses = train(world, short_docs_data, *blend, *extra, drop=("--data-path",))
+        assert len(losses) == ITERS
