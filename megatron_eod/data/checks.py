@@ -25,7 +25,7 @@ import numpy
 
 from megatron_eod.data.sidecar import read_sidecar, sidecar_path
 
-__all__ = ["DatasetError", "SCAN_TOKENS", "check_dataset"]
+__all__ = ["DatasetError", "SCAN_TOKENS", "check_dataset", "sequence_count"]
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _HEADER = len(_MAGIC) + 8 + 1 + 8 + 8  # magic, version, dtype code, sequences, documents
@@ -75,6 +75,13 @@ def check_dataset(prefix: str, tokenizer, scan_tokens: Optional[int] = None,
     if whole and non_eod == 0:
         raise DatasetError(f"{bin_}: every token is the EoD id {tokenizer.eod}: nothing to "
                            f"learn (wrong --tokenizer-type or data)")
+
+
+def sequence_count(prefix: str) -> int:
+    """The sequences `prefix`.idx holds (its header only; check_dataset checked the rest)."""
+    with open(prefix + ".idx", "rb") as f:
+        head = f.read(_HEADER)
+    return int(numpy.frombuffer(head, numpy.uint64, 1, 18)[0])
 
 
 def _read_index(idx: str):

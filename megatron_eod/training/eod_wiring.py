@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron_eod.attention.groups import register_hybrid_groups
 from megatron_eod.data.checks import DatasetError, check_dataset
+from megatron_eod.data.split_sizes import check_split_sizes
 from megatron_eod.megatron.dataset import blend_prefixes, build_gpt_datasets, read_data_sources
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.megatron.layer_spec import get_gpt_eod_block_spec
@@ -73,6 +74,7 @@ def _checked_datasets(args, tokenizer, sizes, blend, blend_per_split, **settings
         check_object_storage(args, [p for p in prefixes if _on_object_storage(p)])
         check_datasets([p for p in prefixes if not _on_object_storage(p)], tokenizer,
                        null_tokenizer_eod_flags(args, tokenizer))
+        check_split_sizes(blend, args.split if blend_per_split is None else None, sizes)
     return build_gpt_datasets(
         None, args.seq_length, tokenizer, list(sizes), split=args.split, seed=args.seed,
         reset_position_ids=args.reset_position_ids,

@@ -1,0 +1,47 @@
+"""data/split_sizes.py: a split the run draws samples from, empty in some dataset of the
+blend, is named at start-up (megatron-core's GPTDataset would search for its tokens forever)."""
+
+import json
+
+import pytest
+
+from megatron_eod.data.checks import DatasetError
+from megatron_eod.data.preprocess import preprocess_jsonl
+from megatron_eod.data.split_sizes import check_split_sizes
+from megatron_eod.data.tokenizers import ByteTokenizer
+
+
+def dataset(tmp_path, name, documents):
+    corpus = tmp_path / f"{name}.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"doc {i} " * 5}) + "\n"
+                              for i in range(documents)))
+    preprocess_jsonl(str(corpus), str(tmp_path / name), ByteTokenizer(), append_eod=True,
+                     log=lambda msg: None)
+    return str(tmp_path / f"{name}_text_document")
+
+
+def test_an_empty_split_asked_for_samples_is_named(tmp_path):
+    small, large = dataset(tmp_path, "small", 100), dataset(tmp_path, "large", 2000)
+    # 969,30,1: the test share of 100 sequences rounds to none, of 2000 to 2.
+    with pytest.raises(DatasetError, match=r"small_text_document: its test share of --split "
+                                           r"969,30,1 \(0\.001\) holds none of its 100"):
+        check_split_sizes(([large, small], [0.9, 0.1]), "969,30,1", [400, 40, 8])
+    check_split_sizes(([large, small], [0.9, 0.1]), "969,30,1", [400, 40, 0])  # no test asked
+    check_split_sizes(([large, small], [1.0, 0.0]), "969,30,1", [400, 40, 8])  # weight 0
+    check_split_sizes(([large], None), "969,30,1", [400, 40, 8])
+    check_split_sizes(([small], None), "90,8,2", [400, 40, 8])
+    check_split_sizes(([small], None), "100,0,0", [400, 40, 8])  # no share: no such split
+    check_split_sizes(None, "969,30,1", [400, 40, 8])  # mock data
+    with pytest.raises(DatasetError, match="validation share"):
+        check_split_sizes(([dataset(tmp_path, "tiny", 8)], None), "98,1,1", [8, 8, 8])
+
+
+def test_the_trainer_stops_at_start_up_instead_of_spinning(tmp_path):
+    from tests.functional.tiny_gpt import tiny_flags
+    from tests.harness import run_ranks
+    from tests.training.test_nan_stop import _train
+
+    small = dataset(tmp_path, "small", 100)
+    (code, message, _), = run_ranks(_train, 1, tiny_flags(small, "--split", "969,30,1"),
+                                    timeout=60)
+    assert code == 2 and "holds none of its 100 sequences" in message, message
