@@ -30,6 +30,8 @@ import functools
 import importlib
 import inspect
 
+import torch
+
 from megatron_eod.attention.backends import has_transformer_engine
 from megatron_eod.megatron.batch_context import EodContextRegistry
 from megatron_eod.megatron.imports import import_megatron
@@ -37,7 +39,8 @@ from megatron_eod.megatron.steps import EodGPTSteps
 from megatron_eod.training import eod_wiring as wiring
 from megatron_eod.training.megatron_lm_args import add_eod_args, eod_args_from_megatron
 
-__all__ = ["EodProviders", "add_eod_args", "contexts_in_flight", "pack_stage_shapes",
+__all__ = ["EodProviders", "add_eod_args", "checked_loss", "contexts_in_flight",
+           "pack_stage_shapes",
            "plans_ahead"]
 
 
@@ -102,6 +105,35 @@ def plans_ahead(args) -> bool:
     return True
 
 
+SPIKY_LOSS_FACTOR = 10  # Megatron-LM's: a local loss 10x the usual is "spiky"
+
+
+def checked_loss(loss_func, args):
+    """`loss_func` with the checks Megatron-LM's own pretrain_gpt.py makes of each micro-batch's
+    local loss, before any reduction, through its rerun state machine (so --rerun-mode decides
+    what follows): NaN or Inf stop the run (--check-for-nan-in-loss-and-grad, on by default;
+    otherwise a NaN evaluation loss went unnoticed), and --check-for-spiky-loss flags a loss
+    over SPIKY_LOSS_FACTOR x its usual size (it was accepted and did nothing)."""
+    rerun = import_megatron("megatron.core.rerun_state_machine")
+
+    def checked(output_tensor):
+        loss, num_tokens, report = loss_func(output_tensor)
+        machine = rerun.get_rerun_state_machine()
+        if getattr(args, "check_for_nan_in_loss_and_grad", False):
+            for rejected, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+                machine.validate_result(result=loss, rejection_func=rejected, tolerance=0.0,
+                                        message=f"found {what} in local forward loss "
+                                                f"calculation", fatal=True)
+        if getattr(args, "check_for_spiky_loss", False):
+            machine.validate_result(
+                result=loss, message="Spiky loss", tolerance=0.0, fatal=False,
+                rejection_func=functools.partial(machine.is_unexpectedly_large,
+                                                 threshold=SPIKY_LOSS_FACTOR, context="loss"))
+        return loss, num_tokens, report
+
+    return checked
+
+
 class EodProviders:
     """The three callables `megatron.training.pretrain` takes; one instance per process (the
     model and the step functions share its context registry)."""
@@ -157,7 +189,8 @@ class EodProviders:
     def forward_step(self, data_iterator, model, return_schedule_plan=False):
         if return_schedule_plan:
             raise ValueError("EoD attention does not support combined 1F1B schedule plans")
-        return self.steps().forward_step(data_iterator, model)
+        output, loss_func = self.steps().forward_step(data_iterator, model)
+        return output, checked_loss(loss_func, self._training().get_args())
 
     def steps(self) -> EodGPTSteps:
         if self._steps is None:

@@ -191,3 +191,43 @@ def test_pipeline_stage_buffers_are_shaped_as_the_packed_micro_batch():
     run(forward_step_func=print, seq_length=128, micro_batch_size=1)
     run(print, seq_length=64, micro_batch_size=2, decoder_seq_length=32)
     assert calls == [(512, 1, None, True), (128, 1, None, False), (128, 1, 64, False)]
+
+
+def _checked_losses(rank, world):
+    import argparse
+    import logging
+
+    from megatron_eod.training.megatron_lm import checked_loss
+
+    cpu_compat.apply()  # as in a CPU run: megatron-core names the device in its message
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("megatron.core.rerun_state_machine").addHandler(handler)
+    outcomes = []
+    for nan_check, spiky in ((True, False), (False, False), (False, True)):
+        args = argparse.Namespace(check_for_nan_in_loss_and_grad=nan_check,
+                                  check_for_spiky_loss=spiky)
+        loss = checked_loss(lambda out: (torch.tensor(out), torch.tensor(4), {}), args)
+        assert loss(2.5)[0].item() == 2.5 and loss(2.5)[1].item() == 4
+        try:
+            loss(float("nan"))
+            outcomes.append("trained on")
+        except RuntimeError as error:
+            outcomes.append(str(error))
+    for _ in range(100):  # megatron-core learns the usual size from 100 losses, then judges
+        loss(2.5)
+    spikes = len([m for m in warned if "Spiky loss" in m])
+    loss(30.0)
+    return outcomes, (spikes, len([m for m in warned if "Spiky loss" in m]))
+
+
+def test_each_local_loss_is_checked_as_megatron_lm_checks_it():
+    """pretrain_gpt.py's own loss checks, through megatron-core's rerun state machine: a NaN
+    local loss stops the run under --check-for-nan-in-loss-and-grad (a NaN evaluation loss
+    went unnoticed), not without it; --check-for-spiky-loss judges every loss (it did
+    nothing)."""
+    ((stop, off, spiky), spikes), = run_ranks(_checked_losses, 1)
+    assert "found NaN in local forward loss calculation" in stop
+    assert off == spiky == "trained on"
+    assert spikes == (0, 1)  # 30 after 2.5s: over 10x the usual
