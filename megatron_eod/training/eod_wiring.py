@@ -64,6 +64,11 @@ def datasets(args, tokenizer, sizes):
 def megatron_lm_datasets(args, tokenizer, sizes):
     """`datasets` for Megatron-LM's args: every data source and dataset-builder setting its
     pretrain_gpt.py reads (megatron_lm_data), each prefix checked first."""
+    if getattr(args, "allow_ambiguous_pad_tokens", False) and _pad_id(tokenizer) == tokenizer.eod:
+        raise DatasetError(f"--allow-ambiguous-pad-tokens: the tokenizer's pad id is its EoD id "
+                           f"({tokenizer.eod}), so GPTDataset would turn every EoD into token 0 "
+                           f"and the documents would run together; drop the flag (GPTDataset "
+                           f"then pads with an id of its own)")
     return _checked_datasets(args, tokenizer, sizes, *megatron_lm_data.blends(args),
                              **megatron_lm_data.builder_settings(args))
 
@@ -93,6 +98,13 @@ def null_tokenizer_eod_flags(args, tokenizer):
         return lambda eod: f"--null-tokenizer-eod-id {eod}"
     offset = args.vocab_size - tokenizer.eod
     return lambda eod: f"--tokenizer-type NullTokenizer --vocab-size {eod + offset}"
+
+
+def _pad_id(tokenizer):
+    try:
+        return tokenizer.pad
+    except (AttributeError, NotImplementedError):
+        return None
 
 
 def _on_object_storage(prefix) -> bool:

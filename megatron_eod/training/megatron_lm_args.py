@@ -76,6 +76,13 @@ REFUSED = {
                                                  "the loss function the EoD providers use"),
     "logits_save_dir": (lambda v: v is not None, "a CP rank holds its tokens in its plan's "
                                                  "order, not the sequence's"),
+    "qk_clip": (bool, "QK-clip reads the core attention's largest logits, which the EoD "
+                      "attention's varlen kernels do not report"),
+    "log_max_attention_logit": (bool, "the EoD attention's varlen kernels do not report the "
+                                      "largest attention logits"),
+    "dataloader_type": (lambda v: v == "external", "an external data loader bypasses the "
+                                                   "datasets and batches the EoD providers "
+                                                   "build (it failed at the first step)"),
 }
 
 

@@ -69,3 +69,19 @@ def test_object_storage_data_needs_megatron_lm_flags_and_skips_local_checks(caps
     eod_wiring.check_object_storage(args, ["msc://profile/corpus_text_document"])
     assert "not checked here" in capsys.readouterr().out
     eod_wiring.check_object_storage(argparse.Namespace(), [])  # local data: nothing to say
+
+
+def test_ambiguous_pad_tokens_that_would_erase_every_eod_are_refused():
+    """--allow-ambiguous-pad-tokens with a tokenizer whose pad id is its EoD id: GPTDataset
+    would turn each EoD into token 0 and the documents would run together."""
+    import argparse
+    import types
+
+    import pytest
+
+    from megatron_eod.data.checks import DatasetError
+
+    args = argparse.Namespace(allow_ambiguous_pad_tokens=True)
+    with pytest.raises(DatasetError, match="--allow-ambiguous-pad-tokens: the tokenizer's pad "
+                                           "id is its EoD id \\(7\\)"):
+        eod_wiring.megatron_lm_datasets(args, types.SimpleNamespace(eod=7, pad=7), [8, 0, 0])

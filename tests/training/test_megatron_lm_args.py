@@ -89,6 +89,10 @@ REFUSALS = {
     "cuda-graph-layer": (["--cuda-graph-impl", "local"], "--cuda-graph-impl local: a CUDA "
                          "graph would replay one micro-batch's CP plan"),
     "cuda-graph-legacy": (["--enable-cuda-graph"], "--enable-cuda-graph: a CUDA graph"),
+    "dataloader-external": (["--dataloader-type", "external"], "--dataloader-type external: "
+                            "an external data loader bypasses"),
+    "qk-clip": (["--qk-clip"], "--qk-clip: QK-clip reads the core attention's largest"),
+    "max-logit": (["--log-max-attention-logit"], "--log-max-attention-logit: the EoD"),
     # Megatron-LM >= 0.18 / 0.19 only (skipped where the parser lacks the flag):
     "eval-rows": (["--eval-micro-batch-size", "1", "--tensor-model-parallel-size", "2",
                    "--sequence-parallel", "--seq-length", "129"],
