@@ -55,6 +55,11 @@ class CoreTokenizer:
                               "source": os.path.abspath(self.source)})
 
     def tokenize(self, text: str) -> List[int]:
+        encoding = getattr(self._inner, "tokenizer", None)
+        if self.kind == "TikTokenizer" and hasattr(encoding, "encode_ordinary"):
+            # megatron-core's text_to_ids lets special tokens written in the text through
+            # (allowed_special="all"): "</s>" in a document would become its EoD id.
+            return [int(i) for i in encoding.encode_ordinary(text)]
         return [int(i) for i in self._inner.text_to_ids(text)]
 
     def detokenize(self, ids: Sequence[int]) -> str:

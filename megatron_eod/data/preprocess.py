@@ -5,8 +5,12 @@ append the EoD id, and write one indexed dataset per key through megatron-core's
 `IndexedDatasetBuilder`, so that `IndexedDataset` / `GPTDataset` read it back unchanged.
 
 Semantics kept from Megatron's `tools/preprocess_data.py`: a field may be a string or a list of
-strings (sentences, one sequence each); empty documents are written as documents with no
-sequences and get no EoD; the token dtype is megatron-core's optimal one for the vocab size.
+strings; empty documents are written as documents with no sequences and get no EoD; the token
+dtype is megatron-core's optimal one for the vocab size. Changed: a list's strings are one
+sequence (Megatron's tool writes one sequence per string, which GPTDataset shuffles apart as
+if each were a document), and a text that tokenizes to the EoD or pad id (the special token
+written out in it, e.g. by a tokenizer that parses specials) is a bad line: it would cut its
+document under EoD reset.
 Added: every bad line (not UTF-8, malformed JSON, not an object, a missing key, a field that is
 not text, text the tokenizer rejects) is an error naming `file:line`, or, with
 `skip_bad_lines`, is skipped and counted; blank lines are counted and skipped; any number of
@@ -69,6 +73,11 @@ class _Encoder:
         # does, and it is ~2x faster than building the array from a list of ints.
         fast = getattr(tokenizer, "tokenize_array", None)
         self._to_array = fast or (lambda text: numpy.asarray(tokenizer.tokenize(text), dtype))
+        # Ids that must not come out of a document's text: its EoD (and pad) would split it.
+        self.special = {int(tokenizer.eod): "EoD"}
+        if getattr(tokenizer, "pad", None) is not None:
+            self.special.setdefault(int(tokenizer.pad), "pad")
+        self._special_ids = numpy.array(sorted(self.special), dtype=numpy.int64)
 
     def encode(self, raw: bytes):
         """-> ("blank", None) | ("bad", reason) | ("ok", {key: (ids, lengths)})."""
@@ -102,12 +111,18 @@ class _Encoder:
                     return "bad", f"key {key!r}: {err}"
                 if piece.size:
                     pieces.append(piece)
-            lengths = [int(p.size) for p in pieces]
-            if pieces and self.append_eod:
-                pieces.append(numpy.array([self.tokenizer.eod], dtype=self.dtype))
-                lengths[-1] += 1
             ids = numpy.concatenate(pieces) if pieces else numpy.zeros(0, dtype=self.dtype)
-            out[key] = (ids.astype(self.dtype, copy=False), lengths)
+            special = ids[numpy.isin(ids, self._special_ids)]
+            if special.size:
+                return "bad", (f"key {key!r}: the text tokenizes to the tokenizer's "
+                               f"{self.special[int(special[0])]} id {int(special[0])} (it holds "
+                               f"that special token as text); with EoD reset it would cut the "
+                               f"document there: remove it from the text")
+            if ids.size and self.append_eod:
+                ids = numpy.append(ids, numpy.array([self.tokenizer.eod], dtype=self.dtype))
+            # One sequence per document: GPTDataset shuffles sequences as documents, so a
+            # list's strings written apart (as Megatron's tool does) would be scattered.
+            out[key] = (ids.astype(self.dtype, copy=False), [int(ids.size)] if ids.size else [])
         return "ok", out
 
 

@@ -3,8 +3,9 @@
 One job: write a deterministic jsonl corpus (`{"text": ..., "source": ...}` a line) whose
 documents have realistic, heavy-tailed lengths: module docstrings and every top-level
 function and class of the standard library (a one-line helper is ~100 bytes, a big class is
-~100 KB), from files visited in a seeded order, shuffled with the seed and cut at `max_bytes`. The same Python version gives the
-same file byte for byte; another version's stdlib gives another (equally shaped) corpus.
+~100 KB), from files visited in a seeded order, shuffled with the seed and cut at
+`max_bytes`. The same Python version gives the same file byte for byte; another version's
+stdlib gives another (equally shaped) corpus.
 
 What it does not do: no tokenization (that is `preprocess.py`), no network.
 """

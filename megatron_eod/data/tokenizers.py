@@ -135,6 +135,9 @@ class HuggingFaceTokenizer:
             tok = tokenizers.Tokenizer(model)
             tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
             tok.decoder = tokenizers.decoders.ByteLevel()
+        # A special token written out in a document's text is text: "<|endoftext|>" in a
+        # code file must not become the EoD id that cuts the document under EoD reset.
+        tok.encode_special_tokens = True
         self._tok = tok
         self._encode = lambda text: tok.encode(text, add_special_tokens=False).ids
         self._decode = lambda ids: tok.decode(list(ids))

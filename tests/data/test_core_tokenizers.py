@@ -97,3 +97,12 @@ def test_trainer_uses_the_sentencepiece_eos_as_eod(tmp_path):
             "--eod-mask-loss", "--eval-iters", "0", "--log-interval", "100"]
     losses = run_ranks(train_rank, 1, argv, timeout=120, daemon=False)[0]
     assert len(losses) == 2 and all(0 < x < 10 for x in losses)
+
+
+def test_tiktoken_special_tokens_written_in_the_text_are_text(tmp_path):
+    pytest.importorskip("tiktoken")
+    tok = build_tokenizer("TikTokenizer", tokenizer_model=_tiktoken_vocab(tmp_path),
+                          vocab_size=16 + 259, tiktoken_pattern="v2",
+                          tiktoken_num_special_tokens=16)
+    ids = tok.tokenize("the </s> and <pad> other")
+    assert min(ids) >= 16 and tok.detokenize(ids) == "the </s> and <pad> other"

@@ -78,11 +78,12 @@ def test_json_keys_lists_and_multiple_outputs(tmp_path):
                              append_eod=True, log=lambda m: 0)
     assert set(stats.outputs) == {"text", "title"}
     text = read_indexed(stats.outputs["text"])
-    # Sentences are sequences of one document; the EoD goes after the last one.
-    assert [bytes(s.tolist()[:-1] if s[-1] == tok.eod else s.tolist()) for s in
-            (text[0], text[1], text[2])] == [b"one sentence", b"two", b"plain"]
-    assert text[1][-1] == tok.eod and text[0][-1] != tok.eod
-    assert list(text.document_indices) == [0, 2, 3]
+    # A list's strings are ONE sequence, then the EoD: GPTDataset shuffles sequences as if each
+    # were a document, so strings written apart (Megatron's tool) would be scattered.
+    assert [bytes(s.tolist()[:-1]) for s in (text[0], text[1])] == [b"one sentencetwo",
+                                                                     b"plain"]
+    assert text[0][-1] == text[1][-1] == tok.eod
+    assert list(text.document_indices) == [0, 1, 2]
     assert len(read_indexed(stats.outputs["title"])) == 1
 
 
@@ -182,3 +183,25 @@ def test_command_line_tool(tmp_path):
     assert "processed 30 documents" in ok.stderr and "MB/s" in ok.stderr
     assert "1 bad lines skipped" in ok.stderr
     assert "Transformer Engine" not in ok.stderr  # megatron-core's import noise is filtered
+
+
+class _ParsesSpecials(ByteTokenizer):
+    tokenize_array = None  # use tokenize()
+    """A tokenizer that turns the EoD token written in the text into the EoD id (as
+    transformers' tokenizers do by default)."""
+
+    def tokenize(self, text):
+        head, _, tail = text.partition("<eod>")
+        ids = list(head.encode())
+        return ids + [self.eod] + list(tail.encode()) if _ else ids
+
+
+def test_a_text_that_tokenizes_to_the_eod_id_is_a_bad_line(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "good"}, {"text": "a <eod> b"}])
+    with pytest.raises(PreprocessError, match=r"in\.jsonl:2: key 'text': the text tokenizes "
+                                              r"to the tokenizer's EoD id 256"):
+        preprocess_jsonl(src, str(tmp_path / "o"), _ParsesSpecials(), append_eod=True,
+                         log=lambda m: 0)
+    stats = preprocess_jsonl(src, str(tmp_path / "o"), _ParsesSpecials(), append_eod=True,
+                             skip_bad_lines=True, log=lambda m: 0)
+    assert stats.documents == 1 and stats.skipped_lines == 1

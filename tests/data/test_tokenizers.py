@@ -90,3 +90,13 @@ def test_gpt2_bpe_from_vocab_and_merge_files(tmp_path):
                           merge_file=str(tmp_path / "merges.txt"))
     assert tok.eod == model["vocab"]["<|endoftext|>"]
     assert tok.detokenize(tok.tokenize("quick brown dog")) == "quick brown dog"
+
+
+def test_special_tokens_written_in_the_text_are_text(tmp_path):
+    """"<|endoftext|>" inside a code document must not become the EoD id (under EoD reset it
+    would cut the document), nor "<pad>" the pad id."""
+    _train_tiny_bpe().save(str(tmp_path / "tokenizer.json"))
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    text = "print('<|endoftext|>') and <pad> here"
+    ids = tok.tokenize(text)
+    assert tok.eod not in ids and tok.pad not in ids and tok.detokenize(ids) == text
