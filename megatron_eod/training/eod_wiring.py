@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron_eod.attention.groups import register_hybrid_groups
 from megatron_eod.data.checks import DatasetError, check_dataset
+from megatron_eod.data.index_cache import check_index_cache
 from megatron_eod.data.split_sizes import check_split_sizes
 from megatron_eod.megatron.dataset import blend_prefixes, build_gpt_datasets, read_data_sources
 from megatron_eod.megatron.imports import import_megatron
@@ -78,7 +79,8 @@ def _checked_datasets(args, tokenizer, sizes, blend, blend_per_split, **settings
         prefixes = blend_prefixes(blend, blend_per_split)
         check_object_storage(args, [p for p in prefixes if _on_object_storage(p)])
         check_datasets([p for p in prefixes if not _on_object_storage(p)], tokenizer,
-                       null_tokenizer_eod_flags(args, tokenizer))
+                       null_tokenizer_eod_flags(args, tokenizer),
+                       cache_path=getattr(args, "data_cache_path", None))
         check_split_sizes(blend, args.split if blend_per_split is None else None, sizes)
     return build_gpt_datasets(
         None, args.seq_length, tokenizer, list(sizes), split=args.split, seed=args.seed,
@@ -133,17 +135,20 @@ def check_object_storage(args, prefixes) -> None:
               f"reads them", flush=True)
 
 
-def check_datasets(prefixes, tokenizer, eod_flags=None) -> None:
+def check_datasets(prefixes, tokenizer, eod_flags=None, cache_path=None) -> None:
     """data/checks.py on every prefix: the cheap index/size/metadata checks on every rank (a
     node may hold its own, damaged copy), the bounded token scan on rank 0 only (no heavy
-    reads multiplied by the world size); every rank raises the first rank's error, so none is
-    left waiting in the dataset builder's collectives."""
+    reads multiplied by the world size) and the cached indices' stamp (data/index_cache.py)
+    on rank 0 only; every rank raises the first rank's error, so none is left waiting in the
+    dataset builder's collectives."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     error = None
     try:
         for prefix in prefixes:
             check_dataset(prefix, tokenizer, scan_tokens=None if rank == 0 else 0,
                           eod_flags=eod_flags)
+            if rank == 0:  # where megatron-core builds the cached indices
+                check_index_cache(prefix, cache_path)
     except DatasetError as found:
         error = str(found)
     if dist.is_initialized():

@@ -1,0 +1,44 @@
+"""data/index_cache.py: megatron-core's cached sample indices of a dataset re-made into the
+same prefix are refused by name (they indexed the new data wrongly), not used."""
+
+import json
+import os
+
+import pytest
+
+from megatron_eod.data.checks import DatasetError
+from megatron_eod.data.index_cache import cache_folder, check_index_cache
+from megatron_eod.data.preprocess import preprocess_jsonl
+from megatron_eod.data.tokenizers import ByteTokenizer
+from megatron_eod.megatron.dataset import build_gpt_datasets
+
+
+def make(tmp_path, words):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"{w} " * (3 + i % 7)}) + "\n"
+                              for i, w in enumerate(words)))
+    preprocess_jsonl(str(corpus), str(tmp_path / "c"), ByteTokenizer(), append_eod=True,
+                     log=lambda m: None)
+    return str(tmp_path / "c_text_document")
+
+
+def build(prefix, cache):
+    return build_gpt_datasets(prefix, 16, ByteTokenizer(), [40, 0, 0], split="100,0,0",
+                              path_to_cache=cache)[0]
+
+
+@pytest.mark.parametrize("shared_cache", [False, True], ids=["default-folder", "cache-path"])
+def test_a_cache_of_a_remade_dataset_is_refused(tmp_path, shared_cache):
+    cache = str(tmp_path / "cache") if shared_cache else None
+    prefix = make(tmp_path, ["alpha"] * 60)
+    check_index_cache(prefix, cache)  # stamps the (new) cache
+    first = build(prefix, cache)
+    assert os.listdir(cache_folder(prefix, cache))
+    check_index_cache(prefix, cache)  # the same data: fine
+    make(tmp_path, ["alpha"] * 60)  # re-made identically: the cache still fits
+    check_index_cache(prefix, cache)
+    assert build(prefix, cache)[0]["tokens"].tolist() == first[0]["tokens"].tolist()
+    make(tmp_path, ["a much longer document than before"] * 90)
+    with pytest.raises(DatasetError, match="cached sample indices there were built from another"
+                                           ".*remove .*or pass another --data-cache-path"):
+        check_index_cache(prefix, cache)
