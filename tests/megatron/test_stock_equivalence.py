@@ -6,8 +6,9 @@ document inside a packed row. Ours (the EoD layer spec, RoPE inside the attentio
 positions) gets the same weights and the whole packed micro-batch; its logits at each
 document's tokens must equal stock's logits for that document alone, float64. Rotary
 variants cover every setting stock's RoPE reads: interleaved pairs, rotary_percent, base,
-Llama-3 scaling, position interpolation, layers without RoPE (--no-rope-freq); plus q/k layer norms, GQA and learned absolute
-positions. A RoPE that ignored any of them, or attended across an EoD, fails here.
+Llama-3 scaling, position interpolation, layers without RoPE (--no-rope-freq); plus q/k layer
+norms, GQA and learned absolute positions. A RoPE that ignored any of them, or attended across
+an EoD, fails here.
 """
 
 import pytest

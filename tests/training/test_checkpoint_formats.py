@@ -21,84 +21,84 @@ pytestmark = pytest.mark.timeout(300)
 DISTOPT = ("--use-distributed-optimizer",)
 
 
-def test_tp2_cp2_checkpoint_continues_at_tp1_cp4(cp1, tiny_data, tmp_path):  # noqa: F811
+def test_tp2_cp2_checkpoint_continues_at_tp1_cp4(cp1, short_docs_data, tmp_path):  # noqa: F811
     save = str(tmp_path / "ckpt")
     # Vocabulary padding is a multiple of divisible-by x TP: 64 x 2 keeps TP=1's 384 rows.
-    first = train(4, tiny_data, "--tensor-model-parallel-size", "2", "--context-parallel-size",
-                  "2", "--make-vocab-size-divisible-by", "64", *DISTOPT,
+    first = train(4, short_docs_data, "--tensor-model-parallel-size", "2",
+                  "--context-parallel-size", "2", "--make-vocab-size-divisible-by", "64", *DISTOPT,
                   "--dist-ckpt-optim-fully-reshardable", "--save", save, "--exit-interval", "4")
     assert os.path.isfile(os.path.join(save, "iter_0000004", "metadata.json"))
-    rest = train(4, tiny_data, "--context-parallel-size", "4", *DISTOPT, "--load", save)
+    rest = train(4, short_docs_data, "--context-parallel-size", "4", *DISTOPT, "--load", save)
     assert len(first) == 4 and len(rest) == 6
     assert_same(first + rest, cp1)
 
 
-def test_dp_reshardable_optimizer_state_refuses_a_tp_change(tiny_data, tmp_path):
+def test_dp_reshardable_optimizer_state_refuses_a_tp_change(short_docs_data, tmp_path):
     save = str(tmp_path / "ckpt")
-    train(2, tiny_data, "--tensor-model-parallel-size", "2", *DISTOPT, "--save", save,
+    train(2, short_docs_data, "--tensor-model-parallel-size", "2", *DISTOPT, "--save", save,
           "--exit-interval", "2")
     with pytest.raises(AssertionError, match="--dist-ckpt-optim-fully-reshardable"):
-        train(2, tiny_data, "--context-parallel-size", "2", *DISTOPT, "--load", save)
+        train(2, short_docs_data, "--context-parallel-size", "2", *DISTOPT, "--load", save)
 
 
-def test_legacy_torch_format_resumes_bit_identically(tiny_data, tmp_path):
+def test_legacy_torch_format_resumes_bit_identically(short_docs_data, tmp_path):
     save = str(tmp_path / "ckpt")
-    first = train(2, tiny_data, "--context-parallel-size", "2", "--ckpt-format", "torch",
+    first = train(2, short_docs_data, "--context-parallel-size", "2", "--ckpt-format", "torch",
                   "--save", save, "--exit-interval", "4")
     assert os.listdir(os.path.join(save, "iter_0000004")) == ["mp_rank_00"]
-    rest = train(2, tiny_data, "--context-parallel-size", "2", "--load", save)
-    full = train(2, tiny_data, "--context-parallel-size", "2")
+    rest = train(2, short_docs_data, "--context-parallel-size", "2", "--load", save)
+    full = train(2, short_docs_data, "--context-parallel-size", "2")
     assert first + rest == full
 
 
-def test_finetune_loads_weights_only(cp1, tiny_data, tmp_path):  # noqa: F811
+def test_finetune_loads_weights_only(cp1, short_docs_data, tmp_path):  # noqa: F811
     save = str(tmp_path / "ckpt")
-    train(1, tiny_data, "--save", save, "--exit-interval", "4")
-    tuned = train(1, tiny_data, "--load", save, "--finetune")
+    train(1, short_docs_data, "--save", save, "--exit-interval", "4")
+    tuned = train(1, short_docs_data, "--load", save, "--finetune")
     assert len(tuned) == 10  # from iteration 0
     assert tuned[0] < cp1[0] - 0.1  # the first batch again, on trained weights
-    again = train(1, tiny_data, "--pretrained-checkpoint", save)  # --load absent: the same
+    again = train(1, short_docs_data, "--pretrained-checkpoint", save)  # --load absent: the same
     assert again == tuned
 
 
-def test_another_model_is_refused_by_flag_name(tiny_data, tmp_path):
+def test_another_model_is_refused_by_flag_name(short_docs_data, tmp_path):
     save = str(tmp_path / "ckpt")
-    train(1, tiny_data, "--save", save, "--exit-interval", "2")
+    train(1, short_docs_data, "--save", save, "--exit-interval", "2")
     with pytest.raises(AssertionError, match=r"--ffn-hidden-size 256 \(this run: 128\)"):
-        train(1, tiny_data, "--load", save, "--ffn-hidden-size", "128")
+        train(1, short_docs_data, "--load", save, "--ffn-hidden-size", "128")
 
 
-def test_pp2_checkpoint_continues_at_pp1_with_dp2(tiny_data, tmp_path):
+def test_pp2_checkpoint_continues_at_pp1_with_dp2(short_docs_data, tmp_path):
     """Pipeline stages merge on --load (layer offsets are global in the sharded state), and the
     data position carries over to a new DP size."""
     save = str(tmp_path / "ckpt")
-    first = train(2, tiny_data, "--pipeline-model-parallel-size", "2", "--save", save,
+    first = train(2, short_docs_data, "--pipeline-model-parallel-size", "2", "--save", save,
                   "--exit-interval", "4")
-    rest = train(2, tiny_data, "--load", save)  # PP=1 x DP=2
-    full = train(2, tiny_data, "--pipeline-model-parallel-size", "2")
+    rest = train(2, short_docs_data, "--load", save)  # PP=1 x DP=2
+    full = train(2, short_docs_data, "--pipeline-model-parallel-size", "2")
     assert_same(first + rest, full)
 
 
-def test_another_run_into_the_same_save_dir_replaces_the_checkpoint(tiny_data, tmp_path):
+def test_another_run_into_the_same_save_dir_replaces_the_checkpoint(short_docs_data, tmp_path):
     """Only the checkpoint a run resumed from (--load == --save, no step since) is not written
     again; a fresh run reaching the same iteration in that directory replaces it."""
     save = str(tmp_path / "ckpt")
-    train(1, tiny_data, "--save", save, "--exit-interval", "2")
+    train(1, short_docs_data, "--save", save, "--exit-interval", "2")
     metadata = os.path.join(save, "iter_0000002", "metadata.json")
     first = os.stat(metadata).st_mtime_ns
-    train(1, tiny_data, "--save", save, "--exit-interval", "2", "--seed", "7")
+    train(1, short_docs_data, "--save", save, "--exit-interval", "2", "--seed", "7")
     assert os.stat(metadata).st_mtime_ns != first
     again = os.stat(metadata).st_mtime_ns
-    train(1, tiny_data, "--load", save, "--save", save, "--train-iters", "2",
+    train(1, short_docs_data, "--load", save, "--save", save, "--train-iters", "2",
           "--lr-decay-iters", "10", "--use-checkpoint-opt_param-scheduler",
           drop=("--train-iters",))
     assert os.stat(metadata).st_mtime_ns == again  # resumed at 2, nothing new to write
 
 
-def test_legacy_torch_format_refuses_another_tp_size_by_flag(tiny_data, tmp_path):
+def test_legacy_torch_format_refuses_another_tp_size_by_flag(short_docs_data, tmp_path):
     save = str(tmp_path / "ckpt")
-    train(2, tiny_data, "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by",
+    train(2, short_docs_data, "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by",
           "64", "--ckpt-format", "torch", "--save", save, "--exit-interval", "2")
     with pytest.raises(AssertionError, match="saved at --tensor-model-parallel-size 2 loads "
                                              "only at that size \\(this run: 1\\)"):
-        train(1, tiny_data, "--load", save)
+        train(1, short_docs_data, "--load", save)

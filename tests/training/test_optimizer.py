@@ -32,14 +32,15 @@ def run(tmp_path, name, world, data, *extra, drop=()):
 
 @pytest.mark.parametrize("buckets", [[], ["--ddp-bucket-size", "20000"]],
                          ids=["one-bucket", "several-buckets"])
-def test_distributed_optimizer_with_overlap_equals_cp1(cp1, tiny_data, buckets):  # noqa: F811
-    losses = train(4, tiny_data, "--context-parallel-size", "2", "--use-distributed-optimizer",
-                   "--overlap-grad-reduce", "--overlap-param-gather", *buckets)
+def test_distributed_optimizer_with_overlap_equals_cp1(cp1, short_docs_data, buckets):  # noqa: F811
+    losses = train(4, short_docs_data, "--context-parallel-size", "2",
+                   "--use-distributed-optimizer", "--overlap-grad-reduce",
+                   "--overlap-param-gather", *buckets)
     assert_same(losses, cp1)
 
 
-def test_sgd_is_not_adam(cp1, tiny_data):  # noqa: F811
-    losses = train(1, tiny_data, "--optimizer", "sgd", "--sgd-momentum", "0.5")
+def test_sgd_is_not_adam(cp1, short_docs_data):  # noqa: F811
+    losses = train(1, short_docs_data, "--optimizer", "sgd", "--sgd-momentum", "0.5")
     assert losses[0] == pytest.approx(cp1[0], rel=1e-6)  # the same model before any step
     assert all(math.isfinite(x) for x in losses)
     assert abs(losses[-1] - cp1[-1]) > 1e-3
@@ -49,27 +50,27 @@ SAMPLES = ["--train-samples", "40", "--lr-decay-samples", "40"]
 ITER_BASED = ("--train-iters", "--lr-warmup-iters")  # tiny_flags: 10 iters, warmup 2
 
 
-def test_sample_based_run_is_the_iteration_based_run(cp1, tiny_data, tmp_path):  # noqa: F811
-    losses = train(1, tiny_data, *SAMPLES, "--lr-warmup-samples", "8", drop=ITER_BASED)
+def test_sample_based_run_is_the_iteration_based_run(cp1, short_docs_data, tmp_path):  # noqa: F811
+    losses = train(1, short_docs_data, *SAMPLES, "--lr-warmup-samples", "8", drop=ITER_BASED)
     assert losses == cp1
 
 
-def test_rampup_batch_size_ramps_the_global_batch(tiny_data, tmp_path):
+def test_rampup_batch_size_ramps_the_global_batch(short_docs_data, tmp_path):
     # Start at 2, +2 per 8 ramp samples, up to 4: 2, 2, 2, 2 (8 samples), then 4 up to 40.
-    _, records = run(tmp_path, "ramp", 1, tiny_data, *SAMPLES, "--rampup-batch-size", "2",
+    _, records = run(tmp_path, "ramp", 1, short_docs_data, *SAMPLES, "--rampup-batch-size", "2",
                      "2", "8", drop=ITER_BASED)
     batches = [r["tokens"] // 128 for r in records]
     assert batches == [2, 2, 2, 2] + [4] * 8 and sum(batches) == 40
     # As Megatron-LM: a checkpoint when the micro-batch count changes (1 -> 2, after 4).
     save = str(tmp_path / "ckpt")
-    train(1, tiny_data, *SAMPLES, "--rampup-batch-size", "2", "2", "8", "--save", save,
+    train(1, short_docs_data, *SAMPLES, "--rampup-batch-size", "2", "2", "8", "--save", save,
           drop=ITER_BASED)
     assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == [
         "iter_0000004", "iter_0000012"]
 
 
-def test_wsd_holds_then_anneals(tiny_data, tmp_path):
-    _, records = run(tmp_path, "wsd", 1, tiny_data, *SAMPLES, "--lr-warmup-samples", "8",
+def test_wsd_holds_then_anneals(short_docs_data, tmp_path):
+    _, records = run(tmp_path, "wsd", 1, short_docs_data, *SAMPLES, "--lr-warmup-samples", "8",
                      "--lr-decay-style", "WSD", "--lr-wsd-decay-samples", "16",
                      "--lr-wsd-decay-style", "linear",
                      drop=ITER_BASED + ("--lr-decay-style",))
@@ -80,8 +81,8 @@ def test_wsd_holds_then_anneals(tiny_data, tmp_path):
     assert lrs[7:] == [pytest.approx(2e-4 + (2e-3 - 2e-4) * (1 - k / 16)) for k in (4, 8, 12)]
 
 
-def test_inverse_square_root_decay(tiny_data, tmp_path):
-    _, records = run(tmp_path, "isqrt", 1, tiny_data, "--lr-decay-style",
+def test_inverse_square_root_decay(short_docs_data, tmp_path):
+    _, records = run(tmp_path, "isqrt", 1, short_docs_data, "--lr-decay-style",
                      "inverse-square-root", "--min-lr", "0",
                      drop=("--lr-decay-style", "--min-lr"))
     lrs = [r["lr"] for r in records]
@@ -119,28 +120,28 @@ def test_scaler_and_optimizer_flags_reach_megatron_core():
 
 @pytest.mark.parametrize("optimizer", [[], ["--use-distributed-optimizer"]],
                          ids=["regular", "distributed"])
-def test_resuming_with_another_lr_needs_a_scheduler_choice(tiny_data, tmp_path, optimizer):
+def test_resuming_with_another_lr_needs_a_scheduler_choice(short_docs_data, tmp_path, optimizer):
     """Megatron's rule: the checkpoint's schedule and the flags must agree, unless
     --override-opt_param-scheduler (the flags win) or --use-checkpoint-opt_param-scheduler
     (the checkpoint wins); with megatron-core 0.19 too, whose optimizer pairs saved param
     groups by their max/min LR (a new --lr found none)."""
     save = str(tmp_path / "ckpt")
-    train(1, tiny_data, "--save", save, "--exit-interval", "4", *optimizer)
+    train(1, short_docs_data, "--save", save, "--exit-interval", "4", *optimizer)
     with pytest.raises(AssertionError, match="learning rate do not match"):
-        train(1, tiny_data, "--load", save, "--lr", "1e-3", *optimizer, drop=("--lr",))
-    _, flags_win = run(tmp_path, "override", 1, tiny_data, "--load", save, "--lr", "1e-3",
+        train(1, short_docs_data, "--load", save, "--lr", "1e-3", *optimizer, drop=("--lr",))
+    _, flags_win = run(tmp_path, "override", 1, short_docs_data, "--load", save, "--lr", "1e-3",
                        "--override-opt_param-scheduler", *optimizer, drop=("--lr",))
-    _, ckpt_wins = run(tmp_path, "checkpoint", 1, tiny_data, "--load", save, "--lr", "1e-3",
+    _, ckpt_wins = run(tmp_path, "checkpoint", 1, short_docs_data, "--load", save, "--lr", "1e-3",
                        "--use-checkpoint-opt_param-scheduler", *optimizer, drop=("--lr",))
     assert flags_win[0]["iteration"] == ckpt_wins[0]["iteration"] == 5
     assert flags_win[0]["lr"] < 1e-3 < ckpt_wins[0]["lr"] <= 2e-3
 
 
-def test_no_save_optim_resumes_with_a_fresh_optimizer(tiny_data, tmp_path):
+def test_no_save_optim_resumes_with_a_fresh_optimizer(short_docs_data, tmp_path):
     save, full = str(tmp_path / "ckpt"), None
-    first = train(1, tiny_data, "--save", save, "--exit-interval", "4", "--no-save-optim")
-    rest = train(1, tiny_data, "--load", save)
-    full = train(1, tiny_data)
+    first = train(1, short_docs_data, "--save", save, "--exit-interval", "4", "--no-save-optim")
+    rest = train(1, short_docs_data, "--load", save)
+    full = train(1, short_docs_data)
     assert first == full[:4] and len(rest) == 6
     assert rest[0] == pytest.approx(full[4], rel=1e-6)  # same weights and data ...
     assert rest[1] != pytest.approx(full[5], rel=1e-4)  # ... then Adam restarts from zero
