@@ -42,11 +42,13 @@ SCAN_TOKENS = 1 << 24
 
 
 def check_dataset(prefix: str, tokenizer, scan_tokens: Optional[int] = None,
-                  eod_flags: Optional[Callable[[int], Optional[str]]] = None) -> None:
+                  eod_flags: Optional[Callable[[int], Optional[str]]] = None,
+                  reset_flags: str = "") -> None:
     """Raise DatasetError unless `prefix`.bin/.idx is whole and fits `tokenizer`. Without
     metadata, at most `scan_tokens` (default SCAN_TOKENS; 0: no scan) tokens are read.
     `eod_flags(eod)`, where given, names the training flags that give the tokenizer that EoD
-    id (for an EoD mismatch's message)."""
+    id (for an EoD mismatch's message). `reset_flags`: the EoD flags the run passes (e.g.
+    "--reset-attention-mask"), which data without any EoD would make do nothing."""
     scan_tokens = SCAN_TOKENS if scan_tokens is None else scan_tokens
     idx, bin_ = prefix + ".idx", prefix + ".bin"
     dtype, lengths, pointers, documents = _read_index(idx)
@@ -64,10 +66,14 @@ def check_dataset(prefix: str, tokenizer, scan_tokens: Optional[int] = None,
     if meta is not None:
         _check_against_metadata(prefix, meta, numpy.dtype(dtype).name, len(documents) - 1,
                                 tokens, size, tokenizer, eod_flags)
+        if reset_flags and meta.get("non_eod_tokens") == tokens:
+            raise DatasetError(_no_eod(prefix, tokenizer.eod, reset_flags))
         return
     if scan_tokens <= 0:
         return
     largest, non_eod, whole = _scan(bin_, dtype, tokens, tokenizer.eod, scan_tokens)
+    if reset_flags and whole and non_eod == tokens:
+        raise DatasetError(_no_eod(prefix, tokenizer.eod, reset_flags))
     if largest >= tokenizer.vocab_size:
         raise DatasetError(f"{bin_}: token id {largest} is outside the training tokenizer's "
                            f"vocabulary ({tokenizer.vocab_size}); the data was made with "
@@ -75,6 +81,13 @@ def check_dataset(prefix: str, tokenizer, scan_tokens: Optional[int] = None,
     if whole and non_eod == 0:
         raise DatasetError(f"{bin_}: every token is the EoD id {tokenizer.eod}: nothing to "
                            f"learn (wrong --tokenizer-type or data)")
+
+
+def _no_eod(prefix, eod, reset_flags) -> str:
+    return (f"{prefix}: the data holds no EoD id {eod} (made without --append-eod?), so "
+            f"{reset_flags} would find no document boundary: every row would train as one "
+            f"document. Re-run tools/preprocess_data.py with --append-eod, or drop "
+            f"{reset_flags}")
 
 
 def sequence_count(prefix: str) -> int:

@@ -80,7 +80,10 @@ def _checked_datasets(args, tokenizer, sizes, blend, blend_per_split, **settings
         check_object_storage(args, [p for p in prefixes if _on_object_storage(p)])
         check_datasets([p for p in prefixes if not _on_object_storage(p)], tokenizer,
                        null_tokenizer_eod_flags(args, tokenizer),
-                       cache_path=getattr(args, "data_cache_path", None))
+                       cache_path=getattr(args, "data_cache_path", None),
+                       reset_flags=" ".join(f"--{flag.replace('_', '-')}" for flag in (
+                           "reset_attention_mask", "reset_position_ids", "eod_mask_loss")
+                           if getattr(args, flag, False)))
         check_split_sizes(blend, args.split if blend_per_split is None else None, sizes)
     return build_gpt_datasets(
         None, args.seq_length, tokenizer, list(sizes), split=args.split, seed=args.seed,
@@ -135,7 +138,8 @@ def check_object_storage(args, prefixes) -> None:
               f"reads them", flush=True)
 
 
-def check_datasets(prefixes, tokenizer, eod_flags=None, cache_path=None) -> None:
+def check_datasets(prefixes, tokenizer, eod_flags=None, cache_path=None,
+                   reset_flags="") -> None:
     """data/checks.py on every prefix: the cheap index/size/metadata checks on every rank (a
     node may hold its own, damaged copy), the bounded token scan on rank 0 only (no heavy
     reads multiplied by the world size) and the cached indices' stamp (data/index_cache.py)
@@ -146,7 +150,7 @@ def check_datasets(prefixes, tokenizer, eod_flags=None, cache_path=None) -> None
     try:
         for prefix in prefixes:
             check_dataset(prefix, tokenizer, scan_tokens=None if rank == 0 else 0,
-                          eod_flags=eod_flags)
+                          eod_flags=eod_flags, reset_flags=reset_flags)
             if rank == 0:  # where megatron-core builds the cached indices
                 check_index_cache(prefix, cache_path)
     except DatasetError as found:

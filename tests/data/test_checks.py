@@ -135,3 +135,24 @@ def test_the_scan_is_bounded_on_large_files(tmp_path):
 
     with pytest.raises(DatasetError, match="token id 999"):
         check_dataset(prefix, Tok(), scan_tokens=6400)
+
+
+@pytest.mark.parametrize("sidecar", [True, False], ids=["ours", "megatron-tool"])
+def test_data_without_any_eod_is_refused_where_the_run_resets_at_eods(tmp_path, sidecar):
+    """Made without --append-eod: under --reset-attention-mask every row would be one
+    document. Without the EoD flags such data is fine."""
+    src = tmp_path / "plain.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    preprocess_jsonl(str(src), str(tmp_path / "plain"), ByteTokenizer(), append_eod=False,
+                     log=lambda m: 0)
+    prefix = str(tmp_path / "plain_text_document")
+    if not sidecar:
+        os.remove(prefix + ".json")
+    check_dataset(prefix, ByteTokenizer())
+    with pytest.raises(DatasetError, match="holds no EoD id 256 \\(made without --append-eod"
+                                           "\\?\\), so --reset-attention-mask --eod-mask-loss "
+                                           "would find no document boundary"):
+        check_dataset(prefix, ByteTokenizer(),
+                      reset_flags="--reset-attention-mask --eod-mask-loss")
+    check_dataset(make(tmp_path, "with_eods", sidecar=sidecar), ByteTokenizer(),
+                  reset_flags="--reset-attention-mask")
