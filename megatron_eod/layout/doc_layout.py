@@ -109,6 +109,12 @@ def _validate(tokens, eod_token_id, pad_token_id, vocab_size) -> None:
     if eod_token_id is None:
         raise ValueError("eod_token_id is required (the tokenizer's EoD id)")
     _check_token_id("pad_token_id", pad_token_id, vocab_size)
+    info = torch.iinfo(tokens.dtype)
+    for name, value in (("eod_token_id", eod_token_id), ("pad_token_id", pad_token_id)):
+        if value is not None and not info.min <= value <= info.max:
+            raise ValueError(f"{name} {value} does not fit tokens' dtype {tokens.dtype} "
+                             f"({info.min}..{info.max}): compared in it, it would wrap to "
+                             f"another id; pass tokens as int64")
     if pad_token_id is not None and pad_token_id == eod_token_id:
         raise ValueError(
             f"pad_token_id must differ from eod_token_id (both are {eod_token_id}): a pad token "

@@ -139,6 +139,10 @@ def test_million_token_row_needs_no_dense_mask():
      "pad_token_id must differ"),
     (lambda: build_doc_layout(torch.ones(1, 3, dtype=torch.long), 5, pad_token_id=999,
                               vocab_size=258), "pad_token_id=999 is outside"),
+    (lambda: build_doc_layout(torch.tensor([[1, 0, 2]], dtype=torch.uint8), 256),
+     "eod_token_id 256 does not fit tokens' dtype torch.uint8"),  # it read byte 0 as EoD
+    (lambda: build_doc_layout(torch.tensor([[1, 0, 2]], dtype=torch.int16), 5,
+                              pad_token_id=40000), "pad_token_id 40000 does not fit"),
 ])
 def test_bad_inputs_raise_clear_errors(call, message):
     with pytest.raises(ValueError, match=message):
