@@ -4,7 +4,8 @@ One job: megatron-core's own GPT layer spec (local modules on CPU, TransformerEn
 installed and asked for) with the `core_attention` slot replaced by `EodCoreAttention`, bound
 to the model's context registry. Build the GPTModel with position_embedding_type="none":
 RoPE is applied inside the attention at the reset position ids. Without TransformerEngine the
-norms are `norm.TorchNorm` (megatron-core's torch wrapper refuses sequence parallelism);
+norms (q/k norms included) are `norm.TorchNorm` (megatron-core's torch wrapper refuses
+sequence parallelism and zero-centred gamma);
 `get_gpt_eod_block_spec` also sets the block's final norm, for this pipeline stage's layers
 (one model chunk's, given `vp_stage`).
 The rotary arguments are GPTModel's (`rotary_base`, `rotary_percent`, `rope_scaling`, ...):
@@ -42,6 +43,9 @@ def get_gpt_layer_eod_spec(registry, use_transformer_engine: bool = False,
                                               normalization=normalization)
         spec.submodules.input_layernorm = TorchNorm
         spec.submodules.pre_mlp_layernorm = TorchNorm
+        if qk_layernorm:  # megatron-core's torch norm refuses --sequence-parallel here too
+            attention = spec.submodules.self_attention.submodules
+            attention.q_layernorm = attention.k_layernorm = TorchNorm
     spec.submodules.self_attention.submodules.core_attention = spec_module.ModuleSpec(
         module=EodCoreAttention,
         params={"registry": registry, "rotary_base": rotary_base,

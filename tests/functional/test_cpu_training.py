@@ -212,3 +212,12 @@ def test_rope_variants_and_learned_positions_under_cp(short_docs_data):
         hybrid = ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid",
                   "--ulysses-degree-in-cp", "2"]
         assert_same(train(4, short_docs_data, *extra, *hybrid), train(1, short_docs_data, *extra))
+
+
+def test_qk_layernorm_with_sequence_parallel_equals_tp1(short_docs_data):
+    """q/k norms are torch norms that allow sequence parallelism (megatron-core's refuse it:
+    the run stopped while building the model), their weight gradients summed over TP."""
+    reference = train(1, short_docs_data, "--qk-layernorm")
+    assert_same(train(4, short_docs_data, "--qk-layernorm", "--tensor-model-parallel-size", "2",
+                      "--sequence-parallel", "--context-parallel-size", "2",
+                      "--make-vocab-size-divisible-by", "64"), reference)
