@@ -214,17 +214,26 @@ def _resolve_context_parallel(args) -> None:
         raise FlagError(f"--context-parallel-algo {given} contradicts --cp-comm-type {comm[0]} "
                         f"({_COMM_TO_ALGO[comm[0]]}); pass one of them")
     args.context_parallel_algo = algo
+    u = args.ulysses_degree_in_cp
+    if given is None and algo != "hybrid" and u not in (None, 1, cp if algo == "ulysses" else 1):
+        raise FlagError(f"--ulysses-degree-in-cp {u} asks for hybrid context parallelism, but "
+                        f"--cp-comm-type {comm[0]}{'' if comm_given else ' (the default)'} is "
+                        f"{algo}: pass --cp-comm-type a2a+p2p (or --context-parallel-algo "
+                        f"hybrid)")
     if algo != "hybrid":
         if sizes:
             raise FlagError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))} "
                             f"is only used by --cp-comm-type a2a+p2p (hybrid), not by {algo}")
     elif cp > 1:
-        u = args.ulysses_degree_in_cp
         if sizes:
+            shown = f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}"
             if len(sizes) != 2:
-                raise FlagError(f"--hierarchical-context-parallel-sizes "
-                                f"{' '.join(map(str, sizes))}: hybrid takes two sizes, "
-                                f"Ulysses (inner) then Ring (outer)")
+                raise FlagError(f"{shown}: hybrid takes two sizes, Ulysses (inner) then Ring "
+                                f"(outer)")
+            if sizes[0] * sizes[1] != cp or min(sizes) < 2:
+                raise FlagError(f"{shown}: hybrid needs two sizes > 1 whose product is "
+                                f"--context-parallel-size {cp} (an inner size of 1 is ring: "
+                                f"--cp-comm-type p2p; an outer size of 1 is ulysses: a2a)")
             if u is not None and u != sizes[0]:
                 raise FlagError(f"--ulysses-degree-in-cp {u} contradicts "
                                 f"--hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]}")

@@ -89,6 +89,13 @@ REFUSALS = {
     "cuda-graph-layer": (["--cuda-graph-impl", "local"], "--cuda-graph-impl local: a CUDA "
                          "graph would replay one micro-batch's CP plan"),
     "cuda-graph-legacy": (["--enable-cuda-graph"], "--enable-cuda-graph: a CUDA graph"),
+    "ulysses-degree-alone": (["--context-parallel-size", "4", "--ulysses-degree-in-cp", "2"],
+                             "--ulysses-degree-in-cp 2 asks for hybrid context parallelism, but "
+                             "--cp-comm-type p2p \\(the default\\) is ring"),
+    "hierarchical-outer-1": (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                              "--hierarchical-context-parallel-sizes", "4", "1"],
+                             "--hierarchical-context-parallel-sizes 4 1: hybrid needs two "
+                             "sizes > 1"),
     "dataloader-external": (["--dataloader-type", "external"], "--dataloader-type external: "
                             "an external data loader bypasses"),
     "qk-clip": (["--qk-clip"], "--qk-clip: QK-clip reads the core attention's largest"),
