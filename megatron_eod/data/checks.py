@@ -6,8 +6,9 @@ One job: before the first step, refuse a dataset that would fail late or train w
   document and sequence tables are consistent, and the `.bin` holds exactly the bytes the
   index points at (a truncated or swapped `.bin`/`.idx` pair);
 * with the metadata file preprocessing writes (sidecar.py): the pair is the one it describes
-  (dtype, documents, tokens, bytes); the training tokenizer has its EoD id and a vocabulary
-  that covers its largest token id; it holds non-EoD tokens;
+  (dtype, documents, tokens, bytes); the training tokenizer has its EoD id, gives its probe
+  text the same ids, and has a vocabulary that covers its largest token id; it holds non-EoD
+  tokens;
 * without one (Megatron's own tool): a bounded scan (at most `scan_tokens`, spread over the
   file; the whole file when smaller) for token ids outside the vocabulary, and, when the scan
   covered everything, for a dataset of EoD tokens only. Results are cached per file state.
@@ -23,7 +24,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import numpy
 
-from megatron_eod.data.sidecar import read_sidecar, sidecar_path
+from megatron_eod.data.sidecar import probe_digest, read_sidecar, sidecar_path
 
 __all__ = ["DatasetError", "SCAN_TOKENS", "check_dataset", "sequence_count"]
 
@@ -153,6 +154,14 @@ def _check_against_metadata(prefix, meta, dtype, documents, tokens, size, tokeni
                            f"({made.get('class')}, vocab {made.get('vocab_size')}), the training "
                            f"tokenizer's EoD id is {tokenizer.eod}: pass the tokenizer flags the "
                            f"data was made with" + (f" ({flags})" if flags else ""))
+    made_probe, probe = made.get("probe_digest"), probe_digest(tokenizer)
+    if made_probe is not None and probe is not None and made_probe != probe:
+        raise DatasetError(f"{where}: the data was made with a tokenizer that splits text "
+                           f"otherwise than the training one ({made.get('class')}, vocab "
+                           f"{made.get('vocab_size')}; the same EoD id, other vocabulary or "
+                           f"merges): pass the tokenizer the data was made with. (Only if it is "
+                           f"that tokenizer and merely its library changed: delete "
+                           f"\"probe_digest\" from {where}.)")
     if meta.get("max_token_id", -1) >= tokenizer.vocab_size:
         raise DatasetError(f"{where}: the data holds token id {meta['max_token_id']}, outside "
                            f"the training tokenizer's vocabulary ({tokenizer.vocab_size})")

@@ -156,3 +156,36 @@ def test_data_without_any_eod_is_refused_where_the_run_resets_at_eods(tmp_path, 
                       reset_flags="--reset-attention-mask --eod-mask-loss")
     check_dataset(make(tmp_path, "with_eods", sidecar=sidecar), ByteTokenizer(),
                   reset_flags="--reset-attention-mask")
+
+
+def _bpe(folder, corpus):
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=270, special_tokens=["<|endoftext|>", "<pad>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([corpus] * 50, trainer)
+    os.makedirs(folder, exist_ok=True)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    from megatron_eod.data.tokenizers import build_tokenizer
+
+    return build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(folder))
+
+
+def test_a_tokenizer_with_the_same_eod_and_vocab_size_but_other_merges_is_refused(tmp_path):
+    """Llama-2's and Mistral's tokenizers share eos 2 of 32000: data made with one and trained
+    with the other passed the EoD and vocabulary checks. The ids of a probe text tell them
+    apart; the same tokenizer read from another folder passes."""
+    made = _bpe(tmp_path / "a", "the quick brown fox jumps over the lazy dog " * 9)
+    other = _bpe(tmp_path / "b", "naive cafe tokens per second, def tokenize(text) " * 9)
+    copy = _bpe(tmp_path / "copy", "the quick brown fox jumps over the lazy dog " * 9)
+    assert (made.eod, made.vocab_size) == (other.eod, other.vocab_size)
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    preprocess_jsonl(str(src), str(tmp_path / "c"), made, append_eod=True, log=lambda m: 0)
+    prefix = str(tmp_path / "c_text_document")
+    check_dataset(prefix, copy)
+    with pytest.raises(DatasetError, match="made with a tokenizer that splits text otherwise "
+                                           "than the training one"):
+        check_dataset(prefix, other)

@@ -39,8 +39,12 @@ def good(tmp_path):
 def test_metadata_records_the_tokenizer_and_counts(good):
     prefix, _ = good
     meta = json.load(open(prefix + ".json"))
+    from megatron_eod.data.sidecar import probe_digest
+    from megatron_eod.data.tokenizers import ByteTokenizer
+
     assert meta["tokenizer"] == {"class": "megatron_eod.ByteTokenizer", "vocab_size": 258,
-                                 "eod": 256, "pad": 257}
+                                 "eod": 256, "pad": 257,
+                                 "probe_digest": probe_digest(ByteTokenizer())}
     assert (meta["documents"], meta["tokens"], meta["non_eod_tokens"]) == (3, 19, 16)
     assert meta["bin_bytes"] == os.path.getsize(prefix + ".bin")
 
