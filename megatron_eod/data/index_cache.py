@@ -5,8 +5,10 @@ One job: GPTDataset caches each dataset's document, sample and shuffle indices (
 the settings, not of the data: a dataset re-made into the same prefix is read through the old
 indices (other samples than the data holds, or `buffer is smaller than requested size` hours
 in). Beside each cache this keeps a stamp of the dataset the cache is for (the .bin and .idx
-sizes, a digest of the .idx's first and last MiB) and refuses a cache whose dataset changed
-since, naming the folder. A cache from before the stamp is trusted, and stamped.
+sizes, a digest of the .idx's first and last MiB) and refuses cached indices of a dataset that
+changed since, naming their files. A stamp with no indices of its dataset left behind it (the
+run stopped before building them, or they were deleted) is renewed; a cache from before the
+stamp is trusted, and stamped.
 
 What it does not do: no removal (another run may be reading that cache), no object storage.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Optional
+from typing import List, Optional
 
 from megatron_eod.data.checks import DatasetError
 
@@ -42,11 +44,34 @@ def _identity(prefix: str) -> dict:
             "idx_digest": digest.hexdigest()}
 
 
+def _cached_entries(folder: str, prefix: str) -> List[str]:
+    """megatron-core's cache entries in `folder` built from `prefix` (as the run passes it, as
+    megatron-core keys them): the `<hash>-<Class>-<split>` bases of their description files,
+    blended ones (which nest their datasets' descriptions) included."""
+    needle = f'"dataset_path": {json.dumps(prefix)}'
+    entries = []
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return entries
+    for name in names:
+        if name.endswith("-description.txt"):
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    found = needle in f.read()
+            except OSError:
+                continue
+            if found:
+                entries.append(name[:-len("-description.txt")])
+    return entries
+
+
 def check_index_cache(prefix: str, data_cache_path: Optional[str]) -> None:
-    """DatasetError if the cache of `prefix` was stamped for other .bin/.idx files; stamp it
-    where it has no stamp (a folder that cannot be written is left alone)."""
+    """DatasetError if megatron-core holds cached indices of `prefix` stamped for other
+    .bin/.idx files; otherwise (re)stamp the cache for the data on disk (a folder that cannot
+    be written is left alone)."""
     folder = cache_folder(prefix, data_cache_path)
-    key = hashlib.md5(os.path.abspath(prefix).encode(), usedforsecurity=False).hexdigest()[:16]
+    key = hashlib.md5(prefix.encode(), usedforsecurity=False).hexdigest()[:16]
     stamp = os.path.join(folder, f"megatron-eod-dataset-{key}.json")
     now = _identity(prefix)
     try:
@@ -54,18 +79,22 @@ def check_index_cache(prefix: str, data_cache_path: Optional[str]) -> None:
             was = json.load(f)
     except (OSError, ValueError):
         was = None
-    if was is None:
-        try:
-            os.makedirs(folder, exist_ok=True)
-            with open(stamp + f".{os.getpid()}", "w") as f:
-                json.dump({"prefix": os.path.abspath(prefix), **now}, f)
-            os.replace(stamp + f".{os.getpid()}", stamp)
-        except OSError:
-            pass
+    if was is not None and {k: was.get(k) for k in now} == now:
         return
-    if {k: was.get(k) for k in now} != now:
+    stale = _cached_entries(folder, prefix) if was is not None else []
+    if stale:
+        shown = ", ".join(f"{base}-*" for base in stale[:4]) + (
+            f" and {len(stale) - 4} more" if len(stale) > 4 else "")
         raise DatasetError(
-            f"{folder}: megatron-core's cached sample indices there were built from another "
-            f"{prefix}.bin/.idx ({was.get('bin_bytes')} and {was.get('idx_bytes')} bytes, now "
-            f"{now['bin_bytes']} and {now['idx_bytes']}): the dataset was re-made since, and "
-            f"they would index it wrongly; remove {folder}, or pass another --data-cache-path")
+            f"{folder}: megatron-core's cached sample indices of {prefix} there were built "
+            f"from another {prefix}.bin/.idx ({was.get('bin_bytes')} and "
+            f"{was.get('idx_bytes')} bytes, now {now['bin_bytes']} and {now['idx_bytes']}): "
+            f"the dataset was re-made since, and they would index it wrongly; delete their "
+            f"files ({shown}), or pass another --data-cache-path")
+    try:  # no stamp, or one with no cached indices left behind it: stamp the data on disk
+        os.makedirs(folder, exist_ok=True)
+        with open(stamp + f".{os.getpid()}", "w") as f:
+            json.dump({"prefix": prefix, **now}, f)
+        os.replace(stamp + f".{os.getpid()}", stamp)
+    except OSError:
+        pass

@@ -8,9 +8,9 @@ Semantics kept from Megatron's `tools/preprocess_data.py`: a field may be a stri
 strings; empty documents are written as documents with no sequences and get no EoD; the token
 dtype is megatron-core's optimal one for the vocab size. Changed: a list's strings are one
 sequence (Megatron's tool writes one sequence per string, which GPTDataset shuffles apart as
-if each were a document), and a text that tokenizes to the EoD or pad id (the special token
-written out in it, e.g. by a tokenizer that parses specials) is a bad line: it would cut its
-document under EoD reset.
+if each were a document), and a text that tokenizes to the EoD id (the special token written
+out in it, e.g. by a tokenizer that parses specials) is a bad line: it would cut its document
+under EoD reset.
 Added: every bad line (not UTF-8, malformed JSON, not an object, a missing key, a field that is
 not text, text the tokenizer rejects) is an error naming `file:line`, or, with
 `skip_bad_lines`, is skipped and counted; blank lines are counted and skipped; any number of
@@ -73,10 +73,9 @@ class _Encoder:
         # does, and it is ~2x faster than building the array from a list of ints.
         fast = getattr(tokenizer, "tokenize_array", None)
         self._to_array = fast or (lambda text: numpy.asarray(tokenizer.tokenize(text), dtype))
-        # Ids that must not come out of a document's text: its EoD (and pad) would split it.
+        # The id that must not come out of a document's text: its EoD would split it. (Not
+        # the pad id: GPTDataset only masks its loss, and some configs name an ordinary token.)
         self.special = {int(tokenizer.eod): "EoD"}
-        if getattr(tokenizer, "pad", None) is not None:
-            self.special.setdefault(int(tokenizer.pad), "pad")
         self._special_ids = numpy.array(sorted(self.special), dtype=numpy.int64)
 
     def encode(self, raw: bytes):

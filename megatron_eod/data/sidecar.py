@@ -17,6 +17,8 @@ import json
 import os
 from typing import Optional
 
+import numpy
+
 __all__ = ["FORMAT", "PROBE", "probe_digest", "sidecar_path", "tokenizer_identity",
            "write_sidecar", "read_sidecar"]
 
@@ -40,6 +42,20 @@ def probe_digest(tokenizer) -> Optional[str]:
         ids = [int(i) for i in tokenizer.tokenize(PROBE)]
     except Exception:  # a tokenizer that takes no plain text
         return None
+    # Special ids some wrappers add around any text (Megatron-LM's Llama2Tokenizer and
+    # transformers' tokenizers add BOS; ours do not) are not the text's tokenization.
+    specials = set()
+    for name in ("bos", "bos_id", "eos", "eos_id", "eod", "pad", "cls", "sep"):
+        try:
+            value = getattr(tokenizer, name)
+        except Exception:  # Megatron-LM's tokenizers raise for ids they lack
+            continue
+        if isinstance(value, (int, numpy.integer)) and not isinstance(value, bool):
+            specials.add(int(value))
+    while ids and ids[0] in specials:
+        ids.pop(0)
+    while ids and ids[-1] in specials:
+        ids.pop()
     return hashlib.md5(",".join(map(str, ids)).encode(), usedforsecurity=False).hexdigest()
 
 

@@ -82,7 +82,7 @@ def _checked_datasets(args, tokenizer, sizes, blend, blend_per_split, **settings
                        null_tokenizer_eod_flags(args, tokenizer),
                        cache_path=getattr(args, "data_cache_path", None),
                        reset_flags=" ".join(f"--{flag.replace('_', '-')}" for flag in (
-                           "reset_attention_mask", "reset_position_ids", "eod_mask_loss")
+                           "reset_attention_mask", "reset_position_ids")
                            if getattr(args, flag, False)))
         check_split_sizes(blend, args.split if blend_per_split is None else None, sizes)
     return build_gpt_datasets(

@@ -189,3 +189,17 @@ def test_a_tokenizer_with_the_same_eod_and_vocab_size_but_other_merges_is_refuse
     with pytest.raises(DatasetError, match="made with a tokenizer that splits text otherwise "
                                            "than the training one"):
         check_dataset(prefix, other)
+
+
+def test_the_probe_digest_ignores_the_special_ids_a_wrapper_adds():
+    """Megatron-LM's Llama2Tokenizer and transformers' tokenizers put BOS before any text,
+    ours do not: the same tokenizer through either trainer gives the same digest."""
+    from megatron_eod.data.sidecar import probe_digest
+
+    class WithBos(ByteTokenizer):
+        bos_id = 300
+
+        def tokenize(self, text):
+            return [self.bos_id] + super().tokenize(text) + [self.eod]
+
+    assert probe_digest(WithBos()) == probe_digest(ByteTokenizer()) is not None

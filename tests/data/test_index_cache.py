@@ -39,6 +39,25 @@ def test_a_cache_of_a_remade_dataset_is_refused(tmp_path, shared_cache):
     check_index_cache(prefix, cache)
     assert build(prefix, cache)[0]["tokens"].tolist() == first[0]["tokens"].tolist()
     make(tmp_path, ["a much longer document than before"] * 90)
-    with pytest.raises(DatasetError, match="cached sample indices there were built from another"
-                                           ".*remove .*or pass another --data-cache-path"):
+    with pytest.raises(DatasetError, match="cached sample indices of .*c_text_document there "
+                                           "were built from another.*delete their files "
+                                           "\\([0-9a-f]+-GPTDataset-train-\\*\\), or pass "
+                                           "another --data-cache-path"):
         check_index_cache(prefix, cache)
+    folder = cache_folder(prefix, cache)
+    for name in os.listdir(folder):  # deleted as the message says: the stamp is renewed
+        if "GPTDataset" in name:
+            os.remove(os.path.join(folder, name))
+    check_index_cache(prefix, cache)
+    check_index_cache(prefix, cache)
+
+
+def test_a_stamp_without_cached_indices_does_not_refuse_new_data(tmp_path):
+    """A run that stopped after the stamp but before megatron-core built anything (e.g. at a
+    later start-up check), then the data re-made as that check advised: nothing is stale."""
+    prefix = make(tmp_path, ["alpha"] * 60)
+    check_index_cache(prefix, None)
+    make(tmp_path, ["a much longer document than before"] * 90)
+    check_index_cache(prefix, None)
+    build(prefix, None)
+    check_index_cache(prefix, None)

@@ -26,8 +26,13 @@ def test_an_empty_split_asked_for_samples_is_named(tmp_path):
     with pytest.raises(DatasetError, match=r"small_text_document: its test share of --split "
                                            r"969,30,1 \(0\.001\) holds none of its 100"):
         check_split_sizes(([large, small], [0.9, 0.1]), "969,30,1", [400, 40, 8])
-    check_split_sizes(([large, small], [0.9, 0.1]), "969,30,1", [400, 40, 0])  # no test asked
-    check_split_sizes(([large, small], [1.0, 0.0]), "969,30,1", [400, 40, 8])  # weight 0
+    # megatron-core builds (and searches) the split even asked for 0 samples, or weighted 0.
+    for blend, sizes in ((([large, small], [0.9, 0.1]), [400, 40, 0]),
+                         (([large, small], [1.0, 0.0]), [400, 40, 8]),
+                         (([small], None), [400, 0, 0])):
+        with pytest.raises(DatasetError, match="or none at all \\(--split N,N,0\\)"):
+            check_split_sizes(blend, "969,30,1", sizes)
+    check_split_sizes(([large, small], [0.9, 0.1]), "969,30,1", [400, 40, None])  # whole split
     check_split_sizes(([large], None), "969,30,1", [400, 40, 8])
     check_split_sizes(([small], None), "90,8,2", [400, 40, 8])
     check_split_sizes(([small], None), "100,0,0", [400, 40, 8])  # no share: no such split
