@@ -15,7 +15,9 @@ of hanging the peers in a broadcast. Samples keep their order: the batch read ah
 stream's next one. A stream is forgotten (its read-ahead batch dropped, on every rank) only
 once its iterator no longer exists, so no live stream ever loses a sample. A read ahead that
 raises (a sampler past its dataset's end, a bad batch) fails only if that micro-batch is asked
-for, then on every TP rank: a run that ends exactly where its data ends finishes.
+for, then on every TP rank: a run that ends exactly where its data ends finishes. A read the
+step needs now that raises also raises on every TP rank (the peers are told by the header
+instead of waiting in a broadcast that never comes).
 
 What it does not do: no planning itself (batch.py), no choice of which stream comes next.
 """
@@ -111,14 +113,19 @@ class PlanAhead:
         pending = stream in self._pending
         reads: List[Optional[Batch]] = []
         if not pending:
-            reads.append(self.read(iterator))
+            reads.append(self._try_read(iterator))  # a failure raises on every TP rank
         if _more(reads[-1] if reads else self._pending[stream][0]):
-            try:  # the next one, to plan while this one trains
-                reads.append(self.read(iterator))
-            except Exception as error:  # only an error if this micro-batch is asked for
-                reads.append(ReadFailed(error))
+            # The next one, to plan while this one trains; a failure counts only if this
+            # micro-batch is asked for.
+            reads.append(self._try_read(iterator))
         sizes = [_size_of(b, self.size) for b in reads] + [0] * (2 - len(reads))
         return [stream, int(pending), forget, len(reads)] + sizes, reads
+
+    def _try_read(self, iterator):
+        try:
+            return self.read(iterator)
+        except Exception as error:
+            return ReadFailed(error)
 
     def _stream(self, iterator) -> int:
         """Source rank: the stream number of an iterator; a weak reference where the type

@@ -187,11 +187,19 @@ class EodGPTSteps:
                                         _worker_init(self.device), size=_rows)
             data, planned = self._ahead.next(data_iterator)
         else:
-            read = [self._read(data_iterator)] if source else []
-            flags = [_rows(r) if r is not None else 0 for r in read] or [0]
+            read = []
+            if source:  # a failed read is shared too: TP peers must not wait for its batch
+                try:
+                    read = [self._read(data_iterator)]
+                except Exception as error:
+                    read = [ReadFailed(error)]
+            flags = [(-1 if isinstance(r, ReadFailed) else _rows(r)) if r is not None else 0
+                     for r in read] or [0]
             _, (data,) = self._share([0, 0, -1, 1] + flags + [0], read)
             if data is None:
                 raise StopIteration
+            if isinstance(data, ReadFailed):
+                data.raise_()
             start = time.perf_counter()
             planned = self._plan(data)
             self._waited_now += time.perf_counter() - start

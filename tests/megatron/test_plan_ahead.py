@@ -139,3 +139,16 @@ def test_a_read_ahead_that_fails_matters_only_if_its_batch_is_asked_for():
     source, peer = pair.next(data)
     assert source == "t has 3 samples" and "TP rank 0) could not read" in peer
     pair.source.close()
+
+
+def test_a_read_the_step_needs_now_fails_on_every_tp_rank():
+    """The first read of a stream is needed at once: if it raises on the source, the peer is
+    told through the header and raises too, instead of waiting for a batch that never comes."""
+    def broken():
+        raise RuntimeError("cannot read the first micro-batch")
+        yield  # a generator
+
+    pair = Pair()
+    source, peer = pair.next(broken())
+    assert source == "cannot read the first micro-batch"
+    assert "TP rank 0) could not read" in peer
