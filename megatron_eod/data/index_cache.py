@@ -5,7 +5,7 @@ One job: GPTDataset caches each dataset's document, sample and shuffle indices (
 the settings, not of the data: a dataset re-made into the same prefix is read through the old
 indices (other samples than the data holds, or `buffer is smaller than requested size` hours
 in). Beside each cache this keeps a stamp of the dataset the cache is for (the .bin and .idx
-sizes, a digest of the .idx's first and last MiB) and refuses cached indices of a dataset that
+sizes, a digest of the .idx's first and last 64 KiB) and refuses cached indices of a dataset that
 changed since, naming their files. A stamp with no indices of its dataset left behind it (the
 run stopped before building them, or they were deleted) is renewed; a cache from before the
 stamp is trusted, and stamped.
@@ -24,7 +24,7 @@ from megatron_eod.data.checks import DatasetError
 
 __all__ = ["check_index_cache", "cache_folder"]
 
-_EDGE = 1 << 20  # bytes of the .idx digested at each end
+_EDGE = 1 << 16  # bytes of the .idx digested at each end (rank 0, every prefix of a blend)
 
 
 def cache_folder(prefix: str, data_cache_path: Optional[str]) -> str:

@@ -73,10 +73,6 @@ class _Encoder:
         # does, and it is ~2x faster than building the array from a list of ints.
         fast = getattr(tokenizer, "tokenize_array", None)
         self._to_array = fast or (lambda text: numpy.asarray(tokenizer.tokenize(text), dtype))
-        # The id that must not come out of a document's text: its EoD would split it. (Not
-        # the pad id: GPTDataset only masks its loss, and some configs name an ordinary token.)
-        self.special = {int(tokenizer.eod): "EoD"}
-        self._special_ids = numpy.array(sorted(self.special), dtype=numpy.int64)
 
     def encode(self, raw: bytes):
         """-> ("blank", None) | ("bad", reason) | ("ok", {key: (ids, lengths)})."""
@@ -111,12 +107,14 @@ class _Encoder:
                 if piece.size:
                     pieces.append(piece)
             ids = numpy.concatenate(pieces) if pieces else numpy.zeros(0, dtype=self.dtype)
-            special = ids[numpy.isin(ids, self._special_ids)]
-            if special.size:
-                return "bad", (f"key {key!r}: the text tokenizes to the tokenizer's "
-                               f"{self.special[int(special[0])]} id {int(special[0])} (it holds "
-                               f"that special token as text); with EoD reset it would cut the "
-                               f"document there: remove it from the text")
+            # The EoD id must not come out of a document's text: it would cut the document.
+            # (Not the pad id: GPTDataset only masks its loss, and some configs name an
+            # ordinary token.)
+            if (ids == self.tokenizer.eod).any():
+                return "bad", (f"key {key!r}: the text tokenizes to the tokenizer's EoD id "
+                               f"{self.tokenizer.eod} (it holds that special token as text); "
+                               f"with EoD reset it would cut the document there: remove it "
+                               f"from the text")
             if ids.size and self.append_eod:
                 ids = numpy.append(ids, numpy.array([self.tokenizer.eod], dtype=self.dtype))
             # One sequence per document: GPTDataset shuffles sequences as documents, so a

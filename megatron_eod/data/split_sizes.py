@@ -21,7 +21,6 @@ from megatron_eod.megatron.imports import import_megatron
 __all__ = ["check_split_sizes"]
 
 _SPLITS = ("train", "validation", "test")
-_OBJECT_STORAGE = ("s3://", "msc://")
 
 
 def check_split_sizes(blend, split: Optional[str], sizes: Sequence[Optional[int]]) -> None:
@@ -32,10 +31,10 @@ def check_split_sizes(blend, split: Optional[str], sizes: Sequence[Optional[int]
     if blend is None or split is None:
         return
     config = import_megatron("megatron.core.datasets.blended_megatron_dataset_config")
+    remote = import_megatron("megatron.core.datasets.object_storage_utils")
     ranges = config.convert_split_vector_to_split_matrix(config.parse_and_normalize_split(split))
-    prefixes, weights = blend
-    for k, prefix in enumerate(prefixes):
-        if prefix.startswith(_OBJECT_STORAGE):
+    for prefix in blend[0]:
+        if remote.is_object_storage_path(prefix):
             continue
         sequences = sequence_count(prefix)
         for name, size, share in zip(_SPLITS, sizes, ranges):

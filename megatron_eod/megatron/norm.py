@@ -21,22 +21,21 @@ import torch.nn.functional as F
 __all__ = ["TorchNorm"]
 
 
-class _ZeroCentredLayerNorm(torch.nn.LayerNorm):
+class _ZeroCentred:
+    """The weight stored as gamma - 1: initialised to 0."""
+
     def reset_parameters(self) -> None:
         super().reset_parameters()
         if self.weight is not None:
             torch.nn.init.zeros_(self.weight)
 
+
+class _ZeroCentredLayerNorm(_ZeroCentred, torch.nn.LayerNorm):
     def forward(self, x):
         return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
 
 
-class _ZeroCentredRMSNorm(torch.nn.RMSNorm):
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if self.weight is not None:
-            torch.nn.init.zeros_(self.weight)
-
+class _ZeroCentredRMSNorm(_ZeroCentred, torch.nn.RMSNorm):
     def forward(self, x):
         return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
 

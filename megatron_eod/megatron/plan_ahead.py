@@ -29,7 +29,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Tuple
 
-__all__ = ["PlanAhead", "ReadFailed"]
+__all__ = ["PlanAhead", "ReadFailed", "read_or_failure", "header_size"]
 
 Batch = Dict[str, object]  # tokens / labels / loss_mask tensors of one micro-batch
 
@@ -113,19 +113,13 @@ class PlanAhead:
         pending = stream in self._pending
         reads: List[Optional[Batch]] = []
         if not pending:
-            reads.append(self._try_read(iterator))  # a failure raises on every TP rank
+            reads.append(read_or_failure(self.read, iterator))  # a failure: every TP rank
         if _more(reads[-1] if reads else self._pending[stream][0]):
             # The next one, to plan while this one trains; a failure counts only if this
             # micro-batch is asked for.
-            reads.append(self._try_read(iterator))
-        sizes = [_size_of(b, self.size) for b in reads] + [0] * (2 - len(reads))
+            reads.append(read_or_failure(self.read, iterator))
+        sizes = [header_size(b, self.size) for b in reads] + [0] * (2 - len(reads))
         return [stream, int(pending), forget, len(reads)] + sizes, reads
-
-    def _try_read(self, iterator):
-        try:
-            return self.read(iterator)
-        except Exception as error:
-            return ReadFailed(error)
 
     def _stream(self, iterator) -> int:
         """Source rank: the stream number of an iterator; a weak reference where the type
@@ -155,7 +149,17 @@ def _more(batch) -> bool:
     return batch is not None and not isinstance(batch, ReadFailed)
 
 
-def _size_of(batch, size) -> int:
+def read_or_failure(read: Callable, iterator):
+    """read(iterator), or ReadFailed holding what it raised (to be raised on every TP rank)."""
+    try:
+        return read(iterator)
+    except Exception as error:
+        return ReadFailed(error)
+
+
+def header_size(batch, size: Callable) -> int:
+    """What a header announces for a read: size(batch), 0 at the stream's end, -1 where the
+    read failed."""
     if batch is None:
         return 0
     return -1 if isinstance(batch, ReadFailed) else size(batch)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from megatron_eod.megatron.batch import LocalBatch, local_batch, plan_batch
 from megatron_eod.megatron.imports import import_megatron
-from megatron_eod.megatron.plan_ahead import PlanAhead, ReadFailed
+from megatron_eod.megatron.plan_ahead import PlanAhead, ReadFailed, header_size, read_or_failure
 
 __all__ = ["EodGPTSteps", "is_dataset_built_on_rank"]
 
@@ -187,14 +187,9 @@ class EodGPTSteps:
                                         _worker_init(self.device), size=_rows)
             data, planned = self._ahead.next(data_iterator)
         else:
-            read = []
-            if source:  # a failed read is shared too: TP peers must not wait for its batch
-                try:
-                    read = [self._read(data_iterator)]
-                except Exception as error:
-                    read = [ReadFailed(error)]
-            flags = [(-1 if isinstance(r, ReadFailed) else _rows(r)) if r is not None else 0
-                     for r in read] or [0]
+            # A failed read is shared too: TP peers must not wait for its batch.
+            read = [read_or_failure(self._read, data_iterator)] if source else []
+            flags = [header_size(r, _rows) for r in read] or [0]
             _, (data,) = self._share([0, 0, -1, 1] + flags + [0], read)
             if data is None:
                 raise StopIteration

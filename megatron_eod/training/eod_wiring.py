@@ -26,9 +26,6 @@ __all__ = ["block_spec", "gpt_position_embedding_type", "datasets", "megatron_lm
            "check_datasets", "steps", "hybrid_groups"]
 
 
-_OBJECT_STORAGE = ("s3://", "msc://")  # megatron-core's object_storage_utils prefixes
-
-
 def block_spec(registry, config, args, use_transformer_engine: bool, vp_stage=None):
     """This pipeline stage's (model chunk's) block spec with EoD attention and the args' RoPE
     settings."""
@@ -77,8 +74,9 @@ def megatron_lm_datasets(args, tokenizer, sizes):
 def _checked_datasets(args, tokenizer, sizes, blend, blend_per_split, **settings):
     if not getattr(args, "mock_data", False):
         prefixes = blend_prefixes(blend, blend_per_split)
-        check_object_storage(args, [p for p in prefixes if _on_object_storage(p)])
-        check_datasets([p for p in prefixes if not _on_object_storage(p)], tokenizer,
+        remote = import_megatron("megatron.core.datasets.object_storage_utils")
+        check_object_storage(args, [p for p in prefixes if remote.is_object_storage_path(p)])
+        check_datasets([p for p in prefixes if not remote.is_object_storage_path(p)], tokenizer,
                        null_tokenizer_eod_flags(args, tokenizer),
                        cache_path=getattr(args, "data_cache_path", None),
                        reset_flags=" ".join(f"--{flag.replace('_', '-')}" for flag in (
@@ -112,17 +110,13 @@ def _pad_id(tokenizer):
         return None
 
 
-def _on_object_storage(prefix) -> bool:
-    return prefix.startswith(_OBJECT_STORAGE)
-
-
 def check_object_storage(args, prefixes) -> None:
     """Datasets on object storage (s3://, msc://) are read by megatron-core alone, with the
     flags it needs (it only asserts them); data/checks.py cannot read them, so their index,
     size and tokenizer checks are skipped, said once on rank 0."""
     if not prefixes:
         return
-    where = f"--data-path {prefixes[0]}: data on object storage ({', '.join(_OBJECT_STORAGE)})"
+    where = f"--data-path {prefixes[0]}: data on object storage (s3://, msc://)"
     if not hasattr(args, "object_storage_cache_path"):
         raise DatasetError(f"{where} is read through Megatron-LM's --object-storage-cache-path; "
                            f"the lean trainer reads local files only: use --trainer megatron-lm")
