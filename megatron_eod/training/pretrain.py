@@ -174,13 +174,14 @@ class _Trainer:
         pairs = torch.tensor([float(self.steps.pairs_seen)], dtype=torch.float64,
                              device=self.device)
         dist.all_reduce(pairs, group=self.ps.get_data_parallel_group())
-        self._stop_if_not_finite(loss, grad_norm, updated)
+        self._stop_if_not_finite(f"iteration {self.iteration + 1}", loss, grad_norm, updated)
         return loss, grad_norm, lr, pairs.item(), self.steps.plan_wait_s - waited, samples
 
-    def _stop_if_not_finite(self, loss, grad_norm, updated):
-        """NaN/Inf in the loss or the grad norm stops every rank (the loss is known on the last
-        pipeline stage only, so the verdict is reduced over the world); an fp16 step the loss
-        scaler skipped is a skip, not a stop."""
+    def _stop_if_not_finite(self, where, loss, grad_norm=None, updated=False):
+        """NaN/Inf in the loss (training or evaluation, as Megatron-LM's loss checks) or the
+        grad norm stops every rank (the loss is known on the last pipeline stage only, so the
+        verdict is reduced over the world); an fp16 step the loss scaler skipped is a skip,
+        not a stop."""
         if not self.args.check_for_nan_in_loss_and_grad:
             return
         last = self.ps.is_pipeline_last_stage()
@@ -192,8 +193,8 @@ class _Trainer:
             what = " and ".join(name for name, b in zip(("lm loss", "grad norm"), bad.tolist())
                                 if b)
             raise NonFiniteError(
-                f"iteration {self.iteration + 1}: {what} is NaN or Inf (lm loss {loss}, grad "
-                f"norm {grad_norm}); stopping. Lower --lr, check the data, or pass "
+                f"{where}: {what} is NaN or Inf (lm loss {loss}, grad norm {grad_norm}); "
+                f"stopping. Lower --lr, check the data, or pass "
                 f"--no-check-for-nan-in-loss-and-grad to keep going")
 
     def evaluate(self, label="validation"):
@@ -219,7 +220,9 @@ class _Trainer:
         self._param_hooks(hooks_were_on)
         if label == "validation":
             self.counters["consumed_valid_samples"] += a.eval_iters * a.global_batch_size
-        self.reporter.validation(self.iteration, self._mean_loss(outputs), label)
+        loss = self._mean_loss(outputs)
+        self.reporter.validation(self.iteration, loss, label)
+        self._stop_if_not_finite(f"{label} at iteration {self.iteration}", loss)
 
     def _split_has_samples(self, iterator) -> bool:
         """Decided where data is read (TP rank 0) and shared with the whole TP group, whose

@@ -40,3 +40,31 @@ def test_the_check_can_be_turned_off(tiny_data):
     assert code == 0 and len(losses) == 10
     last = [line for line in text.splitlines() if "iteration       10/" in line][0]
     assert "number of nan iterations:   0" not in last
+
+
+def _train_with_nan_evaluation(rank, world, argv):
+    """Evaluation's losses turn NaN (a bad validation shard, an fp16 overflow in eval)."""
+    from megatron_eod.training import pretrain as module
+    schedule = module._Trainer._schedule
+
+    def nan_when_evaluating(self, data_iterator, forward_only, num_micro_batches):
+        outputs = schedule(self, data_iterator, forward_only, num_micro_batches)
+        if forward_only:
+            for out in outputs:
+                out["lm loss"] = out["lm loss"] * float("nan")
+        return outputs
+
+    module._Trainer._schedule = nan_when_evaluating
+    return _train(rank, world, argv)
+
+
+def test_a_non_finite_evaluation_loss_stops_every_rank(tiny_data):
+    """As Megatron-LM's loss checks, which run in evaluation too (before, the lean trainer
+    printed `validation loss nan` and trained on)."""
+    results = run_ranks(_train_with_nan_evaluation, 2,
+                        tiny_flags(tiny_data, "--context-parallel-size", "2"))
+    assert [code for code, _, _ in results] == [1, 1]
+    assert "validation at iteration 5: lm loss is NaN or Inf" in results[0][1]
+    argv = tiny_flags(tiny_data, "--context-parallel-size", "2",
+                      "--no-check-for-nan-in-loss-and-grad")
+    assert [code for code, _, _ in run_ranks(_train_with_nan_evaluation, 2, argv)] == [0, 0]
