@@ -2,8 +2,10 @@
 # Usage: bash examples/quickstart_cpu.sh
 # The CPU main job, end to end with the bundled offline defaults:
 #   1. set up .venv (scripts/setup_cpu_env.sh)
-#   2. write the sample corpus (Python stdlib text, no download)
-#   3. preprocess it into a Megatron indexed dataset (byte-level tokenizer, EoD appended)
+#   2. write the sample corpus (Python stdlib text, no download; each function, method and
+#      class body a document: ~480 bytes on average, heavy-tailed)
+#   3. preprocess it into a Megatron indexed dataset (byte-level tokenizer, EoD appended) and
+#      show a micro-batch's documents (tools/show_layout.py)
 #   4. train a tiny GPT with EoD reset on 4 CPU ranks (gloo, torchrun): CP=1 (4-way data
 #      parallel), then CP=4 with each of ring, ulysses and hybrid (2 Ulysses x 2 Ring)
 #   5. print the per-iteration lm losses side by side (tools/loss_table.py); the script
@@ -31,10 +33,15 @@ mkdir -p "$WORK_DIR"
 
 echo "== 1. sample corpus"
 "$PY" "$ROOT/tools/make_sample_corpus.py" --output "$WORK_DIR/stdlib.jsonl" \
-  --max-bytes "$CORPUS_BYTES"
+  --max-bytes "$CORPUS_BYTES" --methods-apart
 echo "== 2. preprocess (byte-level tokenizer, EoD appended)"
 "$PY" "$ROOT/tools/preprocess_data.py" --input "$WORK_DIR/stdlib.jsonl" \
   --output-prefix "$WORK_DIR/stdlib" --append-eod --workers 2 --log-interval 2000
+rm -rf "$WORK_DIR/cache"  # megatron-core's sample indices of the data this run replaced
+echo "== 3. a micro-batch of $SEQ_LENGTH-token rows and its documents"
+"$PY" "$ROOT/tools/show_layout.py" --data-path "$WORK_DIR/stdlib_text_document" \
+  --seq-length "$SEQ_LENGTH" --micro-batch-size 8 --eod-mask-loss \
+  --data-cache-path "$WORK_DIR/cache"
 
 MODEL=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2
        --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH")
@@ -52,6 +59,7 @@ run() {  # run NAME FLAGS...: one training job on $NPROC CPU ranks
   echo "== 4. train: $name ($NPROC CPU ranks)"
   local log="$WORK_DIR/log_$name.txt" rc=0
   rm -f "$WORK_DIR/metrics_$name.jsonl"
+  : > "$log"  # empty before tail follows it (else it shows the previous run's lines first)
   OMP_NUM_THREADS=1 "$VENV/bin/torchrun" --standalone --nproc-per-node "$NPROC" \
     "$ROOT/pretrain_gpt.py" --trainer lean "${MODEL[@]}" "${TRAIN[@]}" "${DATA[@]}" "${EOD[@]}" \
     --metrics-file "$WORK_DIR/metrics_$name.jsonl" "$@" > "$log" 2>&1 &

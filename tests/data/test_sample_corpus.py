@@ -20,3 +20,18 @@ def test_corpus_is_deterministic_and_heavy_tailed(tmp_path):
     assert lengths.max() > 20 * median and numpy.percentile(lengths, 5) < median / 4
     write_sample_corpus(str(tmp_path / "c.jsonl"), max_bytes=600_000, seed=2)
     assert (tmp_path / "c.jsonl").read_bytes() != a.read_bytes()  # the seed matters
+
+
+def test_methods_apart_makes_shorter_documents_from_the_same_text(tmp_path):
+    """The quickstart's corpus: each method and the rest of its class are documents of their
+    own, so rows hold more EoDs; the text is the same code, dedented, and still heavy-tailed."""
+    whole, apart = tmp_path / "whole.jsonl", tmp_path / "apart.jsonl"
+    write_sample_corpus(str(whole), max_bytes=600_000)
+    write_sample_corpus(str(apart), max_bytes=600_000, methods_apart=True)
+    docs = [json.loads(line) for line in apart.open()]
+    lengths = numpy.array([len(d["text"].encode()) for d in docs])
+    whole_lengths = numpy.array([len(json.loads(line)["text"].encode()) for line in whole.open()])
+    assert lengths.mean() < whole_lengths.mean() / 2
+    assert lengths.max() > 20 * numpy.median(lengths)
+    methods = [d for d in docs if ":" in d["source"] and "." in d["source"].split(":")[1]]
+    assert methods and all(d["text"].startswith(("def ", "async def ", "@")) for d in methods)
