@@ -152,8 +152,9 @@ def _check_against_metadata(prefix, meta, dtype, documents, tokens, size, tokeni
         flags = eod_flags(made["eod"]) if eod_flags and isinstance(made.get("eod"), int) else None
         raise DatasetError(f"{where}: the data was made with EoD id {made.get('eod')} "
                            f"({made.get('class')}, vocab {made.get('vocab_size')}), the training "
-                           f"tokenizer's EoD id is {tokenizer.eod}: pass the tokenizer flags the "
-                           f"data was made with" + (f" ({flags})" if flags else ""))
+                           f"tokenizer's EoD id is {tokenizer.eod}: " + (
+                               f"train with {flags}" if flags else
+                               "pass the tokenizer flags the data was made with"))
     made_probe, probe = made.get("probe_digest"), probe_digest(tokenizer)
     if made_probe is not None and probe is not None and made_probe != probe:
         raise DatasetError(f"{where}: the data was made with a tokenizer that splits text "

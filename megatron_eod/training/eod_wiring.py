@@ -77,7 +77,7 @@ def _checked_datasets(args, tokenizer, sizes, blend, blend_per_split, **settings
         remote = import_megatron("megatron.core.datasets.object_storage_utils")
         check_object_storage(args, [p for p in prefixes if remote.is_object_storage_path(p)])
         check_datasets([p for p in prefixes if not remote.is_object_storage_path(p)], tokenizer,
-                       null_tokenizer_eod_flags(args, tokenizer),
+                       tokenizer_eod_flags(args, tokenizer),
                        cache_path=getattr(args, "data_cache_path", None),
                        reset_flags=" ".join(f"--{flag.replace('_', '-')}" for flag in (
                            "reset_attention_mask", "reset_position_ids")
@@ -91,11 +91,23 @@ def _checked_datasets(args, tokenizer, sizes, blend, blend_per_split, **settings
         blend=blend, blend_per_split=blend_per_split, **settings)
 
 
-def null_tokenizer_eod_flags(args, tokenizer):
-    """For --tokenizer-type NullTokenizer: the flags that give it another EoD id. Its EoD is
-    --vocab-size up to megatron-core 0.17 and --vocab-size - 1 (or --null-tokenizer-eod-id)
-    from 0.18, so data made under one version needs other flags under the next."""
-    if getattr(args, "tokenizer_type", None) != "NullTokenizer" or not args.vocab_size:
+def tokenizer_eod_flags(args, tokenizer):
+    """eod -> the training flags that give the tokenizer that EoD id, or None (for the start-up
+    check's EoD mismatch message), where another flag can:
+    - NullTokenizer: its EoD is --vocab-size up to megatron-core 0.17 and --vocab-size - 1 (or
+      --null-tokenizer-eod-id) from 0.18, so data made under one version needs other flags
+      under the next;
+    - SentencePieceTokenizer: Megatron-LM's (to core_v0.16) adds an EoD piece of its own
+      (`<EOD>`, after the model's pieces), where our preprocessing and later Megatron-LMs
+      separate documents with the model's eos; its GPTSentencePieceTokenizer reads the same
+      model with EoD = eos (and no added pieces)."""
+    kind = getattr(args, "tokenizer_type", None)
+    if kind == "SentencePieceTokenizer":
+        eos = _special_id(tokenizer, "eos")
+        return lambda eod: ("--tokenizer-type GPTSentencePieceTokenizer (the same "
+                            "--tokenizer-model; Megatron-LM's SentencePieceTokenizer adds an "
+                            "EoD piece of its own)") if eod == eos else None
+    if kind != "NullTokenizer" or not args.vocab_size:
         return None
     if getattr(args, "null_tokenizer_eod_id", None) is not None:
         return lambda eod: f"--null-tokenizer-eod-id {eod}"
@@ -103,11 +115,15 @@ def null_tokenizer_eod_flags(args, tokenizer):
     return lambda eod: f"--tokenizer-type NullTokenizer --vocab-size {eod + offset}"
 
 
-def _pad_id(tokenizer):
+def _special_id(tokenizer, name):
     try:
-        return tokenizer.pad
+        return getattr(tokenizer, name)
     except (AttributeError, NotImplementedError):
         return None
+
+
+def _pad_id(tokenizer):
+    return _special_id(tokenizer, "pad")
 
 
 def check_object_storage(args, prefixes) -> None:

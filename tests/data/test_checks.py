@@ -95,8 +95,8 @@ def test_a_tokenizer_with_another_eod_is_refused(tmp_path):
     prefix = make(tmp_path, "eod")
     training = NullTokenizer(300)  # EoD 300 up to megatron-core 0.17, 299 from 0.18
     with pytest.raises(DatasetError, match=r"eod_text_document\.json: the data was made with "
-                                           rf"EoD id 256.*EoD id is {training.eod}: pass the "
-                                           r"tokenizer flags the data was made with \(--vocab"):
+                                           rf"EoD id 256.*EoD id is {training.eod}: train with "
+                                           r"--vocab-size 256$"):
         check_dataset(prefix, training, eod_flags=lambda eod: f"--vocab-size {eod}")
 
 

@@ -19,5 +19,6 @@ def test_a_tokenizer_that_does_not_match_the_data_stops_the_start(tiny_data):
     assert "EoD id 256" in message and "iteration" not in message
     # The message names the --vocab-size that gives NullTokenizer the data's EoD id (the
     # flag's value up to megatron-core 0.17, the value - 1 from 0.18).
-    hint = re.search(r"--tokenizer-type NullTokenizer --vocab-size (\d+)\)", message)
+    hint = re.search(r"train with --tokenizer-type NullTokenizer --vocab-size (\d+)$", message,
+                     re.M)
     assert hint and NullTokenizer(int(hint.group(1))).eod == 256, message

@@ -85,3 +85,63 @@ def test_ambiguous_pad_tokens_that_would_erase_every_eod_are_refused():
     with pytest.raises(DatasetError, match="--allow-ambiguous-pad-tokens: the tokenizer's pad "
                                            "id is its EoD id \\(7\\)"):
         eod_wiring.megatron_lm_datasets(args, types.SimpleNamespace(eod=7, pad=7), [8, 0, 0])
+
+
+def _megatron_lm_tokenizer(monkeypatch, kind, model):
+    """Megatron-LM's own tokenizer for `--tokenizer-type kind`, built as its trainer builds it
+    (its parse_args on a command line, then its build_tokenizer)."""
+    import sys
+
+    from tests.training.megatron_lm_checkout import import_megatron_lm
+
+    import_megatron_lm()
+    from megatron.training import arguments, global_vars
+
+    monkeypatch.setattr(sys, "argv", [
+        "pretrain_gpt.py", "--tokenizer-type", kind, "--tokenizer-model", model,
+        "--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1",
+        "--seq-length", "8", "--max-position-embeddings", "8", "--micro-batch-size", "1"])
+    args = arguments.parse_args()
+    args.rank, args.tensor_model_parallel_size = 0, 1
+    monkeypatch.setattr(global_vars, "_GLOBAL_TOKENIZER", None)
+    return args, global_vars._build_tokenizer(args)
+
+
+def test_sentencepiece_data_under_megatron_lm_names_the_tokenizer_that_reads_it(
+        tmp_path, monkeypatch):
+    """Data made with `--tokenizer-type SentencePieceTokenizer` separates documents with the
+    model's eos (as megatron-core's tokenizer and later Megatron-LMs do); Megatron-LM's own
+    SentencePieceTokenizer (to core_v0.16) adds an `<EOD>` piece of its own. The start-up check
+    names the flag that reads the data (before: "pass the tokenizer flags the data was made
+    with", which the user had done), and that flag's tokenizer passes every check."""
+    import json
+
+    import pytest
+
+    from megatron_eod.data.checks import DatasetError, check_dataset
+    from megatron_eod.data.preprocess import preprocess_jsonl
+    from megatron_eod.data.tokenizers import build_tokenizer
+    from tests.data.test_core_tokenizers import _sentencepiece_model
+    from tests.training.megatron_lm_checkout import HAVE_MEGATRON_LM
+
+    if not HAVE_MEGATRON_LM:
+        pytest.skip("needs Megatron-LM's trainer")
+    model = _sentencepiece_model(tmp_path, eos_id=5, pad_id=3, unk_id=0, bos_id=1)
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in
+                           ["the quick brown fox", "jumps over", "the lazy dog"]))
+    preprocess_jsonl(str(src), str(tmp_path / "d"), build_tokenizer(
+        "SentencePieceTokenizer", tokenizer_model=model), append_eod=True, log=lambda m: 0)
+    prefix = str(tmp_path / "d_text_document")
+
+    args, theirs = _megatron_lm_tokenizer(monkeypatch, "SentencePieceTokenizer", model)
+    flags = eod_wiring.tokenizer_eod_flags(args, theirs)
+    if theirs.eod == 5:  # a Megatron-LM whose SentencePieceTokenizer is megatron-core's
+        check_dataset(prefix, theirs, eod_flags=flags)
+    else:
+        with pytest.raises(DatasetError, match=rf"EoD id 5 .*EoD id is {theirs.eod}: train "
+                                               r"with --tokenizer-type "
+                                               r"GPTSentencePieceTokenizer \(the same"):
+            check_dataset(prefix, theirs, eod_flags=flags)
+    _, advised = _megatron_lm_tokenizer(monkeypatch, "GPTSentencePieceTokenizer", model)
+    check_dataset(prefix, advised, eod_flags=flags)  # EoD, vocabulary and probe digest agree
