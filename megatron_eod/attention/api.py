@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from megatron_eod.attention.backends import default_scale, get_backend
+from megatron_eod.attention.backends import default_scale, get_backend, unit_stride_heads
 from megatron_eod.attention.groups import get_hybrid_groups
 from megatron_eod.attention.ring import check_ring_exchange, ring_attention
 from megatron_eod.attention.ulysses import head_to_seq, seq_to_head
@@ -27,6 +27,9 @@ def _check(q, k, v, plan, group_size):
     if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"k and v must match each other, and q in tokens and head_dim; got "
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[1] < 1 or q.shape[2] < 1:
+        raise ValueError(f"q, k, v need at least one key/value head and head_dim >= 1; got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[1] % k.shape[1]:
@@ -64,6 +67,7 @@ def context_parallel_attention(q, k, v, plan, group=None, causal=True, softmax_s
         group = group if group is not None else dist.group.WORLD
         _check(q, k, v, plan, dist.get_world_size(group))
         rank = dist.get_rank(group)
+    q, k, v = unit_stride_heads(q, k, v)  # a dense head_dim, as every kernel reads it
     backend = backend or get_backend(q.device, q.dtype)
     scale = softmax_scale if softmax_scale is not None else default_scale(q.shape[-1])
     schedule = plan.schedule(rank)

@@ -41,7 +41,8 @@ import torch
 
 __all__ = ["CPUExactBackend", "TorchVarlenBackend", "FlashAttnBackend", "get_backend",
            "has_transformer_engine", "accumulation_dtype", "default_scale", "backward_lse",
-           "flash_attn_problem", "writes_given_out", "FLASH_ATTN_MISSING", "MIN_FLASH_ATTN"]
+           "flash_attn_problem", "writes_given_out", "unit_stride_heads", "FLASH_ATTN_MISSING",
+           "MIN_FLASH_ATTN"]
 
 _GPU_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -49,6 +50,13 @@ _GPU_DTYPES = (torch.float16, torch.bfloat16)
 def accumulation_dtype(dtype):
     """What lse, merges and gradient sums accumulate in: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def unit_stride_heads(*tensors):
+    """Each tensor with a dense last dim (head_dim), copied only where it is not (e.g. an
+    einsum's result): PyTorch's CPU flash kernel reads a strided head_dim as if it were dense,
+    silently wrong, and the GPU kernels need it dense too."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
 
 
 class CPUExactBackend:
@@ -92,6 +100,7 @@ class CPUExactBackend:
             yield slice(cq[a], cq[b]), slice(ck[a], ck[b]), mask, has_key
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, out=None):
+        q, k, v = unit_stride_heads(q, k, v)
         out = torch.zeros_like(q) if out is None else out.zero_()
         lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=accumulation_dtype(q.dtype))
         for qs, ks, mask, has_key in self._blocks(q, k, cu_q, cu_k, causal):
@@ -113,6 +122,7 @@ class CPUExactBackend:
             dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         else:
             dq, dk, dv = (g.zero_() for g in grads)
+        q, k, v, out = unit_stride_heads(q, k, v, out)
         for qs, ks, mask, has_key in self._blocks(q, k, cu_q, cu_k, causal):
             if qs.stop == qs.start or ks.stop == ks.start:
                 continue

@@ -27,6 +27,7 @@ Shape key: B = batch rows, S = sequence length, N = B*S flattened tokens, D = do
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -76,18 +77,25 @@ class DocLayout:
         return doc_N.view(self.batch_size, self.seq_length)
 
 
-def _check_token_id(name: str, value: Optional[int], vocab_size: Optional[int]) -> None:
+def _token_id(name: str, value, vocab_size: Optional[int]) -> Optional[int]:
+    """An integer token id of any kind (int, numpy integer, 0-d integer tensor) as an int."""
     if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int token id, got {value!r}")
+        return None
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int token id, got {value!r}") from None
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
     if vocab_size is not None and value >= vocab_size:
         raise ValueError(f"{name}={value} is outside the vocabulary (vocab_size={vocab_size})")
+    return value
 
 
-def _validate(tokens, eod_token_id, pad_token_id, vocab_size) -> None:
+def _validate(tokens, eod_token_id, pad_token_id, vocab_size):
+    """-> (eod_token_id, pad_token_id) as ints, or ValueError naming the rule."""
     if not isinstance(tokens, torch.Tensor):
         raise ValueError(f"tokens must be a torch.Tensor of shape [b, s], got {type(tokens)}")
     if tokens.dim() != 2:
@@ -105,10 +113,10 @@ def _validate(tokens, eod_token_id, pad_token_id, vocab_size) -> None:
         )
     if vocab_size is not None and vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-    _check_token_id("eod_token_id", eod_token_id, vocab_size)
+    eod_token_id = _token_id("eod_token_id", eod_token_id, vocab_size)
     if eod_token_id is None:
         raise ValueError("eod_token_id is required (the tokenizer's EoD id)")
-    _check_token_id("pad_token_id", pad_token_id, vocab_size)
+    pad_token_id = _token_id("pad_token_id", pad_token_id, vocab_size)
     info = torch.iinfo(tokens.dtype)
     for name, value in (("eod_token_id", eod_token_id), ("pad_token_id", pad_token_id)):
         if value is not None and not info.min <= value <= info.max:
@@ -120,6 +128,7 @@ def _validate(tokens, eod_token_id, pad_token_id, vocab_size) -> None:
             f"pad_token_id must differ from eod_token_id (both are {eod_token_id}): a pad token "
             f"would then end documents"
         )
+    return eod_token_id, pad_token_id
 
 
 def build_doc_layout(
@@ -136,7 +145,7 @@ def build_doc_layout(
     `vocab_size`, when given, is used to reject an `eod_token_id`/`pad_token_id` outside the
     vocabulary. Runs on the device of `tokens`.
     """
-    _validate(tokens, eod_token_id, pad_token_id, vocab_size)
+    eod_token_id, pad_token_id = _validate(tokens, eod_token_id, pad_token_id, vocab_size)
     b, s = tokens.shape
     n = b * s
     device = tokens.device

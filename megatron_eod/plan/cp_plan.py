@@ -64,13 +64,18 @@ class CPPlan:
         return rank // self.ulysses_degree
 
     def token_index(self, rank: int) -> torch.Tensor:
-        """int64 [b*s // cp] on the CPU: stream positions this rank holds, in local order."""
+        """int64 [b*s // cp] on the CPU: stream positions this rank holds, in local order (a
+        tensor of the caller's own: changing it leaves the plan as it was)."""
         group, shard = divmod(self._check_rank(rank), self.ulysses_degree)
         per_rank = self.num_tokens // self.cp_size
-        return self.group_tokens(group)[shard * per_rank:(shard + 1) * per_rank]
+        return self._group_tokens(group)[shard * per_rank:(shard + 1) * per_rank].clone()
 
     def group_tokens(self, group: int) -> torch.Tensor:
-        """int64 [b*s // R]: stream positions ring group `group` holds, in local order."""
+        """int64 [b*s // R]: stream positions ring group `group` holds, in local order (the
+        caller's own tensor)."""
+        return self._group_tokens(group).clone()
+
+    def _group_tokens(self, group: int) -> torch.Tensor:
         key = ("tokens", group)
         if key not in self._cache:
             self._cache[key] = torch.from_numpy(self.pieces.token_index(group))

@@ -21,7 +21,7 @@ TOL = 1e-10
 
 
 def _check_rank(rank, world, algo, degree, kind, b, s, kv_heads, scale, seed,
-                exchange="batched", concurrent_calls=False):
+                exchange="batched", concurrent_calls=False, strided_heads=False):
     tokens = random_layout_tokens(kind, b, s, EOD, seed)
     layout = build_doc_layout(tokens, EOD)
     plan = plan_context_parallel(layout.cu_seqlens, world, algo, degree)
@@ -36,7 +36,11 @@ def _check_rank(rank, world, algo, degree, kind, b, s, kv_heads, scale, seed,
 
     idx = plan.token_index(rank)
     ql, kl, vl = (t.detach()[idx].clone().requires_grad_() for t in (q, k, v))
-    out = context_parallel_attention(ql, kl, vl, plan, group=dist.group.WORLD,
+    inputs = (ql, kl, vl)
+    if strided_heads:  # head_dim not dense (stride = heads), as an einsum's result can be
+        inputs = tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in inputs)
+        assert all(t.stride(-1) > 1 for t in inputs)
+    out = context_parallel_attention(*inputs, plan, group=dist.group.WORLD,
                                      softmax_scale=scale, ring_exchange=exchange,
                                      concurrent_calls=concurrent_calls)
     (out * dout[idx]).sum().backward()
@@ -96,3 +100,15 @@ def test_returned_gradients_summed_over_the_rows_sent(algo, world, degree, monke
 
     monkeypatch.setattr(batched, "LAUNCH_BYTES", -1)
     run_ranks(_check_rank, world, algo, degree, "mixed", 2, 96, 2, None, 5, "batched")
+
+
+@pytest.mark.parametrize("algo,world,degree,exchange", [
+    ("ring", 1, None, "batched"), ("ring", 4, None, "batched"), ("ring", 4, None, "steps"),
+    ("ring", 4, None, "batched-keep"), ("hybrid", 4, 2, "batched"), ("ulysses", 4, None,
+                                                                      "batched")])
+def test_inputs_whose_head_dim_is_not_dense(algo, world, degree, exchange):
+    """q, k, v with a strided last dim (an einsum's output): PyTorch's CPU flash kernel reads
+    them as if dense, so ring and CP=1 were silently wrong (errors up to inf; Ulysses' all-to-all
+    copied them)."""
+    run_ranks(_check_rank, world, algo, degree, "mixed", 2, 64, 2, None, 13, exchange, False,
+              True)

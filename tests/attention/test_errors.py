@@ -22,6 +22,9 @@ def _attempt(rank, world, case):
         "causal": lambda: context_parallel_attention(q, k, k, plan, causal=False),
         "gqa": lambda: context_parallel_attention(q, torch.randn(n, 2, 4),
                                                   torch.randn(n, 2, 4), plan),
+        "no_kv_heads": lambda: context_parallel_attention(q, k[:, :0], k[:, :0], plan),
+        "no_head_dim": lambda: context_parallel_attention(q[..., :0], k[..., :0], k[..., :0],
+                                                          plan),
         "hybrid_groups": lambda: context_parallel_attention(
             torch.randn(32 // world, 4, 4), k, k,
             plan_context_parallel([0, 32], world, "hybrid", 1)),
@@ -41,6 +44,8 @@ def _attempt(rank, world, case):
     ("dtype", "must share a dtype"),
     ("causal", "causal=False is not supported"),
     ("gqa", r"attention heads \(3\) must be divisible by key/value heads \(2\)"),
+    ("no_kv_heads", "need at least one key/value head"),  # was ZeroDivisionError
+    ("no_head_dim", "head_dim >= 1"),
     ("hybrid_groups", "call megatron_eod.create_hybrid_groups"),
 ])
 def test_bad_inputs(case, message):

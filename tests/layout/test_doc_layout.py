@@ -149,6 +149,17 @@ def test_bad_inputs_raise_clear_errors(call, message):
         call()
 
 
+def test_token_ids_of_every_integer_kind_are_accepted():
+    """A tokenizer's id may come as a numpy integer or a 0-d tensor (it was refused as 'must
+    be an int token id')."""
+    import numpy as np
+
+    tokens = torch.tensor([[1, EOD, 2, 3, EOD, 4]])
+    want = build_doc_layout(tokens, EOD, pad_token_id=3).cu_seqlens
+    for eod, pad in ((np.int64(EOD), np.int32(3)), (torch.tensor(EOD), torch.tensor(3))):
+        assert torch.equal(build_doc_layout(tokens, eod, pad_token_id=pad).cu_seqlens, want)
+
+
 @pytest.mark.gpu
 def test_cuda_matches_cpu():
     gen = torch.Generator().manual_seed(3)

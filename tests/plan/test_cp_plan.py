@@ -80,3 +80,13 @@ def test_integer_inputs_of_every_kind_are_accepted():
     for cu in (torch.tensor([0, 3, 8], dtype=torch.int32), np.array([0, 3, 8], np.uint16),
                np.array([0, 3, 8], np.int64), (0, 3, 8)):
         assert np.array_equal(plan_context_parallel(cu, 2).pieces.start, want)
+
+
+def test_a_callers_index_is_its_own():
+    """Changing the index a rank was given leaves the plan's answers (and other ranks',
+    which shared its memory under hybrid) as they were."""
+    plan = plan_context_parallel([0, 3, 8, 16], 4, "hybrid", 2)
+    before = [plan.token_index(r).clone() for r in range(4)]
+    plan.token_index(0).add_(1000)
+    plan.group_tokens(1).add_(1000)
+    assert all(torch.equal(plan.token_index(r), before[r]) for r in range(4))
