@@ -18,6 +18,14 @@
 #                 split into attention kernels, glue kernels and idle device, and its
 #                 costliest glue kernels
 #   e2e           tools/bench_e2e.py --preset 1b: EoD reset vs causal tokens/s, ~1.2B GPT, 32k
+# and, run only when named, the open rows of issue 11 with their baselines, for a short lease:
+#   bench-open    bench-cp's rows of ours and the ideal only (no reference layouts, whose
+#                 figures of 2026-11-24 stand), 2 rows per mix
+#   profile-open  profile's batched rows, with and without --cp-concurrent-calls
+# A lease of 15 device minutes (the machine's start included; 10 minutes a command) fits two
+# calls, the second at once while the machine is warm (~30 s):
+#   1. bash scripts/gpu_checks.sh env kernels bench-open profile-open multiprocess
+#   2. GPU_CHECKS_BUDGET=<seconds left - 60> bash scripts/gpu_checks.sh env training
 # --list prints each stage and its command, runs nothing.
 #   GPU_CHECKS_OUT     logs and summary.md (default: $OUT when set, else <repo>/runs/gpu_checks)
 #   GPU_CHECKS_BUDGET  seconds for all stages together (default: 560); a stage runs under what
@@ -33,6 +41,7 @@ WORK="${TMPDIR:-/tmp}/megatron-eod-gpu-checks"
 PYTEST="$PYTHON -m pytest -q -rs -s -m gpu"
 
 ORDER=(env kernels multiprocess training bench-cp profile e2e)
+NAMED_ONLY=(bench-open profile-open)
 declare -A COMMAND LIMIT
 COMMAND[env]="$PYTHON tools/gpu_env_report.py"
 COMMAND[kernels]="$PYTEST tests --ignore=tests/attention/test_multiprocess_gpu.py --ignore=tests/functional/test_gpu_training.py"
@@ -41,18 +50,22 @@ COMMAND[training]="$PYTEST tests/functional/test_gpu_training.py"
 COMMAND[bench-cp]="$PYTHON tools/bench_cp_gpu.py"
 COMMAND[profile]="$PYTHON tools/profile_cp_step.py"
 COMMAND[e2e]="$PYTHON tools/bench_e2e.py --preset 1b --work-dir $WORK/bench_e2e"
+COMMAND[bench-open]="${COMMAND[bench-cp]} --samples 2 --only '^ours'"
+COMMAND[profile-open]="${COMMAND[profile]} --only '^ours (ring|hybrid u=2)( \(concurrent.*\))?\$'"
 LIMIT=([env]=120 [kernels]=300 [multiprocess]=420 [training]=540 [bench-cp]=480
-       [profile]=240 [e2e]=540)
+       [profile]=240 [e2e]=540 [bench-open]=360 [profile-open]=180)
 
 if [ "${1:-}" = "--list" ]; then
-  for stage in "${ORDER[@]}"; do printf '%s\t%s\n' "$stage" "${COMMAND[$stage]}"; done
+  for stage in "${ORDER[@]}" "${NAMED_ONLY[@]}"; do
+    printf '%s\t%s\n' "$stage" "${COMMAND[$stage]}"
+  done
   exit 0
 fi
 STAGES=("$@")
 [ ${#STAGES[@]} -gt 0 ] || STAGES=("${ORDER[@]}")
 for stage in "${STAGES[@]}"; do
   [ -n "${COMMAND[$stage]:-}" ] || {
-    echo "[gpu-checks] unknown stage '$stage'; stages: ${ORDER[*]}" >&2
+    echo "[gpu-checks] unknown stage '$stage'; stages: ${ORDER[*]} ${NAMED_ONLY[*]}" >&2
     exit 2
   }
 done
@@ -128,7 +141,7 @@ for stage in "${STAGES[@]}"; do
     echo "## $stage"
     echo
     case $stage in
-      env|bench-cp|profile) grep -v '^USDT' "$log" ;;
+      env|bench-cp|profile|bench-open|profile-open) grep -v '^USDT' "$log" ;;
       e2e) tail -n 5 "$log" ;;
       *) grep -o '\[figure\].*' "$log" | sed 's/^\[figure\] /- /'
          grep -E '^(FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed|skipped|error)' "$log" | tail -n 20 ;;

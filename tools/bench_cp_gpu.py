@@ -2,6 +2,7 @@
 """Attention compute per CP rank on one GPU: our plan against the layouts others use.
 
     python tools/bench_cp_gpu.py [--samples 3] [--heads 32 --kv-heads 8 --head-dim 128]
+                                 [--mixes stdlib,web] [--only REGEX]
 
 For the two document mixes of tools/bench_cp.py at 32k tokens / CP 4 and 128k / CP 8, runs on
 ONE device, group after group (megatron_eod.attention.simulate), the forward+backward kernel
@@ -42,6 +43,7 @@ On a CPU it runs the same with the exact CPU kernel in float32 (slow: use small 
 
 import argparse
 import os
+import re
 import sys
 import time
 import warnings
@@ -95,6 +97,46 @@ class SplitForced:
 
     def backward(self, *args, **kwargs):
         return self.backend.backward(*args, **kwargs)
+
+
+REFERENCES = ("contiguous", "doc-zigzag (padded)")
+
+
+def layout_names(steps=True):
+    """Every layout a bench row can time, in its table's order but for the "(one call)"
+    rows, which follow the row they are made from."""
+    ours = [name for name, *_ in our_layouts(steps)]
+    return (["ideal"] + ours + [f"{name} (one call)" for name, _, _, exchange, mode
+                                in our_layouts(steps) if exchange == "batched" and not mode]
+            + list(REFERENCES))
+
+
+def parse_only(p, text, names):
+    """The --only pattern (a Python regular expression searched in each layout's name; the
+    ideal row always runs, every ratio is over it) checked against `names`: an argparse error
+    naming the flag where it is not a pattern or selects none of them."""
+    if text is None:
+        return None
+    try:
+        pattern = re.compile(text)
+    except re.error as e:
+        p.error(f"--only: {text!r} is not a regular expression ({e})")
+    if not any(pattern.search(name) for name in names if name != "ideal"):
+        p.error(f"--only: {text!r} selects no layout; layouts: {', '.join(names)}")
+    return pattern
+
+
+def wanted(only, name):
+    """Whether the layout `name` runs under the --only pattern `only` (None: all)."""
+    return only is None or name == "ideal" or only.search(name) is not None
+
+
+def parse_mixes(p, text):
+    """The --mixes value as a list, each checked (argparse error naming the flag)."""
+    mixes = text.split(",")
+    if any(m not in ("stdlib", "web") for m in mixes):
+        p.error(f"--mixes: {text!r}; each must be stdlib or web")
+    return mixes
 
 
 def layout_backend(backend, concurrency):
@@ -276,28 +318,36 @@ def bench_row(cu, cp, args, device, dtype, backend):
     times["ideal"] = busiest([fns(full, q, k, v, dout)], args.repeats, device, cp)
     tiles = {"ideal": {"forward": 1.0, "backward": 1.0}}
     for name, algo, u, exchange, concurrent in our_layouts(args.steps):
+        one = f"{name} (one call)"
+        if not (wanted(args.only, name) or wanted(args.only, one) and exchange == "batched"
+                and not concurrent):
+            continue
         plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
         rank_qkv = ulysses_rank_inputs(q, k, v, dout, u or 1)  # one rank's heads
-        sim = SimulatedPlan(plan, *rank_qkv, layout_backend(backend, concurrent), scale,
-                            exchange, bool(concurrent))
-        times[name] = busiest([(lambda g=g: sim.forward_group(g), lambda g=g: sim.run_group(g))
-                               for g in range(plan.ring_size)], args.repeats, device)
-        tiles[name] = tiles_over_ideal(plan_calls(plan, exchange), cu, cp, u or 1)
-        if exchange == "batched" and not concurrent:
-            one = f"{name} (one call)"
+        if wanted(args.only, name):
+            sim = SimulatedPlan(plan, *rank_qkv, layout_backend(backend, concurrent), scale,
+                                exchange, bool(concurrent))
+            times[name] = busiest([(lambda g=g: sim.forward_group(g),
+                                    lambda g=g: sim.run_group(g))
+                                   for g in range(plan.ring_size)], args.repeats, device)
+            tiles[name] = tiles_over_ideal(plan_calls(plan, exchange), cu, cp, u or 1)
+        if exchange == "batched" and not concurrent and wanted(args.only, one):
             calls = [to_dev(c) for c in prefix_calls(
                 cu, [plan_segments(plan, g, cu) for g in range(plan.ring_size)])]
             times[one] = busiest([fns(c, *rank_qkv) for c in calls], args.repeats, device)
             tiles[one] = tiles_over_ideal([[c] for c in calls], cu, cp, u or 1)
-    calls = [to_dev(c) for c in prefix_calls(cu, contiguous_segments(cu, cp))]
-    times["contiguous"] = busiest([fns(c, q, k, v, dout) for c in calls], args.repeats, device)
-    tiles["contiguous"] = tiles_over_ideal([[c] for c in calls], cu, cp)
-    segments, padded_n = doc_zigzag_segments(cu, cp)
-    pq, pk, pv, pd = random_qkv(padded_n, args, device, dtype, gen)
-    calls = [to_dev(c) for c in prefix_calls(cu, segments)]
-    times["doc-zigzag (padded)"] = busiest([fns(c, pq, pk, pv, pd) for c in calls],
-                                           args.repeats, device)
-    tiles["doc-zigzag (padded)"] = tiles_over_ideal([[c] for c in calls], cu, cp)
+    if wanted(args.only, "contiguous"):
+        calls = [to_dev(c) for c in prefix_calls(cu, contiguous_segments(cu, cp))]
+        times["contiguous"] = busiest([fns(c, q, k, v, dout) for c in calls], args.repeats,
+                                      device)
+        tiles["contiguous"] = tiles_over_ideal([[c] for c in calls], cu, cp)
+    if wanted(args.only, "doc-zigzag (padded)"):
+        segments, padded_n = doc_zigzag_segments(cu, cp)
+        pq, pk, pv, pd = random_qkv(padded_n, args, device, dtype, gen)
+        calls = [to_dev(c) for c in prefix_calls(cu, segments)]
+        times["doc-zigzag (padded)"] = busiest([fns(c, pq, pk, pv, pd) for c in calls],
+                                               args.repeats, device)
+        tiles["doc-zigzag (padded)"] = tiles_over_ideal([[c] for c in calls], cu, cp)
     needed = float(doc_pairs(np.diff(cu)).sum())
     flops = needed * 4 * args.heads * args.head_dim * 3.5
     return {name: (fwd, total, flops / (cp * total) / 1e12, dev, tiles[name]["forward"],
@@ -338,8 +388,15 @@ def main(argv=None):
     p.add_argument("--steps", action="store_true",
                    help="also time the steps executor (--cp-ring-exchange steps; its rows of "
                         "2026-11-24 are in docs/BENCHMARKS.md)")
+    p.add_argument("--mixes", default="stdlib,web", help="comma-separated: stdlib, web")
+    p.add_argument("--only", metavar="REGEX",
+                   help="time only the layouts whose name this regular expression finds "
+                        "(the ideal row always): '^ours' leaves out the reference layouts, "
+                        "'ring' keeps ring's rows; a short GPU lease's way to the open rows")
     args = p.parse_args(argv)
     configs = parse_configs(p, args.configs)
+    mixes = parse_mixes(p, args.mixes)
+    args.only = parse_only(p, args.only, layout_names(args.steps))
     if args.heads % args.kv_heads:
         p.error("--heads must be divisible by --kv-heads")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -349,7 +406,7 @@ def main(argv=None):
     print(f"{name}, backend {backend.name}, {dtype}, heads {args.heads}/{args.kv_heads} x "
           f"{args.head_dim}, busiest rank forward+backward, best of {args.repeats}, "
           f"{args.samples} rows per configuration")
-    for mix, n, cp, cus in mix_rows(configs, args.samples, args.seed):
+    for mix, n, cp, cus in mix_rows(configs, args.samples, args.seed, mixes):
         rows = [bench_row(cu, cp, args, device, dtype, backend) for cu in cus]
         print(f"\n{mix} {n // 1024}k tokens / CP {cp}")
         print("| layout | busiest rank ms: fwd / bwd / both | over ideal: fwd / bwd / both "

@@ -2,6 +2,7 @@
 """Where a CP rank's attention time goes: attention kernels, glue kernels, idle device.
 
     python tools/profile_cp_step.py [--configs 32768:4,131072:8] [--mixes stdlib,web]
+                                    [--only REGEX]
 
 tools/bench_cp_gpu.py says how far the busiest rank is from the ideal; this says why. For
 the busiest group of our ring and hybrid (u=2) plans, with both ring executors (batched also
@@ -40,7 +41,8 @@ from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from bench_cp_gpu import (layout_backend, mix_rows, our_layouts, parse_configs,  # noqa: E402
-                          random_qkv, timed, ulysses_rank_inputs)
+                          parse_mixes, parse_only, random_qkv, timed, ulysses_rank_inputs,
+                          wanted)
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
@@ -144,6 +146,8 @@ def profile_row(cu, cp, args, device, dtype, backend):
     scale = args.head_dim ** -0.5
     out = {}
     for name, algo, u, exchange, concurrent in our_layouts():
+        if not wanted(args.only, name):
+            continue
         plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
         sim = SimulatedPlan(plan, *ulysses_rank_inputs(q, k, v, dout, u or 1),  # one rank's
                             layout_backend(backend, concurrent), scale, exchange,  # heads
@@ -187,11 +191,13 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--top", type=int, default=8, help="glue kernels listed per layout")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", metavar="REGEX",
+                   help="profile only the layouts whose name this regular expression finds "
+                        "(as tools/bench_cp_gpu.py --only)")
     args = p.parse_args(argv)
     configs = parse_configs(p, args.configs)
-    mixes = args.mixes.split(",")
-    if any(m not in ("stdlib", "web") for m in mixes):
-        p.error(f"--mixes: {args.mixes!r}; each must be stdlib or web")
+    mixes = parse_mixes(p, args.mixes)
+    args.only = parse_only(p, args.only, [name for name, *_ in our_layouts()])
     if args.heads % args.kv_heads:
         p.error("--heads must be divisible by --kv-heads")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

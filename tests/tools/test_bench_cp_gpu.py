@@ -153,3 +153,48 @@ def test_hybrid_rows_time_one_ranks_heads(heads, kv_heads, degree, rank_kv):
     assert rk.shape == rv.shape == (10, rank_kv, 4)
     assert all(t.is_contiguous() for t in (rq, rk, rv, rd))
     assert rq.shape[1] % rk.shape[1] == 0  # a valid GQA call
+
+
+def _printed_layouts(out):
+    return [line.split(" | ")[0][2:] for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith("| layout")]
+
+
+@pytest.mark.parametrize("only,expected", [
+    ("one call|contiguous", ["ideal", "ours ring (one call)", "ours hybrid u=2 (one call)",
+                             "contiguous"]),
+    ("^ours ring", ["ideal", "ours ring", "ours ring (one call)", "ours ring (concurrent)",
+                    "ours ring (concurrent, split)"]),
+    ("^ours", ["ideal", "ours ring", "ours ring (one call)", "ours hybrid u=2",
+               "ours hybrid u=2 (one call)", "ours ring (concurrent)",
+               "ours hybrid u=2 (concurrent)", "ours ring (concurrent, split)",
+               "ours hybrid u=2 (concurrent, split)"]),
+])
+def test_only_times_the_layouts_it_names_and_the_ideal(monkeypatch, capsys, only, expected):
+    """--only (a short GPU lease's way to the open rows): the layouts whose name the pattern
+    finds, and the ideal every ratio is over; nothing else is timed (a layout left out costs
+    no kernel time: `busiest` is never called for it)."""
+    timed_calls = []
+
+    def fake_busiest(fns, repeats, device, share=1):
+        timed_calls.append(len(fns))
+        return 1e-3, 3e-3, 3e-3
+
+    monkeypatch.setattr(bench_cp_gpu, "busiest", fake_busiest)
+    bench_cp_gpu.main(["--samples", "1", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                       "--configs", "2048:4", "--mixes", "web", "--only", only])
+    assert _printed_layouts(capsys.readouterr().out) == expected
+    assert len(timed_calls) == len(expected)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--only", "zzz"], "--only: 'zzz' selects no layout; layouts: ideal, ours ring"),
+    (["--only", "ideal"], "--only: 'ideal' selects no layout"),
+    (["--only", "(ring"], "--only: '(ring' is not a regular expression"),
+    (["--only", "steps"], "--only: 'steps' selects no layout"),  # steps rows need --steps
+    (["--mixes", "stdlib,books"], "--mixes: 'stdlib,books'; each must be stdlib or web"),
+])
+def test_bad_selections_name_the_flag(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        bench_cp_gpu.main(argv)
+    assert message in capsys.readouterr().err

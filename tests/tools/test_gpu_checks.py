@@ -32,7 +32,7 @@ def stages():
 def test_every_stage_runs_a_file_that_exists_and_pytest_stages_select_gpu_tests():
     found = stages()
     assert list(found) == ["env", "kernels", "multiprocess", "training", "bench-cp", "profile",
-                           "e2e"]
+                           "e2e", "bench-open", "profile-open"]
     collecting = {}
     for stage, command in found.items():
         words = shlex.split(command)
@@ -53,6 +53,31 @@ def test_every_stage_runs_a_file_that_exists_and_pytest_stages_select_gpu_tests(
         selected = re.search(r"(\d+)(?:/\d+)? tests? (?:collected|selected)", stdout)
         assert collect.returncode == 0 and selected and int(selected.group(1)) > 0, (
             stage, stdout[-2000:])
+
+
+def test_the_short_lease_stages_select_the_open_rows_and_their_baselines():
+    """bench-open and profile-open (a 15-minute lease's first call) pass the tools an --only
+    pattern that, as bash hands it over, keeps our rows with the baselines they are compared
+    with, in the same run, and drops what is measured already (reference layouts, steps)."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import bench_cp_gpu
+
+    def selected(stage, names):
+        words = shlex.split(stages()[stage])
+        only = re.compile(words[words.index("--only") + 1])
+        return [name for name in names if bench_cp_gpu.wanted(only, name)]
+
+    ours = [name for name, *_ in bench_cp_gpu.our_layouts(steps=False)]
+    assert selected("bench-open", bench_cp_gpu.layout_names(steps=False)) == [
+        "ideal", *ours, "ours ring (one call)", "ours hybrid u=2 (one call)"]
+    assert selected("profile-open", [name for name, *_ in bench_cp_gpu.our_layouts()]) == ours
+
+
+def test_the_short_lease_stages_run_only_when_named(tmp_path):
+    result = checks(env={"GPU_CHECKS_BUDGET": "20"}, tmp_path=tmp_path)
+    assert result.returncode == 1
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "| e2e | not started" in summary and "-open" not in summary
 
 
 def test_an_unknown_stage_is_refused_naming_the_stages(tmp_path):

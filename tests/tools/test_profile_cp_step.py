@@ -85,3 +85,22 @@ def test_memory_counts_what_a_pass_holds_and_what_side_streams_keep():
           f"reserved {reserved:.0f} MiB")
     assert 64 <= peak < 65 and reserved >= 128, (peak, reserved)
     assert profile_cp_step.memory_mib(lambda: None, torch.device("cpu"), 1) is None
+
+
+def test_only_profiles_the_layouts_it_names(monkeypatch, capsys):
+    """--only as in tools/bench_cp_gpu.py: scripts/gpu_checks.sh's profile-open stage
+    profiles the batched rows with and without --cp-concurrent-calls, not the steps rows."""
+    reported = []
+    monkeypatch.setattr(profile_cp_step, "profile_group", lambda sim, g, device, repeats: {})
+    monkeypatch.setattr(profile_cp_step, "report",
+                        lambda mix, n, cp, results, top: reported.append(list(results)))
+    pattern = r"^ours (ring|hybrid u=2)( \(concurrent.*\))?$"
+    profile_cp_step.main(["--configs", "2048:4", "--mixes", "web", "--heads", "4",
+                          "--kv-heads", "2", "--head-dim", "16", "--repeats", "1",
+                          "--only", pattern])
+    assert reported == [["ours ring", "ours hybrid u=2", "ours ring (concurrent)",
+                         "ours hybrid u=2 (concurrent)", "ours ring (concurrent, split)",
+                         "ours hybrid u=2 (concurrent, split)"]]
+    with pytest.raises(SystemExit):
+        profile_cp_step.main(["--only", "one call"])  # not a profile layout
+    assert "--only: 'one call' selects no layout" in capsys.readouterr().err
