@@ -294,10 +294,12 @@ class _Trainer:
                 if a.save and not saved:
                     self._save()
                 return self._finish(losses)
-        self.evaluate()
-        self.evaluate("test")
+        # Saved before the last evaluations, as Megatron-LM's pretrain() does: a NaN there
+        # stops the run (NonFiniteError) but must not lose the iterations since the last save.
         if a.save and not (a.save_interval and self.iteration % a.save_interval == 0):
             self._save()
+        self.evaluate()
+        self.evaluate("test")
         return self._finish(losses)
 
     def _micro_batches_now(self) -> int:

@@ -42,14 +42,16 @@ def test_the_check_can_be_turned_off(tiny_data):
     assert "number of nan iterations:   0" not in last
 
 
-def _train_with_nan_evaluation(rank, world, argv):
-    """Evaluation's losses turn NaN (a bad validation shard, an fp16 overflow in eval)."""
+def _train_with_nan_evaluation(rank, world, argv, only_after_training=False):
+    """Evaluation's losses turn NaN (a bad validation shard, an fp16 overflow in eval): every
+    evaluation, or only those after the last iteration."""
     from megatron_eod.training import pretrain as module
     schedule = module._Trainer._schedule
 
     def nan_when_evaluating(self, data_iterator, forward_only, num_micro_batches):
         outputs = schedule(self, data_iterator, forward_only, num_micro_batches)
-        if forward_only:
+        if forward_only and (not only_after_training
+                             or self.iteration == self.args.train_iters):
             for out in outputs:
                 out["lm loss"] = out["lm loss"] * float("nan")
         return outputs
@@ -68,3 +70,20 @@ def test_a_non_finite_evaluation_loss_stops_every_rank(tiny_data):
     argv = tiny_flags(tiny_data, "--context-parallel-size", "2",
                       "--no-check-for-nan-in-loss-and-grad")
     assert [code for code, _, _ in run_ranks(_train_with_nan_evaluation, 2, argv)] == [0, 0]
+
+
+def _train_with_nan_final_evaluation(rank, world, argv):
+    return _train_with_nan_evaluation(rank, world, argv, only_after_training=True)
+
+
+def test_a_non_finite_final_evaluation_keeps_the_final_checkpoint(tiny_data, tmp_path):
+    """The last iterations are saved before the evaluations that follow training, as
+    Megatron-LM's pretrain() orders them: a NaN there stops the run, but the iterations since
+    the last periodic save are kept (they were lost before)."""
+    save = tmp_path / "ckpt"
+    argv = tiny_flags(tiny_data, "--context-parallel-size", "2", "--save", str(save),
+                      "--save-interval", "100")
+    results = run_ranks(_train_with_nan_final_evaluation, 2, argv)
+    assert [code for code, _, _ in results] == [1, 1]
+    assert "validation at iteration 10: lm loss is NaN or Inf" in results[0][1]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
