@@ -20,7 +20,6 @@ import ast
 import json
 import random
 import sysconfig
-import textwrap
 from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
 
@@ -80,10 +79,19 @@ def _class_apart(name: str, node: ast.ClassDef, lines: List[str]) -> Iterator[Tu
         if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
             begin, end = _line_span(child)
             rest -= set(range(begin, end + 1))
-            yield f"{name}.{child.name}", textwrap.dedent("".join(lines[begin - 1:end])).rstrip()
+            text = "".join(_unindent(line, child.col_offset) for line in lines[begin - 1:end])
+            yield f"{name}.{child.name}", text.rstrip()
     kept = "".join(lines[i - 1] for i in sorted(rest)).rstrip()
     if len(kept.splitlines()) > 1:
         yield name, kept
+
+
+def _unindent(line: str, columns: int) -> str:
+    """`line` without up to `columns` leading blanks: a method's own indentation, also where
+    one of its lines starts further left (a comment or a string's line at column 0, which
+    makes textwrap.dedent remove nothing)."""
+    blanks = len(line) - len(line.lstrip(" \t"))
+    return line[min(blanks, columns):]
 
 
 def write_sample_corpus(path: str, max_bytes: int = 8_000_000, seed: int = 1234,

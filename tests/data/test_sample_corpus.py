@@ -35,3 +35,33 @@ def test_methods_apart_makes_shorter_documents_from_the_same_text(tmp_path):
     assert lengths.max() > 20 * numpy.median(lengths)
     methods = [d for d in docs if ":" in d["source"] and "." in d["source"].split(":")[1]]
     assert methods and all(d["text"].startswith(("def ", "async def ", "@")) for d in methods)
+
+
+def test_a_method_with_a_line_at_column_zero_is_unindented_too(tmp_path, monkeypatch):
+    """textwrap.dedent removes nothing from a method holding a comment or a string's line at
+    column 0 (xml.sax.expatreader's ExpatParser.reset, pydoc's Helper.listsymbols: which
+    files a seed picks decides whether the corpus has one); each line loses the method's own
+    indentation, at most."""
+    import ast
+
+    from megatron_eod.data import sample_corpus
+    source = ("class A:\n"
+              "    @staticmethod\n"
+              "    def f(x):\n"
+              "# a comment at column 0\n"
+              "        s = '''\n"
+              "text at column 0\n"
+              "      six blanks'''\n"
+              "\n"
+              "        return s\n")
+    node = ast.parse(source).body[0]
+    (name, text), = sample_corpus._class_apart("m:A", node, source.splitlines(keepends=True))
+    assert name == "m:A.f"
+    assert text == ("@staticmethod\n"
+                    "def f(x):\n"
+                    "# a comment at column 0\n"
+                    "    s = '''\n"
+                    "text at column 0\n"
+                    "  six blanks'''\n"
+                    "\n"
+                    "    return s")
