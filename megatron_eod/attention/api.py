@@ -27,9 +27,9 @@ def _check(q, k, v, plan, group_size):
     if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"k and v must match each other, and q in tokens and head_dim; got "
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.shape[1] < 1 or q.shape[2] < 1:
-        raise ValueError(f"q, k, v need at least one key/value head and head_dim >= 1; got "
-                         f"q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if q.shape[1] < 1 or k.shape[1] < 1 or q.shape[2] < 1:
+        raise ValueError(f"q, k, v need at least one attention head, one key/value head and "
+                         f"head_dim >= 1; got q {tuple(q.shape)}, k {tuple(k.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[1] % k.shape[1]:

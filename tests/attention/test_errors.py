@@ -23,6 +23,7 @@ def _attempt(rank, world, case):
         "gqa": lambda: context_parallel_attention(q, torch.randn(n, 2, 4),
                                                   torch.randn(n, 2, 4), plan),
         "no_kv_heads": lambda: context_parallel_attention(q, k[:, :0], k[:, :0], plan),
+        "no_heads": lambda: context_parallel_attention(q[:, :0], k, k, plan),
         "no_head_dim": lambda: context_parallel_attention(q[..., :0], k[..., :0], k[..., :0],
                                                           plan),
         "hybrid_groups": lambda: context_parallel_attention(
@@ -44,7 +45,8 @@ def _attempt(rank, world, case):
     ("dtype", "must share a dtype"),
     ("causal", "causal=False is not supported"),
     ("gqa", r"attention heads \(3\) must be divisible by key/value heads \(2\)"),
-    ("no_kv_heads", "need at least one key/value head"),  # was ZeroDivisionError
+    ("no_kv_heads", "one key/value head"),  # was ZeroDivisionError
+    ("no_heads", "need at least one attention head"),  # was an empty output
     ("no_head_dim", "head_dim >= 1"),
     ("hybrid_groups", "call megatron_eod.create_hybrid_groups"),
 ])

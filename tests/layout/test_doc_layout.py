@@ -158,6 +158,9 @@ def test_token_ids_of_every_integer_kind_are_accepted():
     want = build_doc_layout(tokens, EOD, pad_token_id=3).cu_seqlens
     for eod, pad in ((np.int64(EOD), np.int32(3)), (torch.tensor(EOD), torch.tensor(3))):
         assert torch.equal(build_doc_layout(tokens, eod, pad_token_id=pad).cu_seqlens, want)
+    for flag in (True, np.bool_(True), torch.tensor(True)):  # a flag, not token id 1
+        with pytest.raises(ValueError, match="eod_token_id must be an int token id"):
+            build_doc_layout(tokens, flag)
 
 
 @pytest.mark.gpu
