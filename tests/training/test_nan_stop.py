@@ -83,7 +83,7 @@ def test_a_non_finite_final_evaluation_keeps_the_final_checkpoint(tiny_data, tmp
     save = tmp_path / "ckpt"
     argv = tiny_flags(tiny_data, "--context-parallel-size", "2", "--save", str(save),
                       "--save-interval", "100")
-    results = run_ranks(_train_with_nan_final_evaluation, 2, argv)
+    results = run_ranks(_train_with_nan_final_evaluation, 2, argv, daemon=False)  # saving forks
     assert [code for code, _, _ in results] == [1, 1]
     assert "validation at iteration 10: lm loss is NaN or Inf" in results[0][1]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
