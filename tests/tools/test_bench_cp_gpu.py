@@ -163,8 +163,6 @@ def _printed_layouts(out):
 @pytest.mark.parametrize("only,expected", [
     ("one call|contiguous", ["ideal", "ours ring (one call)", "ours hybrid u=2 (one call)",
                              "contiguous"]),
-    ("^ours ring", ["ideal", "ours ring", "ours ring (one call)", "ours ring (concurrent)",
-                    "ours ring (concurrent, split)"]),
     ("^ours", ["ideal", "ours ring", "ours ring (one call)", "ours hybrid u=2",
                "ours hybrid u=2 (one call)", "ours ring (concurrent)",
                "ours hybrid u=2 (concurrent)", "ours ring (concurrent, split)",
