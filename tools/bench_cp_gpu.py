@@ -43,7 +43,6 @@ On a CPU it runs the same with the exact CPU kernel in float32 (slow: use small 
 
 import argparse
 import os
-import re
 import sys
 import time
 import warnings
@@ -54,7 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench_cp import pack_rows, stdlib_lengths, web_row  # noqa: E402
+from bench_selection import (mix_rows, parse_configs, parse_mixes, parse_only,  # noqa: E402
+                             wanted)
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
@@ -102,41 +102,19 @@ class SplitForced:
 REFERENCES = ("contiguous", "doc-zigzag (padded)")
 
 
+def one_call(name, exchange, concurrent):
+    """The name of the "(one call)" row made from our layout `name`, or None: only the
+    batched executor without concurrency has one."""
+    return f"{name} (one call)" if exchange == "batched" and not concurrent else None
+
+
 def layout_names(steps=True):
     """Every layout a bench row can time, in its table's order but for the "(one call)"
     rows, which follow the row they are made from."""
-    ours = [name for name, *_ in our_layouts(steps)]
-    return (["ideal"] + ours + [f"{name} (one call)" for name, _, _, exchange, mode
-                                in our_layouts(steps) if exchange == "batched" and not mode]
+    layouts = our_layouts(steps)
+    ones = [one_call(name, exchange, mode) for name, _, _, exchange, mode in layouts]
+    return (["ideal"] + [name for name, *_ in layouts] + [one for one in ones if one]
             + list(REFERENCES))
-
-
-def parse_only(p, text, names):
-    """The --only pattern (a Python regular expression searched in each layout's name; the
-    ideal row always runs, every ratio is over it) checked against `names`: an argparse error
-    naming the flag where it is not a pattern or selects none of them."""
-    if text is None:
-        return None
-    try:
-        pattern = re.compile(text)
-    except re.error as e:
-        p.error(f"--only: {text!r} is not a regular expression ({e})")
-    if not any(pattern.search(name) for name in names if name != "ideal"):
-        p.error(f"--only: {text!r} selects no layout; layouts: {', '.join(names)}")
-    return pattern
-
-
-def wanted(only, name):
-    """Whether the layout `name` runs under the --only pattern `only` (None: all)."""
-    return only is None or name == "ideal" or only.search(name) is not None
-
-
-def parse_mixes(p, text):
-    """The --mixes value as a list, each checked (argparse error naming the flag)."""
-    mixes = text.split(",")
-    if any(m not in ("stdlib", "web") for m in mixes):
-        p.error(f"--mixes: {text!r}; each must be stdlib or web")
-    return mixes
 
 
 def layout_backend(backend, concurrency):
@@ -318,9 +296,9 @@ def bench_row(cu, cp, args, device, dtype, backend):
     times["ideal"] = busiest([fns(full, q, k, v, dout)], args.repeats, device, cp)
     tiles = {"ideal": {"forward": 1.0, "backward": 1.0}}
     for name, algo, u, exchange, concurrent in our_layouts(args.steps):
-        one = f"{name} (one call)"
-        if not (wanted(args.only, name) or wanted(args.only, one) and exchange == "batched"
-                and not concurrent):
+        one = one_call(name, exchange, concurrent)
+        run_one = one is not None and wanted(args.only, one)
+        if not (wanted(args.only, name) or run_one):
             continue
         plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
         rank_qkv = ulysses_rank_inputs(q, k, v, dout, u or 1)  # one rank's heads
@@ -331,7 +309,7 @@ def bench_row(cu, cp, args, device, dtype, backend):
                                     lambda g=g: sim.run_group(g))
                                    for g in range(plan.ring_size)], args.repeats, device)
             tiles[name] = tiles_over_ideal(plan_calls(plan, exchange), cu, cp, u or 1)
-        if exchange == "batched" and not concurrent and wanted(args.only, one):
+        if run_one:
             calls = [to_dev(c) for c in prefix_calls(
                 cu, [plan_segments(plan, g, cu) for g in range(plan.ring_size)])]
             times[one] = busiest([fns(c, *rank_qkv) for c in calls], args.repeats, device)
@@ -353,26 +331,6 @@ def bench_row(cu, cp, args, device, dtype, backend):
     return {name: (fwd, total, flops / (cp * total) / 1e12, dev, tiles[name]["forward"],
                    tiles[name]["backward"])
             for name, (fwd, total, dev) in times.items()}
-
-
-def parse_configs(p, text):
-    """[(tokens, cp)] of a --configs value, each checked (argparse error naming the flag)."""
-    configs = [tuple(int(x) for x in c.split(":")) for c in text.split(",")]
-    for n, cp in configs:
-        if n % (2 * cp):
-            p.error(f"--configs: tokens {n} must be divisible by 2*cp = {2 * cp}")
-    return configs
-
-
-def mix_rows(configs, samples, seed, mixes=("stdlib", "web")):
-    """(mix, tokens, cp, [cu_seqlens of `samples` rows]) per mix and configuration: the rows
-    every GPU tool and the dispatch model draw (same seed, same rows)."""
-    std = stdlib_lengths()
-    for mix in mixes:
-        for n, cp in configs:
-            rng = np.random.default_rng(seed)
-            yield mix, n, cp, [pack_rows(std, n, rng) if mix == "stdlib" else web_row(n, rng)
-                               for _ in range(samples)]
 
 
 def main(argv=None):

@@ -191,7 +191,7 @@ def layout_rows(cu, cp, heads, model=DispatchModel()):
 
 
 def main(argv=None):
-    from bench_cp_gpu import mix_rows, parse_configs
+    from bench_selection import mix_rows, parse_configs
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=3, help="random rows per configuration")

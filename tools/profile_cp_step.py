@@ -40,9 +40,10 @@ import torch  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from bench_cp_gpu import (layout_backend, mix_rows, our_layouts, parse_configs,  # noqa: E402
-                          parse_mixes, parse_only, random_qkv, timed, ulysses_rank_inputs,
-                          wanted)
+from bench_cp_gpu import (layout_backend, our_layouts, random_qkv, timed,  # noqa: E402
+                          ulysses_rank_inputs)
+from bench_selection import (mix_rows, parse_configs, parse_mixes, parse_only,  # noqa: E402
+                             wanted)
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402

@@ -82,8 +82,8 @@ def _token_id(name: str, value, vocab_size: Optional[int]) -> Optional[int]:
     if value is None:
         return None
     try:
-        if isinstance(value, bool) or getattr(value, "dtype", None) in (torch.bool, bool):
-            raise TypeError  # True is not token id 1 (numpy's bool_ has no __index__)
+        if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool:
+            raise TypeError  # True is not token id 1 (numpy's bool_ has no __index__ itself)
         value = operator.index(value)
     except TypeError:
         raise ValueError(f"{name} must be an int token id, got {value!r}") from None

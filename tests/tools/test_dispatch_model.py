@@ -104,7 +104,7 @@ def test_the_split_shortens_the_modelled_tail_on_the_web_mix():
     """The reason for plan/local_split.py, in the model: on a web-mix row at 32k / CP 4 the
     busiest ring rank's kernels with the local call split run at least 0.04 of the ideal
     faster than with the whole local call beside the received keys' call, both directions."""
-    from bench_cp_gpu import mix_rows, parse_configs
+    from bench_selection import mix_rows, parse_configs
 
     (_, _, cp, cus), = [row for row in mix_rows(parse_configs(None, "32768:4"), 1, 0)
                         if row[0] == "web"]

@@ -61,11 +61,12 @@ def test_the_short_lease_stages_select_the_open_rows_and_their_baselines():
     with, in the same run, and drops what is measured already (reference layouts, steps)."""
     sys.path.insert(0, os.path.join(REPO, "tools"))
     import bench_cp_gpu
+    from bench_selection import wanted
 
     def selected(stage, names):
         words = shlex.split(stages()[stage])
         only = re.compile(words[words.index("--only") + 1])
-        return [name for name in names if bench_cp_gpu.wanted(only, name)]
+        return [name for name in names if wanted(only, name)]
 
     ours = [name for name, *_ in bench_cp_gpu.our_layouts(steps=False)]
     assert selected("bench-open", bench_cp_gpu.layout_names(steps=False)) == [

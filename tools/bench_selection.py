@@ -1,0 +1,57 @@
+"""The rows and layouts the GPU bench tools (bench_cp_gpu.py, profile_cp_step.py,
+dispatch_model.py) take from their command line: --configs, --mixes and --only, each checked
+with an argparse error naming the flag, and the document rows every tool draws for them."""
+
+import re
+
+import numpy as np
+
+from bench_cp import pack_rows, stdlib_lengths, web_row
+
+
+def parse_configs(p, text):
+    """[(tokens, cp)] of a --configs value, each checked (argparse error naming the flag)."""
+    configs = [tuple(int(x) for x in c.split(":")) for c in text.split(",")]
+    for n, cp in configs:
+        if n % (2 * cp):
+            p.error(f"--configs: tokens {n} must be divisible by 2*cp = {2 * cp}")
+    return configs
+
+
+def mix_rows(configs, samples, seed, mixes=("stdlib", "web")):
+    """(mix, tokens, cp, [cu_seqlens of `samples` rows]) per mix and configuration: the rows
+    every GPU tool and the dispatch model draw (same seed, same rows)."""
+    std = stdlib_lengths()
+    for mix in mixes:
+        for n, cp in configs:
+            rng = np.random.default_rng(seed)
+            yield mix, n, cp, [pack_rows(std, n, rng) if mix == "stdlib" else web_row(n, rng)
+                               for _ in range(samples)]
+
+
+def parse_only(p, text, names):
+    """The --only pattern (a Python regular expression searched in each layout's name; the
+    ideal row always runs, every ratio is over it) checked against `names`: an argparse error
+    naming the flag where it is not a pattern or selects none of them."""
+    if text is None:
+        return None
+    try:
+        pattern = re.compile(text)
+    except re.error as e:
+        p.error(f"--only: {text!r} is not a regular expression ({e})")
+    if not any(pattern.search(name) for name in names if name != "ideal"):
+        p.error(f"--only: {text!r} selects no layout; layouts: {', '.join(names)}")
+    return pattern
+
+
+def wanted(only, name):
+    """Whether the layout `name` runs under the --only pattern `only` (None: all)."""
+    return only is None or name == "ideal" or only.search(name) is not None
+
+
+def parse_mixes(p, text):
+    """The --mixes value as a list, each checked (argparse error naming the flag)."""
+    mixes = text.split(",")
+    if any(m not in ("stdlib", "web") for m in mixes):
+        p.error(f"--mixes: {text!r}; each must be stdlib or web")
+    return mixes
