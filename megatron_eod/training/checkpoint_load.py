@@ -27,7 +27,14 @@ from megatron_eod.training.checkpointing import (TRACKER, _content_metadata, _it
                                                  _legacy_file, _ps, _read_tracker,
                                                  _set_rng_state, _state, _unwrap)
 
-__all__ = ["load_checkpoint"]
+__all__ = ["CheckpointError", "load_checkpoint"]
+
+
+class CheckpointError(ValueError):
+    """--load (or --pretrained-checkpoint) names a checkpoint this run cannot load; the
+    message names the flag and what to change. Every rank reads the same saved args, so
+    every rank raises those; a file missing raises where it is missing."""
+
 
 _FULLY_RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space")
 
@@ -38,7 +45,7 @@ def _choose_root(args):
         return args.load, args.finetune
     if args.pretrained_checkpoint:
         if _read_tracker(args.pretrained_checkpoint) is None:
-            raise ValueError(f"--pretrained-checkpoint {args.pretrained_checkpoint}: no "
+            raise CheckpointError(f"--pretrained-checkpoint {args.pretrained_checkpoint}: no "
                              f"{TRACKER} there")
         return args.pretrained_checkpoint, True
     return None, False
@@ -66,7 +73,7 @@ def _check_model_args(saved, args, where):
         if theirs is not None and ours is not None and theirs != ours:
             differ.append(f"{flag} {theirs} (this run: {ours})")
     if differ:
-        raise ValueError(f"--load {where} holds another model: it was saved with "
+        raise CheckpointError(f"--load {where} holds another model: it was saved with "
                          + "; ".join(differ))
 
 
@@ -105,13 +112,13 @@ def _load_torch_dist(args, folder, finetune, model, optimizer, scheduler):
 def _check_optimizer_state(args, sharding, same_tp_pp, folder):
     hint = "or pass --no-load-optim to start the optimizer state fresh"
     if args.use_distributed_optimizer and sharding is None:
-        raise ValueError(f"--load {folder} holds the regular optimizer's state; this run has "
+        raise CheckpointError(f"--load {folder} holds the regular optimizer's state; this run has "
                          f"--use-distributed-optimizer: drop it, {hint}")
     if not args.use_distributed_optimizer and sharding is not None:
-        raise ValueError(f"--load {folder} holds the distributed optimizer's state "
+        raise CheckpointError(f"--load {folder} holds the distributed optimizer's state "
                          f"({sharding}): add --use-distributed-optimizer, {hint}")
     if sharding is not None and not same_tp_pp and sharding not in _FULLY_RESHARDABLE:
-        raise ValueError(f"--load {folder}: the distributed optimizer's state was saved "
+        raise CheckpointError(f"--load {folder}: the distributed optimizer's state was saved "
                          f"{sharding!r}, which reshards over DP/CP only, and this run changes "
                          f"TP/PP: save with --dist-ckpt-optim-fully-reshardable, {hint}")
 
@@ -187,13 +194,13 @@ def _saved_param_groups(state):
 def _load_torch(args, root, folder, finetune, model, optimizer, scheduler):
     path = _legacy_file(folder)
     if not os.path.isfile(path):
-        raise ValueError(f"--load {root}: {path} is missing; a --ckpt-format torch checkpoint "
+        raise CheckpointError(f"--load {root}: {path} is missing; a --ckpt-format torch checkpoint "
                          f"loads only at the --tensor-model-parallel-size and "
                          f"--pipeline-model-parallel-size it was saved with (save with "
                          f"--ckpt-format torch_dist to reshard)")
     state = torch.load(path, map_location="cpu", weights_only=False)
     if "sizes" in state and "args" not in state:
-        raise ValueError(f"--load {root}: written by megatron-eod before it used "
+        raise CheckpointError(f"--load {root}: written by megatron-eod before it used "
                          f"megatron-core's optimizer and checkpoint formats; it cannot resume "
                          f"here (start a new run, or load it with the release that wrote it)")
     saved = state.get("args") or argparse.Namespace()
@@ -203,12 +210,12 @@ def _load_torch(args, root, folder, finetune, model, optimizer, scheduler):
         ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"))}
     for flag, (theirs, ours) in sizes.items():
         if theirs is not None and theirs != ours:
-            raise ValueError(f"--load {root}: a --ckpt-format torch checkpoint saved at {flag} "
+            raise CheckpointError(f"--load {root}: a --ckpt-format torch checkpoint saved at {flag} "
                              f"{theirs} loads only at that size (this run: {ours}); save with "
                              f"--ckpt-format torch_dist to reshard")
     load_optim = not finetune and not args.no_load_optim and "optimizer" in state
     if load_optim and args.use_distributed_optimizer:
-        raise ValueError(f"--load {root}: a --ckpt-format torch checkpoint has no distributed "
+        raise CheckpointError(f"--load {root}: a --ckpt-format torch checkpoint has no distributed "
                          f"optimizer state here; pass --no-load-optim")
     _unwrap(model).load_state_dict(state["model"], strict=True)
     load_rng = not finetune and not args.no_load_rng and "rng_state" in state
@@ -233,7 +240,7 @@ def load_checkpoint(args, model, optimizer, scheduler):
     elif os.path.isdir(folder) and any(n.startswith("mp_rank_") for n in os.listdir(folder)):
         loaded, saved = _load_torch(args, root, folder, finetune, model, optimizer, scheduler)
     else:
-        raise ValueError(f"--load {root}: {TRACKER} names iteration {iteration} but {folder} "
+        raise CheckpointError(f"--load {root}: {TRACKER} names iteration {iteration} but {folder} "
                          f"holds no complete checkpoint (no metadata.json, no mp_rank_*)")
     dist.barrier()
     if finetune:

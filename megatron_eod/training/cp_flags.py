@@ -15,6 +15,7 @@ What it does not do: no parsing (args.py, megatron_lm_args.py).
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 from megatron_eod.attention.backends import flash_attn_problem
@@ -25,7 +26,7 @@ from megatron_eod.plan import ulysses_degree_for
 __all__ = ["CONCURRENT_CALLS_HELP", "CP_ALGO_ALIASES", "FlagError", "RING_EXCHANGES",
            "RING_EXCHANGE_HELP",
            "check_context_parallel", "check_gloo_on_cuda", "check_gpu_attention",
-           "check_sequence_parallel_rows"]
+           "check_sequence_parallel_rows", "exit_with_error"]
 
 RING_EXCHANGE_HELP = ("how ring and hybrid CP move keys/values: batched (default: all of a "
                       "layer's transfers at once, 2 attention calls per direction), "
@@ -54,6 +55,16 @@ CP_ALGO_ALIASES = {"ring": "ring", "ulysses": "ulysses", "hybrid": "hybrid",
 class FlagError(ValueError):
     """An invalid flag or flag combination; the message names the flags and the rule."""
 
+
+def exit_with_error(error, code: int):
+    """`pretrain_gpt.py: error: <error>` on this rank's stderr, then exit with `code`.
+
+    Every rank says it, not rank 0 alone: the ranks meet the same error (the same flags, the
+    same data, a gathered check), and torchrun ends the others as soon as the first exits, so
+    rank 0's line was lost whenever another rank got there first (a rank 0 starting 3 s late
+    lost it every time)."""
+    print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+    raise SystemExit(code) from None
 
 
 def _require(ok: bool, message: str) -> None:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_eod.megatron import cpu_compat, gloo_on_cuda
-from megatron_eod.training.cp_flags import FlagError
+from megatron_eod.training.cp_flags import FlagError, exit_with_error
 from megatron_eod.training.megatron_lm import EodProviders
 from megatron_eod.training.megatron_lm_args import add_eod_args, eod_args_from_megatron
 from megatron_eod.training.parent_watch import exit_with_parent, launched_by_torchrun
@@ -87,10 +87,7 @@ def run(argv=None):
         else:
             pretrain(extra_args_provider=add_eod_args, args_defaults=ARGS_DEFAULTS, **kwargs)
     except FlagError as error:
-        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-        if rank == 0:
-            print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        exit_with_error(error, 2)
     finally:
         if providers._steps is not None:
             providers._steps.close()

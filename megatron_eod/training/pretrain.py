@@ -31,11 +31,12 @@ import torch.distributed as dist
 from megatron_eod.data.checks import DatasetError
 from megatron_eod.data.tokenizers import padded_vocab_size
 from megatron_eod.training.args import FlagError, parse_args
+from megatron_eod.training.cp_flags import exit_with_error
 from megatron_eod.megatron.batch_context import EodContextRegistry
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.megatron.steps import is_dataset_built_on_rank
 from megatron_eod.training import eod_wiring as wiring
-from megatron_eod.training.checkpoint_load import load_checkpoint
+from megatron_eod.training.checkpoint_load import CheckpointError, load_checkpoint
 from megatron_eod.training.checkpointing import save_checkpoint
 from megatron_eod.training.data import MicroBatches, build_datasets, build_tokenizer_from_args
 from megatron_eod.training.initialize import initialize, shutdown
@@ -57,17 +58,12 @@ def pretrain(argv=None):
     try:
         args = parse_args(argv, world_size=world_size)
     except FlagError as error:
-        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-        if rank == 0:  # every rank parses the same flags: say it once
-            print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        exit_with_error(error, 2)
     initialize(args)
     try:
         return _Trainer(args).run()
-    except (NonFiniteError, DatasetError) as error:
-        if dist.get_rank() == 0:
-            print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(1 if isinstance(error, NonFiniteError) else 2) from None
+    except (NonFiniteError, DatasetError, CheckpointError) as error:
+        exit_with_error(error, 1 if isinstance(error, NonFiniteError) else 2)
     except RuntimeError as error:
         if "timed out" not in str(error).lower():
             raise

@@ -14,6 +14,7 @@ def test_a_tokenizer_that_does_not_match_the_data_stops_the_start(tiny_data):
                       "--context-parallel-size", "2")
     results = run_ranks(_train, 2, argv)
     assert [code for code, _, _ in results] == [2, 2]
+    assert all("pretrain_gpt.py: error:" in text for _, text, _ in results)  # every rank says it
     message = results[0][1]
     assert "pretrain_gpt.py: error:" in message and "_text_document.json" in message
     assert "EoD id 256" in message and "iteration" not in message

@@ -29,3 +29,15 @@ def test_invalid_flags_stop_at_startup(monkeypatch, capsys, world, extra, named)
     for flag in named:
         assert flag in message, message
     assert not dist.is_initialized()
+
+
+def test_every_rank_says_why(monkeypatch, capsys):
+    """Not rank 0 alone: torchrun ends every rank once the first exits, so a line left to
+    rank 0 was lost whenever it started later than the others."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(SystemExit) as stop:
+        pretrain(tiny_flags("/nonexistent/data", "--context-parallel-size", "4",
+                            "--seq-length", "130"))
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.startswith("pretrain_gpt.py: error: --seq-length 130")
