@@ -3,8 +3,8 @@
 One job: turn Megatron-LM's parsed and validated args into args our providers can run, or a
 FlagError naming the flag and what to pass instead. `add_eod_args` is the
 `extra_args_provider`; `eod_args_from_megatron(args)` runs right after Megatron-LM's own
-`validate_args` (training/megatron_lm_run.py hooks it in) and again, as a no-op, from the
-providers.
+`validate_args` (training/megatron_lm_run.py hooks it in; `check_before_megatron`, the CP
+spellings alone, right before it) and again, as a no-op, from the providers.
 
 Context parallelism, one fact asked once. Megatron-LM's `--cp-comm-type` maps onto ours:
 p2p = ring, a2a = ulysses, a2a+p2p with `--hierarchical-context-parallel-sizes U CP/U` =
@@ -33,7 +33,7 @@ from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIAS
                                             check_context_parallel, check_gloo_on_cuda,
                                             check_gpu_attention, check_sequence_parallel_rows)
 
-__all__ = ["REFUSED", "add_eod_args", "eod_args_from_megatron"]
+__all__ = ["REFUSED", "add_eod_args", "check_before_megatron", "eod_args_from_megatron"]
 
 
 class _NotGiven(list):
@@ -106,6 +106,16 @@ def add_eod_args(parser):
                    help="read by pretrain_gpt.py before Megatron-LM parses")
     parser.set_defaults(calculate_per_token_loss=True, cp_comm_type=_NotGiven(["p2p"]))
     return parser
+
+
+def check_before_megatron(args) -> None:
+    """Our CP spellings resolved and checked BEFORE Megatron-LM's validate_args (hooked in by
+    training/megatron_lm_run.py), whose bare assertions on them (the hierarchical sizes'
+    product) would otherwise stop the run first with no message; it also fills in
+    --hierarchical-context-parallel-sizes from --ulysses-degree-in-cp, which
+    --cp-comm-type a2a+p2p needs there. eod_args_from_megatron repeats it, a no-op then."""
+    if getattr(args, "ulysses_degree", None) is None:
+        _resolve_context_parallel(args)
 
 
 def eod_args_from_megatron(args) -> None:

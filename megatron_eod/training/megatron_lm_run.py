@@ -37,7 +37,8 @@ import torch.distributed as dist
 from megatron_eod.megatron import cpu_compat, gloo_on_cuda
 from megatron_eod.training.cp_flags import FlagError, exit_with_error
 from megatron_eod.training.megatron_lm import EodProviders
-from megatron_eod.training.megatron_lm_args import add_eod_args, eod_args_from_megatron
+from megatron_eod.training.megatron_lm_args import (add_eod_args, check_before_megatron,
+                                                    eod_args_from_megatron)
 from megatron_eod.training.parent_watch import exit_with_parent, launched_by_torchrun
 
 __all__ = ["megatron_lm_available", "run"]
@@ -102,7 +103,8 @@ def _use_prebuilt_dataset_helpers() -> None:
 
 
 def _check_after_validate() -> None:
-    """Run our rules right after Megatron-LM's validate_args, wherever it is called from."""
+    """Run our rules right after Megatron-LM's validate_args, wherever it is called from (our
+    CP spellings right before it: its own assertions on them carry no message)."""
     for name in ("megatron.training.arguments", "megatron.training.initialize"):
         module = importlib.import_module(name)
         original = getattr(module, "validate_args", None)
@@ -110,6 +112,7 @@ def _check_after_validate() -> None:
             continue
 
         def validate_args(args, *rest, _original=original, **kwargs):
+            check_before_megatron(args)
             result = _original(args, *rest, **kwargs)
             eod_args_from_megatron(args)
             if gloo_on_cuda.wanted(args, torch.cuda.is_available()):

@@ -179,6 +179,55 @@ def test_megatron_cp_spellings_map_onto_ours(flags, algo, degree, sizes):
     assert args.cp_comm_type == [{"ring": "p2p", "ulysses": "a2a", "hybrid": "a2a+p2p"}[algo]]
 
 
+def validated(monkeypatch, *flags):
+    """Megatron-LM's parse_args and its REAL validate_args, with the hooks
+    training/megatron_lm_run.py installs around it (restored after the test), at world 4."""
+    import_megatron_lm()
+    from megatron.training import arguments, initialize
+
+    from megatron_eod.training import megatron_lm_run
+
+    monkeypatch.setattr(arguments, "validate_args", arguments.validate_args)
+    monkeypatch.setattr(initialize, "validate_args", initialize.validate_args)
+    monkeypatch.setattr(megatron_lm_run.gloo_on_cuda, "wanted", lambda *a: False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # as megatron_lm_run.run sets it
+    args = megatron_lm_args("--lr", "1e-3", "--train-iters", "2", "--mock-data",
+                            "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+                            "--max-position-embeddings", "128", *flags,
+                            base=[f for f in BASE if f not in ("--data-path", "corpus")])
+    megatron_lm_run._check_after_validate()
+    from megatron_eod.megatron import cpu_compat
+
+    cpu_compat.apply(force=True, megatron_lm=True)  # as megatron_lm_run.run does on CPU
+    try:
+        arguments.validate_args(args)
+    finally:
+        cpu_compat.remove()
+    return args
+
+
+@pytest.mark.parametrize("sizes", [["3", "2"], ["2", "4"], ["4", "1"]])
+def test_hierarchical_sizes_are_checked_before_megatron_lm_asserts(monkeypatch, sizes):
+    """Megatron-LM's validate_args asserts their product with no message: ours comes first."""
+    with pytest.raises(FlagError, match=f"--hierarchical-context-parallel-sizes "
+                                        f"{' '.join(sizes)}: hybrid needs two sizes > 1"):
+        validated(monkeypatch, "--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                  "--hierarchical-context-parallel-sizes", *sizes)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"],
+    ["--cp-comm-type", "a2a+p2p", "--ulysses-degree-in-cp", "2"],  # sizes filled in before
+    ["--context-parallel-algo", "hybrid", "--ulysses-degree-in-cp", "2"],
+], ids=["sizes", "comm-and-degree", "algo-and-degree"])
+def test_hybrid_spellings_pass_megatron_lm_validation(monkeypatch, flags):
+    args = validated(monkeypatch, "--context-parallel-size", "4", *flags)
+    assert (args.context_parallel_algo, args.ulysses_degree) == ("hybrid", 2)
+    assert args.hierarchical_context_parallel_sizes == [2, 2]
+    assert args.cp_comm_type == ["a2a+p2p"]
+
+
 def test_cp_ring_exchange_is_ours_too():
     assert checked("--context-parallel-size", "4").cp_ring_exchange == "batched"
     for exchange in ("steps", "batched-keep"):
