@@ -43,7 +43,8 @@ echo "== 3. a micro-batch of $SEQ_LENGTH-token rows and its documents"
   --seq-length "$SEQ_LENGTH" --micro-batch-size 8 --eod-mask-loss \
   --data-cache-path "$WORK_DIR/cache"
 
-MODEL=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2
+MODEL=(--num-layers 2 --hidden-size 64 --num-attention-heads 4
+       --group-query-attention --num-query-groups 2 --position-embedding-type rope
        --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH")
 TRAIN=(--micro-batch-size 2 --global-batch-size 8 --train-iters "$TRAIN_ITERS"
        --lr 2e-3 --min-lr 2e-4 --lr-warmup-iters 2 --lr-decay-style cosine

@@ -76,6 +76,7 @@ def model_flags(preset, seq):
     return ["--num-layers", str(p["layers"]), "--hidden-size", str(p["hidden"]),
             "--ffn-hidden-size", str(p["ffn"]), "--num-attention-heads", str(p["heads"]),
             "--group-query-attention", "--num-query-groups", str(p["groups"]),
+            "--position-embedding-type", "rope",
             "--seq-length", str(seq), "--max-position-embeddings", str(seq),
             "--attention-dropout", "0", "--hidden-dropout", "0", *p["flags"]]
 

@@ -27,7 +27,8 @@ from megatron_eod.training import args_optim as optim
 from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIASES,
                                             RING_EXCHANGE_HELP, RING_EXCHANGES, FlagError,
                                             check_context_parallel, check_gloo_on_cuda,
-                                            check_gpu_attention, check_sequence_parallel_rows)
+                                            check_gpu_attention, check_query_groups,
+                                            check_sequence_parallel_rows)
 
 __all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "check_context_parallel", "parse_args",
            "validate_args"]
@@ -54,8 +55,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"):
         g.add_argument(flag, type=int, required=True)
-    _typed(g, int, ("--num-query-groups", None, "default: --num-attention-heads (MHA)"),
-           ("--ffn-hidden-size", None, "default: 4 x --hidden-size"),
+    _typed(g, int, ("--num-query-groups", None, "key/value heads with --group-query-attention "
+                                                "(default there: 1); without it, multi-head "
+                                                "attention, as Megatron-LM"),
+           ("--ffn-hidden-size", None, "default: 4 x --hidden-size; with --swiglu, 2/3 of "
+                                       "that rounded down to a multiple of 64 (Megatron-LM's)"),
            ("--kv-channels", None, "default: --hidden-size / --num-attention-heads"),
            ("--max-position-embeddings", None, "default: --seq-length"),
            ("--rotary-base", 10000), ("--make-vocab-size-divisible-by", 128))
@@ -73,7 +77,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="default: transformer_engine where it is installed and CUDA is "
                         "present (Megatron-LM's default), else local")
     g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute", "none"),
-                   default="rope", help="all at the reset position ids")
+                   default="learned_absolute",
+                   help="all at the reset position ids (default: learned_absolute, Megatron-LM's)")
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
@@ -233,6 +238,7 @@ def _check_model(args) -> None:
               "ffn_hidden_size", "kv_channels", "seq_length", "max_position_embeddings",
               "make_vocab_size_divisible_by", "rotary_base", "init_method_std")
     heads, tp = args.num_attention_heads, args.tensor_model_parallel_size
+    check_query_groups(args)  # Megatron-LM's meaning: one launch script, one model
     if args.num_query_groups is None:  # Megatron: --group-query-attention alone means 1 group
         args.num_query_groups = 1 if args.group_query_attention else heads
     groups = args.num_query_groups
@@ -249,8 +255,15 @@ def _check_model(args) -> None:
                  f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads "
                  f"{heads} (or pass --kv-channels)")
         args.kv_channels = args.hidden_size // heads
-    if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.ffn_hidden_size is None:  # Megatron-LM's defaults (the same expression)
+        if args.swiglu:
+            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+            _require(args.ffn_hidden_size > 0,
+                     f"--swiglu with --hidden-size {args.hidden_size}: the default "
+                     f"--ffn-hidden-size (2/3 of 4 x hidden, rounded down to a multiple of 64, "
+                     f"as Megatron-LM) is 0; pass --ffn-hidden-size")
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     _require(args.seq_length <= args.max_position_embeddings,

@@ -8,7 +8,9 @@ checks that sequence parallelism can split a rank's packed micro-batch over TP;
 `check_gloo_on_cuda(args, cuda_available)` refuses what gloo on CUDA cannot overlap
 (megatron/gloo_on_cuda.py reduces gradients bucket by bucket there); `check_gpu_attention`
 refuses what the GPU flash kernels cannot take (float32, a head dim off their sizes) and
---use-flash-attn without CUDA or without a flash-attn the attention can use.
+--use-flash-attn without CUDA or without a flash-attn the attention can use;
+`check_query_groups` keeps --num-query-groups to Megatron-LM's meaning; `exit_with_error`
+says a FlagError (or any start-up error) and exits.
 
 What it does not do: no parsing (args.py, megatron_lm_args.py).
 """
@@ -26,7 +28,7 @@ from megatron_eod.plan import ulysses_degree_for
 __all__ = ["CONCURRENT_CALLS_HELP", "CP_ALGO_ALIASES", "FlagError", "RING_EXCHANGES",
            "RING_EXCHANGE_HELP",
            "check_context_parallel", "check_gloo_on_cuda", "check_gpu_attention",
-           "check_sequence_parallel_rows", "exit_with_error"]
+           "check_query_groups", "check_sequence_parallel_rows", "exit_with_error"]
 
 RING_EXCHANGE_HELP = ("how ring and hybrid CP move keys/values: batched (default: all of a "
                       "layer's transfers at once, 2 attention calls per direction), "
@@ -65,6 +67,19 @@ def exit_with_error(error, code: int):
     lost it every time)."""
     print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
     raise SystemExit(code) from None
+
+
+def check_query_groups(args, unset=(None,)) -> None:
+    """--num-query-groups counts only with --group-query-attention (Megatron-LM's meaning,
+    which both trainers keep: one launch script, one model); without it Megatron-LM builds
+    multi-head attention and says nothing, so a value that would change the model is refused.
+    `unset`: the values the parser gives when the flag is absent (Megatron-LM's: 1)."""
+    heads, groups = args.num_attention_heads, args.num_query_groups
+    if not args.group_query_attention and groups not in (*unset, heads):
+        raise FlagError(f"--num-query-groups {groups} without --group-query-attention: "
+                        f"Megatron-LM ignores it and builds multi-head attention ({heads} "
+                        f"key/value heads); add --group-query-attention, or drop "
+                        f"--num-query-groups")
 
 
 def _require(ok: bool, message: str) -> None:

@@ -31,7 +31,8 @@ from megatron_eod.training.args_optim import ramp_as_step_schedule
 from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIASES,
                                             RING_EXCHANGE_HELP, RING_EXCHANGES, FlagError,
                                             check_context_parallel, check_gloo_on_cuda,
-                                            check_gpu_attention, check_sequence_parallel_rows)
+                                            check_gpu_attention, check_query_groups,
+                                            check_sequence_parallel_rows)
 
 __all__ = ["REFUSED", "add_eod_args", "check_before_megatron", "eod_args_from_megatron"]
 
@@ -264,6 +265,7 @@ def _refuse(args) -> None:
         raise FlagError(f"--attention-dropout {args.attention_dropout} (Megatron-LM's default "
                         f"is 0.1): the varlen attention kernels apply no dropout; pass "
                         f"--attention-dropout 0")
+    check_query_groups(args, unset=(None, 1))  # 1: its parser's default
     if args.position_embedding_type not in ("rope", "learned_absolute", "none"):
         raise FlagError(f"--position-embedding-type {args.position_embedding_type}: EoD reset "
                         f"supports rope, learned_absolute and none (at reset positions)")

@@ -1,8 +1,10 @@
 """The tiny GPT of the CPU functional tests: its flags, and a rank function that trains it.
 
-2 layers, hidden 64, 4 heads over 2 query groups (GQA), RoPE, sequence 128, micro-batch 2,
-global batch 4, 10 iterations, float32, dropout off (dropout masks depend on which rank
-holds a token, so they would differ between CP sizes), EoD reset on.
+2 layers, hidden 64, 4 heads over 2 query groups (GQA), RoPE (both spelled out: Megatron-LM's
+defaults, which both trainers share, are multi-head attention and learned positions),
+sequence 128, micro-batch 2, global batch 4, 10 iterations, float32, dropout off (dropout
+masks depend on which rank holds a token, so they would differ between CP sizes), EoD reset
+on.
 """
 
 from megatron_eod.training.pretrain import pretrain
@@ -23,7 +25,8 @@ def tiny_flags(data_path, *extra, drop=()):
 
 def _tiny_flags(data_path):
     return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-            "--num-query-groups", "2", "--seq-length", "128", "--micro-batch-size", "2",
+            "--group-query-attention", "--num-query-groups", "2",
+            "--position-embedding-type", "rope", "--seq-length", "128", "--micro-batch-size", "2",
             "--global-batch-size", "4", "--train-iters", str(ITERS), "--lr", "2e-3",
             "--min-lr", "2e-4", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
             "--hidden-dropout", "0", "--data-path", data_path, "--split", "90,8,2",
@@ -36,12 +39,12 @@ def megatron_lm_tiny_flags(data_path, vocab_size, *extra):
     """The same tiny GPT for Megatron-LM's own trainer (`--trainer megatron-lm`): our byte
     data through its NullTokenizer (`vocab_size`: the --vocab-size that makes 256 its EoD,
     megatron_lm_checkout.null_tokenizer_vocab_size), the settings the lean trainer fixes
-    spelled out (RoPE, GQA, no attention dropout), its fused kernels off (they need
+    spelled out (the maximum positions, no attention dropout), its fused kernels off (they need
     TransformerEngine or Apex, absent from the CPU and the lent GPU machine)."""
     return tiny_flags(
         data_path, "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab_size),
-        "--max-position-embeddings", "128", "--position-embedding-type", "rope",
-        "--group-query-attention", "--attention-dropout", "0", "--transformer-impl", "local",
+        "--max-position-embeddings", "128", "--attention-dropout", "0",
+        "--transformer-impl", "local",
         "--no-gradient-accumulation-fusion", "--no-bias-dropout-fusion",
         "--no-bias-gelu-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion",
         "--no-persist-layer-norm", *extra)

@@ -120,8 +120,14 @@ def test_attention_mask_type():
 
 
 def test_query_groups():
-    args = parse("--num-query-groups", 2)
+    args = parse("--group-query-attention", "--num-query-groups", 2)
     assert args.num_query_groups == 2 and args.group_query_attention
+    args = parse()  # Megatron-LM: multi-head attention
+    assert args.num_query_groups == 8 and not args.group_query_attention
+    with pytest.raises(FlagError, match="--num-query-groups 2 without --group-query-attention: "
+                                        "Megatron-LM ignores it"):
+        parse("--num-query-groups", 2)
+    assert parse("--num-query-groups", 8).num_query_groups == 8  # MHA either way
     args = parse("--group-query-attention")  # Megatron: the flag alone means one group
     assert args.num_query_groups == 1 and args.group_query_attention
     args = parse("--group-query-attention", "--num-query-groups", 8)
@@ -220,14 +226,17 @@ BAD = [
     (["--tensor-model-parallel-size", 2, "--context-parallel-size", 2], 6, False,
      r"WORLD_SIZE 6 is not divisible by --tensor-model-parallel-size x "
      r"--pipeline-model-parallel-size x --context-parallel-size = 2 x 1 x 2 = 4"),
-    (["--num-query-groups", 3], 1, False,
+    (["--group-query-attention", "--num-query-groups", 3], 1, False,
      r"--num-attention-heads 8 must be divisible by --num-query-groups 3"),
-    (["--num-query-groups", 16], 1, False,
+    (["--group-query-attention", "--num-query-groups", 16], 1, False,
      r"--num-attention-heads 8 must be divisible by --num-query-groups 16"),
     (["--tensor-model-parallel-size", 3], 3, False,
      r"--num-attention-heads 8 must be divisible by --tensor-model-parallel-size 3"),
-    (["--num-query-groups", 2, "--tensor-model-parallel-size", 4], 4, False,
+    (["--group-query-attention", "--num-query-groups", 2, "--tensor-model-parallel-size", 4], 4, False,
      r"--num-query-groups 2 must be divisible by --tensor-model-parallel-size 4"),
+    (["--swiglu", "--hidden-size", 16], 1, False,
+     r"--swiglu with --hidden-size 16: the default --ffn-hidden-size \(2/3 of 4 x hidden, "
+     r"rounded down to a multiple of 64, as Megatron-LM\) is 0; pass --ffn-hidden-size"),
     (["--hidden-size", 60], 1, False,
      r"--hidden-size 60 must be divisible by --num-attention-heads 8"),
     (["--max-position-embeddings", 64], 1, False,

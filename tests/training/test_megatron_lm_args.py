@@ -179,7 +179,7 @@ def test_megatron_cp_spellings_map_onto_ours(flags, algo, degree, sizes):
     assert args.cp_comm_type == [{"ring": "p2p", "ulysses": "a2a", "hybrid": "a2a+p2p"}[algo]]
 
 
-def validated(monkeypatch, *flags):
+def validated(monkeypatch, *flags, base=BASE):
     """Megatron-LM's parse_args and its REAL validate_args, with the hooks
     training/megatron_lm_run.py installs around it (restored after the test), at world 4."""
     import_megatron_lm()
@@ -195,7 +195,7 @@ def validated(monkeypatch, *flags):
     args = megatron_lm_args("--lr", "1e-3", "--train-iters", "2", "--mock-data",
                             "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
                             "--max-position-embeddings", "128", *flags,
-                            base=[f for f in BASE if f not in ("--data-path", "corpus")])
+                            base=[f for f in base if f not in ("--data-path", "corpus")])
     megatron_lm_run._check_after_validate()
     from megatron_eod.megatron import cpu_compat
 
@@ -226,6 +226,47 @@ def test_hybrid_spellings_pass_megatron_lm_validation(monkeypatch, flags):
     assert (args.context_parallel_algo, args.ulysses_degree) == ("hybrid", 2)
     assert args.hierarchical_context_parallel_sizes == [2, 2]
     assert args.cp_comm_type == ["a2a+p2p"]
+
+
+# What shapes the model (the weights and what they compute), read from either trainer's args.
+MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                "kv_channels", "seq_length", "position_embedding_type", "swiglu",
+                "normalization", "untie_embeddings_and_output_weights", "add_bias_linear",
+                "qk_layernorm", "rotary_base", "rotary_percent", "rotary_interleaved",
+                "init_method_std", "make_vocab_size_divisible_by", "hidden_dropout")
+
+
+def _model_of(args):
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    return {**{field: getattr(args, field) for field in MODEL_FIELDS}, "key/value heads": groups}
+
+
+@pytest.mark.parametrize("flags", [
+    [], ["--swiglu"], ["--swiglu", "--hidden-size", "256", "--num-attention-heads", "8"],
+    ["--group-query-attention"], ["--group-query-attention", "--num-query-groups", "2"],
+    ["--num-query-groups", "4"], ["--normalization", "RMSNorm", "--disable-bias-linear"],
+    ["--position-embedding-type", "rope", "--rotary-percent", "0.5"],
+], ids=["defaults", "swiglu", "swiglu-256", "gqa-alone", "gqa-2", "groups-equal-heads",
+        "rmsnorm", "rope"])
+def test_the_same_flags_build_the_same_model_in_both_trainers(monkeypatch, flags):
+    """`--trainer auto` picks Megatron-LM's trainer where it imports and the lean one
+    elsewhere: one launch script must mean one model (the lean trainer's defaults were RoPE,
+    GQA from --num-query-groups alone and 4 x hidden under --swiglu)."""
+    from megatron_eod.training.args import parse_args as lean_parse_args
+
+    common = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+              "--seq-length", "128", "--micro-batch-size", "2", "--attention-dropout", "0",
+              "--transformer-impl", "local"]
+    theirs = validated(monkeypatch, *flags, base=common)
+    ours = lean_parse_args([*common, "--lr", "1e-3", "--train-iters", "2", "--mock-data",
+                            *flags], world_size=4)
+    assert _model_of(ours) == _model_of(theirs)
+
+
+def test_query_groups_megatron_lm_would_ignore_are_refused():
+    with pytest.raises(FlagError, match="--num-query-groups 2 without --group-query-attention: "
+                                        "Megatron-LM ignores it"):
+        checked("--num-query-groups", "2")
 
 
 def test_cp_ring_exchange_is_ours_too():
