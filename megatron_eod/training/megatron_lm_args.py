@@ -131,6 +131,7 @@ def eod_args_from_megatron(args) -> None:
     _check_cuda_graphs(args)
     check_gloo_on_cuda(args, torch.cuda.is_available())
     check_gpu_attention(args, torch.cuda.is_available())
+    _check_eval_interval(args)
     _check_validation_data(args)
     _check_full_validation(args)
 
@@ -175,6 +176,17 @@ def _check_full_validation(args) -> None:
                         f"--context-parallel-size = {args.seq_length // cp} tokens (one "
                         f"sequence a micro-batch) divisible by --tensor-model-parallel-size "
                         f"{tp}")
+
+
+def _check_eval_interval(args) -> None:
+    """Megatron-LM core_v0.16 has no default --eval-interval (None) and divides by it when it
+    sizes the validation split, whatever --eval-iters says: a TypeError after the model is
+    built. Where it would, name the flag."""
+    if getattr(args, "eval_interval", 0) is None and not getattr(args, "skip_train", False) \
+            and not getattr(args, "full_validation", False):
+        raise FlagError("--eval-interval is not set: this Megatron-LM has no default for it "
+                        "and stops with a TypeError when it sizes the validation data; pass "
+                        "--eval-interval N (iterations between evaluations)")
 
 
 def _check_validation_data(args) -> None:
