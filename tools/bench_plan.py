@@ -102,8 +102,8 @@ def _train(work: str, data: str, seq: int, iters: int, *extra: str):
     if os.path.exists(metrics):
         os.remove(metrics)  # --metrics-file appends
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
-           "--nproc-per-node", "4", os.path.join(ROOT, "pretrain_gpt.py"),
-           "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+           "--nproc-per-node", "4", os.path.join(ROOT, "pretrain_gpt.py"), "--trainer", "lean",
+           "--position-embedding-type", "rope", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
            "--seq-length", str(seq), "--max-position-embeddings", str(seq),
            "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", str(iters),
            "--lr", "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0",

@@ -46,7 +46,7 @@ def _choose_root(args):
     if args.pretrained_checkpoint:
         if _read_tracker(args.pretrained_checkpoint) is None:
             raise CheckpointError(f"--pretrained-checkpoint {args.pretrained_checkpoint}: no "
-                             f"{TRACKER} there")
+                                  f"{TRACKER} there")
         return args.pretrained_checkpoint, True
     return None, False
 
@@ -74,7 +74,7 @@ def _check_model_args(saved, args, where):
             differ.append(f"{flag} {theirs} (this run: {ours})")
     if differ:
         raise CheckpointError(f"--load {where} holds another model: it was saved with "
-                         + "; ".join(differ))
+                              + "; ".join(differ))
 
 
 def _load_torch_dist(args, folder, finetune, model, optimizer, scheduler):
@@ -113,14 +113,14 @@ def _check_optimizer_state(args, sharding, same_tp_pp, folder):
     hint = "or pass --no-load-optim to start the optimizer state fresh"
     if args.use_distributed_optimizer and sharding is None:
         raise CheckpointError(f"--load {folder} holds the regular optimizer's state; this run has "
-                         f"--use-distributed-optimizer: drop it, {hint}")
+                              f"--use-distributed-optimizer: drop it, {hint}")
     if not args.use_distributed_optimizer and sharding is not None:
         raise CheckpointError(f"--load {folder} holds the distributed optimizer's state "
-                         f"({sharding}): add --use-distributed-optimizer, {hint}")
+                              f"({sharding}): add --use-distributed-optimizer, {hint}")
     if sharding is not None and not same_tp_pp and sharding not in _FULLY_RESHARDABLE:
         raise CheckpointError(f"--load {folder}: the distributed optimizer's state was saved "
-                         f"{sharding!r}, which reshards over DP/CP only, and this run changes "
-                         f"TP/PP: save with --dist-ckpt-optim-fully-reshardable, {hint}")
+                              f"{sharding!r}, which reshards over DP/CP only, and this run changes "
+                              f"TP/PP: save with --dist-ckpt-optim-fully-reshardable, {hint}")
 
 
 def _finish(args, loaded, load_optim, load_rng, optimizer, scheduler):
@@ -195,14 +195,14 @@ def _load_torch(args, root, folder, finetune, model, optimizer, scheduler):
     path = _legacy_file(folder)
     if not os.path.isfile(path):
         raise CheckpointError(f"--load {root}: {path} is missing; a --ckpt-format torch checkpoint "
-                         f"loads only at the --tensor-model-parallel-size and "
-                         f"--pipeline-model-parallel-size it was saved with (save with "
-                         f"--ckpt-format torch_dist to reshard)")
+                              f"loads only at the --tensor-model-parallel-size and "
+                              f"--pipeline-model-parallel-size it was saved with (save with "
+                              f"--ckpt-format torch_dist to reshard)")
     state = torch.load(path, map_location="cpu", weights_only=False)
     if "sizes" in state and "args" not in state:
         raise CheckpointError(f"--load {root}: written by megatron-eod before it used "
-                         f"megatron-core's optimizer and checkpoint formats; it cannot resume "
-                         f"here (start a new run, or load it with the release that wrote it)")
+                              f"megatron-core's optimizer and checkpoint formats; it cannot resume "
+                              f"here (start a new run, or load it with the release that wrote it)")
     saved = state.get("args") or argparse.Namespace()
     _check_model_args(saved, args, path)
     sizes = {flag: (getattr(saved, dest, None), getattr(args, dest)) for flag, dest in (
@@ -210,13 +210,13 @@ def _load_torch(args, root, folder, finetune, model, optimizer, scheduler):
         ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"))}
     for flag, (theirs, ours) in sizes.items():
         if theirs is not None and theirs != ours:
-            raise CheckpointError(f"--load {root}: a --ckpt-format torch checkpoint saved at {flag} "
-                             f"{theirs} loads only at that size (this run: {ours}); save with "
-                             f"--ckpt-format torch_dist to reshard")
+            raise CheckpointError(f"--load {root}: a --ckpt-format torch checkpoint saved at "
+                                  f"{flag} {theirs} loads only at that size (this run: "
+                                  f"{ours}); save with --ckpt-format torch_dist to reshard")
     load_optim = not finetune and not args.no_load_optim and "optimizer" in state
     if load_optim and args.use_distributed_optimizer:
         raise CheckpointError(f"--load {root}: a --ckpt-format torch checkpoint has no distributed "
-                         f"optimizer state here; pass --no-load-optim")
+                              f"optimizer state here; pass --no-load-optim")
     _unwrap(model).load_state_dict(state["model"], strict=True)
     load_rng = not finetune and not args.no_load_rng and "rng_state" in state
     _finish(args, state, load_optim, load_rng, optimizer, scheduler)
@@ -241,7 +241,7 @@ def load_checkpoint(args, model, optimizer, scheduler):
         loaded, saved = _load_torch(args, root, folder, finetune, model, optimizer, scheduler)
     else:
         raise CheckpointError(f"--load {root}: {TRACKER} names iteration {iteration} but {folder} "
-                         f"holds no complete checkpoint (no metadata.json, no mp_rank_*)")
+                              f"holds no complete checkpoint (no metadata.json, no mp_rank_*)")
     dist.barrier()
     if finetune:
         if dist.get_rank() == 0:

@@ -27,7 +27,7 @@ from megatron_eod.plan import ulysses_degree_for
 
 __all__ = ["CONCURRENT_CALLS_HELP", "CP_ALGO_ALIASES", "FlagError", "RING_EXCHANGES",
            "RING_EXCHANGE_HELP",
-           "check_context_parallel", "check_gloo_on_cuda", "check_gpu_attention",
+           "check_context_parallel", "check_gloo_on_cuda", "check_hybrid_degree", "check_gpu_attention",
            "check_query_groups", "check_sequence_parallel_rows", "exit_with_error"]
 
 RING_EXCHANGE_HELP = ("how ring and hybrid CP move keys/values: batched (default: all of a "
@@ -87,6 +87,17 @@ def _require(ok: bool, message: str) -> None:
         raise FlagError(message)
 
 
+def check_hybrid_degree(given, cp: int, spelled: str = "--context-parallel-algo hybrid") -> None:
+    """Hybrid's Ulysses degree `given` (--ulysses-degree-in-cp) at CP size `cp`: set, strictly
+    between 1 and cp, dividing cp. `spelled`: how the user asked for hybrid."""
+    _require(given is not None, f"{spelled} needs --ulysses-degree-in-cp")
+    _require(1 < given < cp, f"--ulysses-degree-in-cp {given} must be > 1 and < "
+                             f"--context-parallel-size {cp} for {spelled} (use ring for 1, "
+                             f"ulysses for {cp})")
+    _require(cp % given == 0, f"--ulysses-degree-in-cp {given} must divide "
+                              f"--context-parallel-size {cp}")
+
+
 def check_context_parallel(args) -> None:
     """The CP rules on any namespace with Megatron's attribute names (Megatron-LM's args too):
     normalises `context_parallel_algo`, sets `ulysses_degree`; FlagError names the flags."""
@@ -106,13 +117,7 @@ def check_context_parallel(args) -> None:
              f"--ulysses-degree-in-cp {given} contradicts --context-parallel-algo ulysses "
              f"(degree = --context-parallel-size {cp})")
     if algo == "hybrid":
-        _require(given is not None,
-                 "--context-parallel-algo hybrid needs --ulysses-degree-in-cp")
-        _require(1 < given < cp, f"--ulysses-degree-in-cp {given} must be > 1 and < "
-                                 f"--context-parallel-size {cp} for --context-parallel-algo "
-                                 f"hybrid (use ring for 1, ulysses for {cp})")
-        _require(cp % given == 0, f"--ulysses-degree-in-cp {given} must divide "
-                                  f"--context-parallel-size {cp}")
+        check_hybrid_degree(given, cp)
     degree = ulysses_degree_for(algo, cp, given)
     source = {"ring": None, "ulysses": "--context-parallel-size",
               "hybrid": "--ulysses-degree-in-cp"}[algo]

@@ -31,8 +31,8 @@ from megatron_eod.training.args_optim import ramp_as_step_schedule
 from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIASES,
                                             RING_EXCHANGE_HELP, RING_EXCHANGES, FlagError,
                                             check_context_parallel, check_gloo_on_cuda,
-                                            check_gpu_attention, check_query_groups,
-                                            check_sequence_parallel_rows)
+                                            check_gpu_attention, check_hybrid_degree,
+                                            check_query_groups, check_sequence_parallel_rows)
 
 __all__ = ["REFUSED", "add_eod_args", "check_before_megatron", "eod_args_from_megatron"]
 
@@ -88,7 +88,8 @@ REFUSED = {
 
 
 def add_eod_args(parser):
-    """Megatron-LM `extra_args_provider`: our flags, and per-token loss by default."""
+    """Megatron-LM `extra_args_provider`: our flags, per-token loss by default, and a default
+    --eval-interval."""
     g = parser.add_argument_group("megatron-eod")
     g.add_argument("--context-parallel-algo", default=None,
                    help=f"one of {', '.join(CP_ALGO_ALIASES)} (default: from --cp-comm-type, "
@@ -105,7 +106,11 @@ def add_eod_args(parser):
                    help="plan each micro-batch when the step needs it, not one ahead")
     g.add_argument("--trainer", choices=("auto", "megatron-lm", "lean"), default="auto",
                    help="read by pretrain_gpt.py before Megatron-LM parses")
-    parser.set_defaults(calculate_per_token_loss=True, cp_comm_type=_NotGiven(["p2p"]))
+    # --eval-interval: core_v0.16.1 and later have no default (None) and divide by it when
+    # they size the validation data (a TypeError after the model is built, whatever
+    # --eval-iters says); the lean trainer's and Megatron-LM <= 0.15's, 1000.
+    parser.set_defaults(calculate_per_token_loss=True, cp_comm_type=_NotGiven(["p2p"]),
+                        eval_interval=1000)
     return parser
 
 
@@ -131,7 +136,6 @@ def eod_args_from_megatron(args) -> None:
     _check_cuda_graphs(args)
     check_gloo_on_cuda(args, torch.cuda.is_available())
     check_gpu_attention(args, torch.cuda.is_available())
-    _check_eval_interval(args)
     _check_validation_data(args)
     _check_full_validation(args)
 
@@ -176,17 +180,6 @@ def _check_full_validation(args) -> None:
                         f"--context-parallel-size = {args.seq_length // cp} tokens (one "
                         f"sequence a micro-batch) divisible by --tensor-model-parallel-size "
                         f"{tp}")
-
-
-def _check_eval_interval(args) -> None:
-    """Megatron-LM core_v0.16 has no default --eval-interval (None) and divides by it when it
-    sizes the validation split, whatever --eval-iters says: a TypeError after the model is
-    built. Where it would, name the flag."""
-    if getattr(args, "eval_interval", 0) is None and not getattr(args, "skip_train", False) \
-            and not getattr(args, "full_validation", False):
-        raise FlagError("--eval-interval is not set: this Megatron-LM has no default for it "
-                        "and stops with a TypeError when it sizes the validation data; pass "
-                        "--eval-interval N (iterations between evaluations)")
 
 
 def _check_validation_data(args) -> None:
@@ -261,8 +254,15 @@ def _resolve_context_parallel(args) -> None:
                 raise FlagError(f"--ulysses-degree-in-cp {u} contradicts "
                                 f"--hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]}")
             args.ulysses_degree_in_cp = u = sizes[0]
-        if u is not None and cp % u == 0:
-            args.hierarchical_context_parallel_sizes = [u, cp // u]  # Megatron-LM builds them
+        # Checked here, not only in check_context_parallel: this runs before Megatron-LM's
+        # validate_args (check_before_megatron), whose assertions on a2a+p2p have no message.
+        if given is None and u is None:
+            raise FlagError(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes "
+                            f"U {cp}/U (Ulysses inside, Ring across), or --ulysses-degree-in-cp "
+                            f"U")
+        check_hybrid_degree(u, cp, f"--context-parallel-algo {given}" if given is not None
+                            else "--cp-comm-type a2a+p2p")
+        args.hierarchical_context_parallel_sizes = [u, cp // u]  # Megatron-LM builds them
     if algo != "hybrid" or cp > 1:
         args.cp_comm_type = [_ALGO_TO_COMM[algo]]
 

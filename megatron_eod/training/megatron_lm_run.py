@@ -34,6 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_eod.data.checks import DatasetError
 from megatron_eod.megatron import cpu_compat, gloo_on_cuda
 from megatron_eod.training.cp_flags import FlagError, exit_with_error
 from megatron_eod.training.megatron_lm import EodProviders
@@ -87,7 +88,7 @@ def run(argv=None):
             pretrain(config.pretrain_cfg_container_from_args(args), **kwargs)
         else:
             pretrain(extra_args_provider=add_eod_args, args_defaults=ARGS_DEFAULTS, **kwargs)
-    except FlagError as error:
+    except (FlagError, DatasetError) as error:  # raised on every rank (eod_wiring gathers)
         exit_with_error(error, 2)
     finally:
         if providers._steps is not None:

@@ -232,7 +232,8 @@ BAD = [
      r"--num-attention-heads 8 must be divisible by --num-query-groups 16"),
     (["--tensor-model-parallel-size", 3], 3, False,
      r"--num-attention-heads 8 must be divisible by --tensor-model-parallel-size 3"),
-    (["--group-query-attention", "--num-query-groups", 2, "--tensor-model-parallel-size", 4], 4, False,
+    (["--group-query-attention", "--num-query-groups", 2, "--tensor-model-parallel-size", 4], 4,
+     False,
      r"--num-query-groups 2 must be divisible by --tensor-model-parallel-size 4"),
     (["--swiglu", "--hidden-size", 16], 1, False,
      r"--swiglu with --hidden-size 16: the default --ffn-hidden-size \(2/3 of 4 x hidden, "

@@ -3,6 +3,7 @@
 Megatron-LM defaults we cannot run, the flag to add); the CP spellings map onto ours with
 no fact asked twice; per-token loss is on by default."""
 
+import re
 import sys
 
 import pytest
@@ -207,6 +208,29 @@ def validated(monkeypatch, *flags, base=BASE):
     return args
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--context-parallel-algo", "hybrid"], "--context-parallel-algo hybrid needs "
+                                            "--ulysses-degree-in-cp"),
+    (["--context-parallel-algo", "hybrid", "--ulysses-degree-in-cp", "3"],
+     "--ulysses-degree-in-cp 3 must divide --context-parallel-size 4"),
+    (["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "4"],
+     "--ulysses-degree-in-cp 4 must be > 1 and < --context-parallel-size 4 for "
+     "--context-parallel-algo hybrid_cp_algo"),
+    (["--cp-comm-type", "a2a+p2p"], "--cp-comm-type a2a+p2p needs "
+                                    "--hierarchical-context-parallel-sizes U 4/U"),
+    (["--cp-comm-type", "a2a+p2p", "--ulysses-degree-in-cp", "1"],
+     "--ulysses-degree-in-cp 1 must be > 1 and < --context-parallel-size 4 for "
+     "--cp-comm-type a2a+p2p"),
+], ids=["algo-no-degree", "algo-bad-degree", "ascend-degree-cp", "comm-no-sizes",
+        "comm-degree-1"])
+def test_hybrid_degrees_are_checked_before_megatron_lm_asserts(monkeypatch, flags, message):
+    """A hybrid asked for by --context-parallel-algo once reached Megatron-LM's validate_args
+    as p2p and got our message after it; resolved before it, it must still get ours, not
+    Megatron-LM's assertion that the hierarchical sizes are missing."""
+    with pytest.raises(FlagError, match=re.escape(message)):
+        validated(monkeypatch, "--context-parallel-size", "4", *flags)
+
+
 @pytest.mark.parametrize("sizes", [["3", "2"], ["2", "4"], ["4", "1"]])
 def test_hierarchical_sizes_are_checked_before_megatron_lm_asserts(monkeypatch, sizes):
     """Megatron-LM's validate_args asserts their product with no message: ours comes first."""
@@ -263,15 +287,11 @@ def test_the_same_flags_build_the_same_model_in_both_trainers(monkeypatch, flags
     assert _model_of(ours) == _model_of(theirs)
 
 
-def test_a_missing_eval_interval_is_named():
-    """core_v0.16.1's Megatron-LM has no default for it and divides by it at start-up (a
-    TypeError); a version with a default never gets here."""
+def test_eval_interval_has_the_lean_trainers_default():
+    """core_v0.16.1's Megatron-LM has none and divides by it at start-up (a TypeError)."""
     base = [f for f in BASE if f not in ("--eval-interval", "100")]
-    if megatron_lm_args(base=base).eval_interval is not None:
-        pytest.skip("this Megatron-LM has a default --eval-interval")
-    with pytest.raises(FlagError, match="--eval-interval is not set"):
-        checked(base=base)
-    checked("--skip-train", base=base)  # it only divides when it trains
+    assert checked(base=base).eval_interval == 1000
+    assert checked("--eval-interval", "7", base=base).eval_interval == 7
 
 
 def test_query_groups_megatron_lm_would_ignore_are_refused():

@@ -296,3 +296,30 @@ def plain_pp2_checkpoint(short_docs_data, tmp_path_factory):
                       "--save", ckpt, "--save-interval", "2")
     assert sorted(losses) == list(range(1, ITERS + 1))
     return losses, ckpt
+
+
+def _start(rank, world, argv):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    import pretrain_gpt
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            pretrain_gpt.main(["--trainer", "megatron-lm", *argv])
+    except SystemExit as stop:
+        return stop.code, err.getvalue()
+    return 0, err.getvalue()
+
+
+def test_a_data_error_is_one_line_on_every_rank(short_docs_data, tmp_path):
+    """The start-up data checks under Megatron-LM's trainer end the run as its flag errors do
+    (exit 2, `pretrain_gpt.py: error:` on every rank), not with a traceback per rank."""
+    import_megatron_lm()
+    argv = flags(short_docs_data, str(tmp_path / "m.jsonl"))
+    at = argv.index("--vocab-size")
+    argv[at + 1] = "300"  # the data's EoD is 256
+    results = run_ranks(_start, 2, argv, timeout=240, daemon=False)
+    assert [code for code, _ in results] == [2, 2], results
+    for _, text in results:
+        assert "pretrain_gpt.py: error: " in text and "EoD id 256" in text, text[-2000:]
+        assert "Traceback" not in text
