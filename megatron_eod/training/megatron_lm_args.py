@@ -41,6 +41,12 @@ class _NotGiven(list):
     """The default of --cp-comm-type (["p2p"]), told apart from an explicit --cp-comm-type."""
 
 
+class _DefaultGroups(int):
+    """Megatron-LM's default --num-query-groups (1), told apart from an explicit
+    `--num-query-groups 1` (MQA meant, multi-head attention built without
+    --group-query-attention). Made a plain int once read: args go into checkpoints."""
+
+
 _COMM_TO_ALGO = {"p2p": "ring", "a2a": "ulysses", "a2a+p2p": "hybrid"}
 _ALGO_TO_COMM = {algo: comm for comm, algo in _COMM_TO_ALGO.items()}
 
@@ -110,7 +116,7 @@ def add_eod_args(parser):
     # they size the validation data (a TypeError after the model is built, whatever
     # --eval-iters says); the lean trainer's and Megatron-LM <= 0.15's, 1000.
     parser.set_defaults(calculate_per_token_loss=True, cp_comm_type=_NotGiven(["p2p"]),
-                        eval_interval=1000)
+                        eval_interval=1000, num_query_groups=_DefaultGroups(1))
     return parser
 
 
@@ -277,7 +283,10 @@ def _refuse(args) -> None:
         raise FlagError(f"--attention-dropout {args.attention_dropout} (Megatron-LM's default "
                         f"is 0.1): the varlen attention kernels apply no dropout; pass "
                         f"--attention-dropout 0")
-    check_query_groups(args, unset=(None, 1))  # 1: its parser's default
+    if isinstance(args.num_query_groups, _DefaultGroups):  # not passed: nothing to check
+        args.num_query_groups = int(args.num_query_groups)
+    else:
+        check_query_groups(args)
     if args.position_embedding_type not in ("rope", "learned_absolute", "none"):
         raise FlagError(f"--position-embedding-type {args.position_embedding_type}: EoD reset "
                         f"supports rope, learned_absolute and none (at reset positions)")

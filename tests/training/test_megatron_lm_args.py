@@ -294,10 +294,20 @@ def test_eval_interval_has_the_lean_trainers_default():
     assert checked("--eval-interval", "7", base=base).eval_interval == 7
 
 
-def test_query_groups_megatron_lm_would_ignore_are_refused():
-    with pytest.raises(FlagError, match="--num-query-groups 2 without --group-query-attention: "
-                                        "Megatron-LM ignores it"):
-        checked("--num-query-groups", "2")
+@pytest.mark.parametrize("groups", ["2", "1"])  # 1: MQA meant, its parser's default too
+def test_query_groups_megatron_lm_would_ignore_are_refused(monkeypatch, groups):
+    with pytest.raises(FlagError, match=f"--num-query-groups {groups} without "
+                                        f"--group-query-attention: Megatron-LM ignores it"):
+        validated(monkeypatch, "--num-query-groups", groups)
+
+
+def test_query_groups_left_to_megatron_lm_are_plain_ints(monkeypatch):
+    """Its default, told apart from an explicit 1, leaves as the int 1 (args are pickled into
+    checkpoints, which must load without megatron-eod)."""
+    for flags in ([], ["--group-query-attention"], ["--num-query-groups", "4"]):
+        args = validated(monkeypatch, *flags)
+        assert type(args.num_query_groups) is int
+    assert validated(monkeypatch, "--group-query-attention").num_query_groups == 1
 
 
 def test_cp_ring_exchange_is_ours_too():
