@@ -26,9 +26,9 @@ from megatron_eod.megatron import gloo_on_cuda
 from megatron_eod.plan import ulysses_degree_for
 
 __all__ = ["CONCURRENT_CALLS_HELP", "CP_ALGO_ALIASES", "FlagError", "RING_EXCHANGES",
-           "RING_EXCHANGE_HELP",
-           "check_context_parallel", "check_gloo_on_cuda", "check_hybrid_degree", "check_gpu_attention",
-           "check_query_groups", "check_sequence_parallel_rows", "exit_with_error"]
+           "RING_EXCHANGE_HELP", "check_context_parallel", "check_gloo_on_cuda",
+           "check_gpu_attention", "check_hybrid_degree", "check_query_groups",
+           "check_sequence_parallel_rows", "exit_with_error"]
 
 RING_EXCHANGE_HELP = ("how ring and hybrid CP move keys/values: batched (default: all of a "
                       "layer's transfers at once, 2 attention calls per direction), "
@@ -69,13 +69,13 @@ def exit_with_error(error, code: int):
     raise SystemExit(code) from None
 
 
-def check_query_groups(args, unset=(None,)) -> None:
+def check_query_groups(args) -> None:
     """--num-query-groups counts only with --group-query-attention (Megatron-LM's meaning,
     which both trainers keep: one launch script, one model); without it Megatron-LM builds
-    multi-head attention and says nothing, so a value that would change the model is refused.
-    `unset`: the values the parser gives when the flag is absent (Megatron-LM's: 1)."""
+    multi-head attention and says nothing, so a value given that would change the model is
+    refused (None: not given)."""
     heads, groups = args.num_attention_heads, args.num_query_groups
-    if not args.group_query_attention and groups not in (*unset, heads):
+    if not args.group_query_attention and groups not in (None, heads):
         raise FlagError(f"--num-query-groups {groups} without --group-query-attention: "
                         f"Megatron-LM ignores it and builds multi-head attention ({heads} "
                         f"key/value heads); add --group-query-attention, or drop "

@@ -3,7 +3,6 @@
 Megatron-LM defaults we cannot run, the flag to add); the CP spellings map onto ours with
 no fact asked twice; per-token loss is on by default."""
 
-import re
 import sys
 
 import pytest
@@ -180,134 +179,11 @@ def test_megatron_cp_spellings_map_onto_ours(flags, algo, degree, sizes):
     assert args.cp_comm_type == [{"ring": "p2p", "ulysses": "a2a", "hybrid": "a2a+p2p"}[algo]]
 
 
-def validated(monkeypatch, *flags, base=BASE):
-    """Megatron-LM's parse_args and its REAL validate_args, with the hooks
-    training/megatron_lm_run.py installs around it (restored after the test), at world 4."""
-    import_megatron_lm()
-    from megatron.training import arguments, initialize
-
-    from megatron_eod.training import megatron_lm_run
-
-    monkeypatch.setattr(arguments, "validate_args", arguments.validate_args)
-    monkeypatch.setattr(initialize, "validate_args", initialize.validate_args)
-    monkeypatch.setattr(megatron_lm_run.gloo_on_cuda, "wanted", lambda *a: False)
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # as megatron_lm_run.run sets it
-    args = megatron_lm_args("--lr", "1e-3", "--train-iters", "2", "--mock-data",
-                            "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
-                            "--max-position-embeddings", "128", *flags,
-                            base=[f for f in base if f not in ("--data-path", "corpus")])
-    megatron_lm_run._check_after_validate()
-    from megatron_eod.megatron import cpu_compat
-
-    cpu_compat.apply(force=True, megatron_lm=True)  # as megatron_lm_run.run does on CPU
-    try:
-        arguments.validate_args(args)
-    finally:
-        cpu_compat.remove()
-    return args
-
-
-@pytest.mark.parametrize("flags,message", [
-    (["--context-parallel-algo", "hybrid"], "--context-parallel-algo hybrid needs "
-                                            "--ulysses-degree-in-cp"),
-    (["--context-parallel-algo", "hybrid", "--ulysses-degree-in-cp", "3"],
-     "--ulysses-degree-in-cp 3 must divide --context-parallel-size 4"),
-    (["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "4"],
-     "--ulysses-degree-in-cp 4 must be > 1 and < --context-parallel-size 4 for "
-     "--context-parallel-algo hybrid_cp_algo"),
-    (["--cp-comm-type", "a2a+p2p"], "--cp-comm-type a2a+p2p needs "
-                                    "--hierarchical-context-parallel-sizes U 4/U"),
-    (["--cp-comm-type", "a2a+p2p", "--ulysses-degree-in-cp", "1"],
-     "--ulysses-degree-in-cp 1 must be > 1 and < --context-parallel-size 4 for "
-     "--cp-comm-type a2a+p2p"),
-], ids=["algo-no-degree", "algo-bad-degree", "ascend-degree-cp", "comm-no-sizes",
-        "comm-degree-1"])
-def test_hybrid_degrees_are_checked_before_megatron_lm_asserts(monkeypatch, flags, message):
-    """A hybrid asked for by --context-parallel-algo once reached Megatron-LM's validate_args
-    as p2p and got our message after it; resolved before it, it must still get ours, not
-    Megatron-LM's assertion that the hierarchical sizes are missing."""
-    with pytest.raises(FlagError, match=re.escape(message)):
-        validated(monkeypatch, "--context-parallel-size", "4", *flags)
-
-
-@pytest.mark.parametrize("sizes", [["3", "2"], ["2", "4"], ["4", "1"]])
-def test_hierarchical_sizes_are_checked_before_megatron_lm_asserts(monkeypatch, sizes):
-    """Megatron-LM's validate_args asserts their product with no message: ours comes first."""
-    with pytest.raises(FlagError, match=f"--hierarchical-context-parallel-sizes "
-                                        f"{' '.join(sizes)}: hybrid needs two sizes > 1"):
-        validated(monkeypatch, "--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
-                  "--hierarchical-context-parallel-sizes", *sizes)
-
-
-@pytest.mark.parametrize("flags", [
-    ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"],
-    ["--cp-comm-type", "a2a+p2p", "--ulysses-degree-in-cp", "2"],  # sizes filled in before
-    ["--context-parallel-algo", "hybrid", "--ulysses-degree-in-cp", "2"],
-], ids=["sizes", "comm-and-degree", "algo-and-degree"])
-def test_hybrid_spellings_pass_megatron_lm_validation(monkeypatch, flags):
-    args = validated(monkeypatch, "--context-parallel-size", "4", *flags)
-    assert (args.context_parallel_algo, args.ulysses_degree) == ("hybrid", 2)
-    assert args.hierarchical_context_parallel_sizes == [2, 2]
-    assert args.cp_comm_type == ["a2a+p2p"]
-
-
-# What shapes the model (the weights and what they compute), read from either trainer's args.
-MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                "kv_channels", "seq_length", "position_embedding_type", "swiglu",
-                "normalization", "untie_embeddings_and_output_weights", "add_bias_linear",
-                "qk_layernorm", "rotary_base", "rotary_percent", "rotary_interleaved",
-                "init_method_std", "make_vocab_size_divisible_by", "hidden_dropout")
-
-
-def _model_of(args):
-    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
-    return {**{field: getattr(args, field) for field in MODEL_FIELDS}, "key/value heads": groups}
-
-
-@pytest.mark.parametrize("flags", [
-    [], ["--swiglu"], ["--swiglu", "--hidden-size", "256", "--num-attention-heads", "8"],
-    ["--group-query-attention"], ["--group-query-attention", "--num-query-groups", "2"],
-    ["--num-query-groups", "4"], ["--normalization", "RMSNorm", "--disable-bias-linear"],
-    ["--position-embedding-type", "rope", "--rotary-percent", "0.5"],
-], ids=["defaults", "swiglu", "swiglu-256", "gqa-alone", "gqa-2", "groups-equal-heads",
-        "rmsnorm", "rope"])
-def test_the_same_flags_build_the_same_model_in_both_trainers(monkeypatch, flags):
-    """`--trainer auto` picks Megatron-LM's trainer where it imports and the lean one
-    elsewhere: one launch script must mean one model (the lean trainer's defaults were RoPE,
-    GQA from --num-query-groups alone and 4 x hidden under --swiglu)."""
-    from megatron_eod.training.args import parse_args as lean_parse_args
-
-    common = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-              "--seq-length", "128", "--micro-batch-size", "2", "--attention-dropout", "0",
-              "--transformer-impl", "local", "--eval-interval", "100"]
-    theirs = validated(monkeypatch, *flags, base=common)
-    ours = lean_parse_args([*common, "--lr", "1e-3", "--train-iters", "2", "--mock-data",
-                            *flags], world_size=4)
-    assert _model_of(ours) == _model_of(theirs)
-
-
 def test_eval_interval_has_the_lean_trainers_default():
     """core_v0.16.1's Megatron-LM has none and divides by it at start-up (a TypeError)."""
     base = [f for f in BASE if f not in ("--eval-interval", "100")]
     assert checked(base=base).eval_interval == 1000
     assert checked("--eval-interval", "7", base=base).eval_interval == 7
-
-
-@pytest.mark.parametrize("groups", ["2", "1"])  # 1: MQA meant, its parser's default too
-def test_query_groups_megatron_lm_would_ignore_are_refused(monkeypatch, groups):
-    with pytest.raises(FlagError, match=f"--num-query-groups {groups} without "
-                                        f"--group-query-attention: Megatron-LM ignores it"):
-        validated(monkeypatch, "--num-query-groups", groups)
-
-
-def test_query_groups_left_to_megatron_lm_are_plain_ints(monkeypatch):
-    """Its default, told apart from an explicit 1, leaves as the int 1 (args are pickled into
-    checkpoints, which must load without megatron-eod)."""
-    for flags in ([], ["--group-query-attention"], ["--num-query-groups", "4"]):
-        args = validated(monkeypatch, *flags)
-        assert type(args.num_query_groups) is int
-    assert validated(monkeypatch, "--group-query-attention").num_query_groups == 1
 
 
 def test_cp_ring_exchange_is_ours_too():
