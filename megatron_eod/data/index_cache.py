@@ -69,7 +69,8 @@ def _cached_entries(folder: str, prefix: str) -> List[str]:
 def check_index_cache(prefix: str, data_cache_path: Optional[str]) -> None:
     """DatasetError if megatron-core holds cached indices of `prefix` stamped for other
     .bin/.idx files; otherwise (re)stamp the cache for the data on disk (a folder that cannot
-    be written is left alone)."""
+    be written is left alone); DatasetError naming --data-cache-path where a file stands in
+    the folder's way."""
     folder = cache_folder(prefix, data_cache_path)
     key = hashlib.md5(prefix.encode(), usedforsecurity=False).hexdigest()[:16]
     stamp = os.path.join(folder, f"megatron-eod-dataset-{key}.json")
@@ -91,8 +92,20 @@ def check_index_cache(prefix: str, data_cache_path: Optional[str]) -> None:
             f"{was.get('idx_bytes')} bytes, now {now['bin_bytes']} and {now['idx_bytes']}): "
             f"the dataset was re-made since, and they would index it wrongly; delete their "
             f"files ({shown}), or pass another --data-cache-path")
-    try:  # no stamp, or one with no cached indices left behind it: stamp the data on disk
+    try:
         os.makedirs(folder, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # megatron-core's makedirs fails too
+        blocker = folder
+        while os.path.dirname(blocker) != blocker and not os.path.isfile(blocker):
+            blocker = os.path.dirname(blocker)
+        given = (f"--data-cache-path {data_cache_path}" if data_cache_path else
+                 f"megatron-core's index cache of {prefix} ({folder})")
+        raise DatasetError(f"{given}: {blocker} is a file, where megatron-core makes its cache "
+                           f"folder: pass a folder (or a path that does not exist yet) as "
+                           f"--data-cache-path") from None
+    except OSError:
+        return  # not writable here: megatron-core reads what it finds, or says so
+    try:  # no stamp, or one with no cached indices left behind it: stamp the data on disk
         with open(stamp + f".{os.getpid()}", "w") as f:
             json.dump({"prefix": prefix, **now}, f)
         os.replace(stamp + f".{os.getpid()}", stamp)

@@ -13,14 +13,31 @@ dataset is refused by checks.py), none of object-storage or mock data.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import re
+from typing import List, Optional, Sequence
 
 from megatron_eod.data.checks import DatasetError, sequence_count
 from megatron_eod.megatron.imports import import_megatron
 
-__all__ = ["check_split_sizes"]
+__all__ = ["check_split_sizes", "split_shares"]
 
 _SPLITS = ("train", "validation", "test")
+
+
+def split_shares(split: str) -> List[float]:
+    """The train, valid, test shares of a --split string, read as megatron-core reads it (the
+    numbers in it, missing ones 0), normalised to sum 1. ValueError naming --split and the
+    rule where megatron-core would stop on a bare assertion (four numbers) or divide by zero
+    (all 0)."""
+    try:
+        shares = [float(number) for number in re.findall(r"[.0-9]+", split)]
+    except ValueError:  # "1.2.3"
+        shares = []
+    if not 0 < len(shares) <= len(_SPLITS) or sum(shares) <= 0:
+        raise ValueError(f"--split {split}: give up to three shares (train,valid,test, e.g. "
+                         f"969,30,1; missing ones are 0), not all 0")
+    shares += [0.0] * (len(_SPLITS) - len(shares))
+    return [share / sum(shares) for share in shares]
 
 
 def check_split_sizes(blend, split: Optional[str], sizes: Sequence[Optional[int]]) -> None:
@@ -32,7 +49,11 @@ def check_split_sizes(blend, split: Optional[str], sizes: Sequence[Optional[int]
         return
     config = import_megatron("megatron.core.datasets.blended_megatron_dataset_config")
     remote = import_megatron("megatron.core.datasets.object_storage_utils")
-    ranges = config.convert_split_vector_to_split_matrix(config.parse_and_normalize_split(split))
+    try:
+        shares = split_shares(split)
+    except ValueError as error:
+        raise DatasetError(str(error)) from None
+    ranges = config.convert_split_vector_to_split_matrix(shares)
     for prefix in blend[0]:
         if remote.is_object_storage_path(prefix):
             continue

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_eod.attention.backends import has_transformer_engine
-from megatron_eod.data.tokenizers import SENTENCEPIECE_TYPES, TOKENIZER_TYPES
+from megatron_eod.data.tokenizers import TOKENIZER_TYPES
 from megatron_eod.megatron.dataset import NO_DATA, PER_SPLIT_SOURCES, data_sources_given
 from megatron_eod.training import args_optim as optim
 from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIASES,
@@ -29,6 +29,7 @@ from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIAS
                                             check_context_parallel, check_gloo_on_cuda,
                                             check_gpu_attention, check_query_groups,
                                             check_sequence_parallel_rows)
+from megatron_eod.training.flag_rules import check_split, check_tokenizer_files
 
 __all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "check_context_parallel", "parse_args",
            "validate_args"]
@@ -347,15 +348,8 @@ def _check_data(args) -> None:
                  "a blend per split needs --train-data-path")
     elif args.split is None:
         args.split = "969,30,1"
-    needs = {"HuggingFaceTokenizer": ("tokenizer_model",),
-             "GPT2BPETokenizer": ("vocab_file", "merge_file"),
-             "NullTokenizer": ("vocab_size",),
-             "TikTokenizer": ("tokenizer_model", "tiktoken_pattern"),
-             **{name: ("tokenizer_model",) for name in SENTENCEPIECE_TYPES}}.get(
-        args.tokenizer_type, ())
-    for dest in needs:
-        _require(getattr(args, dest) is not None,
-                 f"--tokenizer-type {args.tokenizer_type} needs {_flag(dest)}")
+    check_split(args)
+    check_tokenizer_files(args)
     _positive(args, "vocab_size")
     _require(args.num_workers >= 0, f"--num-workers must be >= 0, got {args.num_workers}")
 

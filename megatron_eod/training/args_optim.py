@@ -16,6 +16,7 @@ import importlib
 import inspect
 
 from megatron_eod.training.cp_flags import FlagError
+from megatron_eod.training.flag_rules import check_global_batch
 
 __all__ = ["add_optimizer_args", "add_schedule_args", "add_checkpoint_args",
            "check_optimizer", "check_schedule", "check_checkpoint", "check_batch_sizes",
@@ -217,13 +218,7 @@ def check_batch_sizes(args) -> None:
     gbs = args.global_batch_size
     _require(gbs > 0, f"--global-batch-size must be positive, got {gbs}")
     unit = mbs * dp
-    if not args.decrease_batch_size_if_needed:
-        _require(gbs % unit == 0, f"--global-batch-size {gbs} must be a multiple of "
-                                  f"--micro-batch-size {mbs} x data-parallel size {dp} (or pass "
-                                  f"--decrease-batch-size-if-needed)")
-    else:
-        _require(gbs >= unit, f"--global-batch-size {gbs} is smaller than --micro-batch-size "
-                              f"{mbs} x data-parallel size {dp}")
+    check_global_batch(args)
     args.num_micro_batches = max(1, gbs // unit)  # at the full batch size
     if args.rampup_batch_size is None:
         return

@@ -33,8 +33,15 @@ from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIAS
                                             check_context_parallel, check_gloo_on_cuda,
                                             check_gpu_attention, check_hybrid_degree,
                                             check_query_groups, check_sequence_parallel_rows)
+from megatron_eod.training.flag_rules import (check_global_batch, check_intervals, check_split,
+                                              check_tokenizer_files)
 
-__all__ = ["REFUSED", "add_eod_args", "check_before_megatron", "eod_args_from_megatron"]
+__all__ = ["REFUSED", "SAVE_AT_THE_END", "add_eod_args", "check_before_megatron",
+           "eod_args_from_megatron"]
+
+# --save without --save-interval: Megatron-LM asserts an interval; the lean trainer saves at
+# the end only, which an interval no run reaches gives in Megatron-LM's loop too.
+SAVE_AT_THE_END = 2 ** 31 - 1
 
 
 class _NotGiven(list):
@@ -125,9 +132,16 @@ def check_before_megatron(args) -> None:
     training/megatron_lm_run.py), whose bare assertions on them (the hierarchical sizes'
     product) would otherwise stop the run first with no message; it also fills in
     --hierarchical-context-parallel-sizes from --ulysses-degree-in-cp, which
-    --cp-comm-type a2a+p2p needs there. eod_args_from_megatron repeats it, a no-op then."""
+    --cp-comm-type a2a+p2p needs there. eod_args_from_megatron repeats it, a no-op then.
+    Likewise --split and the intervals (its bare assertion, or a ZeroDivisionError after the
+    first iteration), and --save without --save-interval saves at the end, as in the lean
+    trainer (Megatron-LM asserts an interval)."""
     if getattr(args, "ulysses_degree", None) is None:
         _resolve_context_parallel(args)
+    check_split(args)
+    check_intervals(args, "log_interval", "eval_interval", "save_interval")
+    if getattr(args, "save", None) and getattr(args, "save_interval", 0) is None:
+        args.save_interval = SAVE_AT_THE_END
 
 
 def eod_args_from_megatron(args) -> None:
@@ -144,6 +158,10 @@ def eod_args_from_megatron(args) -> None:
     check_gpu_attention(args, torch.cuda.is_available())
     _check_validation_data(args)
     _check_full_validation(args)
+    if getattr(args, "data_parallel_size", None) and args.global_batch_size:  # validated
+        check_global_batch(args)
+    check_tokenizer_files(args, " (Megatron-LM's default where none is given)"
+                          if args.tokenizer_type == "GPT2BPETokenizer" else "")
 
 
 def _check_cuda_graphs(args) -> None:

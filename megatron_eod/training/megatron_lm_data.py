@@ -22,6 +22,7 @@ import importlib
 import json
 from typing import Optional
 
+from megatron_eod.data.split_sizes import split_shares
 from megatron_eod.megatron.dataset import PER_SPLIT_SOURCES, data_sources_given
 from megatron_eod.megatron.imports import import_megatron
 
@@ -70,8 +71,7 @@ def validation_source(args) -> Optional[str]:
     (--valid-data-path, --per-split-data-args-path)."""
     if set(data_sources_given(args)) & set(PER_SPLIT_SOURCES):
         return "the validation blend" if blends(args)[1][1] else None
-    config = import_megatron("megatron.core.datasets.blended_megatron_dataset_config")
-    share = config.parse_and_normalize_split(args.split or "969,30,1")[1]
+    share = split_shares(args.split or "969,30,1")[1]
     return f"--split {args.split}" if share > 0 else None
 
 

@@ -28,8 +28,10 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -42,7 +44,7 @@ from megatron_eod.training.megatron_lm_args import (add_eod_args, check_before_m
                                                     eod_args_from_megatron)
 from megatron_eod.training.parent_watch import exit_with_parent, launched_by_torchrun
 
-__all__ = ["megatron_lm_available", "run"]
+__all__ = ["megatron_lm_assertion", "megatron_lm_available", "run"]
 
 # Megatron-LM's pretrain_gpt.py default, kept so a user's launch script means the same.
 ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
@@ -114,7 +116,10 @@ def _check_after_validate() -> None:
 
         def validate_args(args, *rest, _original=original, **kwargs):
             check_before_megatron(args)
-            result = _original(args, *rest, **kwargs)
+            try:
+                result = _original(args, *rest, **kwargs)
+            except AssertionError as error:  # most carry no message: say the rule and flags
+                raise FlagError(megatron_lm_assertion(error)) from None
             eod_args_from_megatron(args)
             if gloo_on_cuda.wanted(args, torch.cuda.is_available()):
                 gloo_on_cuda.apply()  # before Megatron-LM builds DDP and the attention runs
@@ -122,6 +127,18 @@ def _check_after_validate() -> None:
 
         validate_args._eod = True
         module.validate_args = validate_args
+
+
+def megatron_lm_assertion(error: AssertionError) -> str:
+    """A one-line account of an assertion of Megatron-LM's argument checks: its message, or
+    the asserted line where it has none, the flags it reads, and where it stands."""
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    line = (frame.line or "").strip()
+    flags = sorted({"--" + dest.replace("_", "-") for dest in re.findall(r"args\.(\w+)", line)})
+    where = os.path.join(*frame.filename.split(os.sep)[-3:])
+    said = str(error).strip() or f"it requires `{line.removeprefix('assert ')}`"
+    return (f"Megatron-LM's flag check refused this run: {said}"
+            f"{' (' + ', '.join(flags) + ')' if flags else ''} [{where}:{frame.lineno}]")
 
 
 def _embedding_ranks(pp_ranks):

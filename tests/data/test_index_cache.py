@@ -3,6 +3,7 @@ same prefix are refused by name (they indexed the new data wrongly), not used.""
 
 import json
 import os
+import re
 
 import pytest
 
@@ -61,3 +62,16 @@ def test_a_stamp_without_cached_indices_does_not_refuse_new_data(tmp_path):
     check_index_cache(prefix, None)
     build(prefix, None)
     check_index_cache(prefix, None)
+
+
+@pytest.mark.parametrize("under", [False, True], ids=["is-a-file", "under-a-file"])
+def test_a_file_in_the_cache_folders_way_is_named(tmp_path, under):
+    """megatron-core's own makedirs stopped rank 0 with a FileExistsError traceback (the other
+    ranks: gloo's 'Connection closed by peer'); the check was silent about it."""
+    prefix = make(tmp_path, ["alpha"] * 20)
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    cache = str(blocker / "sub") if under else str(blocker)
+    with pytest.raises(DatasetError, match=f"--data-cache-path {re.escape(cache)}: .*afile is a "
+                                           f"file, where megatron-core makes its cache folder"):
+        check_index_cache(prefix, cache)

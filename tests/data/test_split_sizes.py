@@ -7,7 +7,7 @@ import pytest
 
 from megatron_eod.data.checks import DatasetError
 from megatron_eod.data.preprocess import preprocess_jsonl
-from megatron_eod.data.split_sizes import check_split_sizes
+from megatron_eod.data.split_sizes import check_split_sizes, split_shares
 from megatron_eod.data.tokenizers import ByteTokenizer
 
 
@@ -39,6 +39,22 @@ def test_an_empty_split_asked_for_samples_is_named(tmp_path):
     check_split_sizes(None, "969,30,1", [400, 40, 8])  # mock data
     with pytest.raises(DatasetError, match="validation share"):
         check_split_sizes(([dataset(tmp_path, "tiny", 8)], None), "98,1,1", [8, 8, 8])
+
+
+@pytest.mark.parametrize("split,shares", [
+    ("969, 30, 1", [0.969, 0.03, 0.001]), ("90/10", [0.9, 0.1, 0.0]), ("1", [1.0, 0.0, 0.0]),
+    ("0,0,5", [0.0, 0.0, 1.0]), ("0.5,0.5", [0.5, 0.5, 0.0])])
+def test_split_shares_read_as_megatron_core_reads_them(split, shares):
+    assert split_shares(split) == pytest.approx(shares)
+
+
+@pytest.mark.parametrize("split", ["90,5,3,2", "0,0,0", "", "abc", "1.2.3"])
+def test_a_split_megatron_core_cannot_read_is_named(tmp_path, split):
+    """megatron-core asserted bare (four numbers) or divided by zero (all 0: a NaN error)."""
+    with pytest.raises(ValueError, match=f"--split {split}: give up to three shares"):
+        split_shares(split)
+    with pytest.raises(DatasetError, match=f"--split {split}: give up to three shares"):
+        check_split_sizes(([dataset(tmp_path, "any", 10)], None), split, [8, 8, 8])
 
 
 def test_the_trainer_stops_at_start_up_instead_of_spinning(tmp_path):

@@ -135,3 +135,59 @@ def test_query_groups_left_to_megatron_lm_are_plain_ints(monkeypatch):
         args = validated(monkeypatch, *flags)
         assert type(args.num_query_groups) is int
     assert validated(monkeypatch, "--group-query-attention").num_query_groups == 1
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--log-interval", "0"], "--log-interval must be positive, got 0"),
+    (["--eval-interval", "0"], "--eval-interval must be positive, got 0"),
+    (["--save", "ckpt", "--save-interval", "0"], "--save-interval must be positive, got 0"),
+    (["--split", "90,5,3,2"], "--split 90,5,3,2: give up to three shares"),
+    (["--split", "0,0,0"], "--split 0,0,0: give up to three shares"),
+    (["--split", "0,50,50"], "--split 0,50,50 gives training no share of the data"),
+    (["--global-batch-size", "6"], "--global-batch-size 6 must be a multiple of "
+                                   "--micro-batch-size 2 x data-parallel size 4"),
+    (["--tokenizer-type", "GPT2BPETokenizer"], "--tokenizer-type GPT2BPETokenizer (Megatron-LM's "
+                                               "default where none is given) needs --vocab-file"),
+    (["--tokenizer-type", "HuggingFaceTokenizer"], "--tokenizer-type HuggingFaceTokenizer needs "
+                                                   "--tokenizer-model"),
+], ids=["log-interval", "eval-interval", "save-interval", "split-four", "split-zero",
+        "split-no-train", "global-batch", "gpt2-files", "hf-model"])
+def test_flags_the_lean_trainer_refuses_by_name_are_refused_so_here(monkeypatch, flags, message):
+    """Each was a bare AssertionError, a ZeroDivisionError after the first iteration, or a
+    traceback in our own split check, under Megatron-LM's trainer; the lean trainer refuses
+    the same flags with the same line."""
+    from megatron_eod.training.args import parse_args as lean_parse_args
+
+    with pytest.raises(FlagError, match=re.escape(message)):
+        validated(monkeypatch, *flags)
+    lean = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "128", "--micro-batch-size", "2", "--lr", "1e-3",
+            "--train-iters", "2", "--data-path", "corpus", *flags]
+    ours = message.replace(" (Megatron-LM's default where none is given)", "")  # ByteTokenizer's
+    with pytest.raises(FlagError, match=re.escape(ours)):
+        lean_parse_args(lean, world_size=4)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--min-lr", "1"], "Megatron-LM's flag check refused this run: it requires "
+                        "`args.min_lr <= args.lr` (--lr, --min-lr) [megatron/training/"
+                        "arguments.py:"),
+    (["--train-samples", "16"], "Megatron-LM's flag check refused this run: expected "
+                                "iteration-based training (--train-samples) [megatron/"
+                                "training/arguments.py:"),
+], ids=["bare", "with-message"])
+def test_megatron_lm_assertions_are_one_line_naming_the_flags(monkeypatch, flags, message):
+    """Its own checks' assertions (most with no message) as one line, not a traceback on
+    every rank."""
+    with pytest.raises(FlagError, match=re.escape(message)):
+        validated(monkeypatch, *flags)
+
+
+def test_save_without_an_interval_saves_at_the_end(monkeypatch):
+    """As in the lean trainer (Megatron-LM asserts an interval): no iteration reaches it, and
+    its loop saves the last iteration whenever the interval does not divide it."""
+    from megatron_eod.training.megatron_lm_args import SAVE_AT_THE_END
+
+    assert validated(monkeypatch, "--save", "ckpt").save_interval == SAVE_AT_THE_END
+    assert validated(monkeypatch, "--save", "ckpt", "--save-interval", "5").save_interval == 5
+    assert validated(monkeypatch).save_interval is None

@@ -1,0 +1,83 @@
+"""Flag rules outside context parallelism that both trainers share, so that one launch script
+is refused by both with the same line, or by neither.
+
+One job: each `check_*(args)` reads a namespace with Megatron's attribute names (the lean
+trainer's args, or Megatron-LM's) and raises `FlagError` naming the flag and the rule:
+`check_split` (the --split string), `check_intervals` (intervals that are divided by),
+`check_global_batch` (--global-batch-size against the micro-batch and DP sizes; needs
+`data_parallel_size`), `check_tokenizer_files` (what each --tokenizer-type reads). Under
+Megatron-LM's trainer each of these was a bare `AssertionError` or a ZeroDivisionError, some
+only after the model was built (megatron_lm_args.py runs them around its validate_args).
+
+What it does not do: no defaults (args.py, megatron_lm_args.py set them), no CP rules
+(cp_flags.py).
+"""
+
+from __future__ import annotations
+
+from megatron_eod.data.split_sizes import split_shares
+from megatron_eod.data.tokenizers import SENTENCEPIECE_TYPES
+from megatron_eod.training.cp_flags import FlagError
+
+__all__ = ["check_global_batch", "check_intervals", "check_split", "check_tokenizer_files"]
+
+# What each --tokenizer-type reads (Megatron-LM's build_tokenizer asserts these bare).
+TOKENIZER_NEEDS = {"HuggingFaceTokenizer": ("tokenizer_model",),
+                   "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+                   "BertWordPieceLowerCase": ("vocab_file",),
+                   "BertWordPieceCase": ("vocab_file",),
+                   "NullTokenizer": ("vocab_size",),
+                   "TikTokenizer": ("tokenizer_model", "tiktoken_pattern"),
+                   **{name: ("tokenizer_model",) for name in SENTENCEPIECE_TYPES}}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_split(args) -> None:
+    """--split: up to three shares, not all 0, and a training share where the run trains
+    (None: not given, or a blend per split)."""
+    if getattr(args, "split", None) is None:
+        return
+    try:
+        shares = split_shares(args.split)
+    except ValueError as error:
+        raise FlagError(str(error)) from None
+    trains = (getattr(args, "train_iters", None) or getattr(args, "train_samples", None)) and \
+        not getattr(args, "skip_train", False)
+    if trains and shares[0] == 0:
+        raise FlagError(f"--split {args.split} gives training no share of the data, and the "
+                        f"run trains: give the first (train) share a value above 0")
+
+
+def check_intervals(args, *dests: str) -> None:
+    """Each of `dests` unset (None) or positive: the trainers take the iteration modulo it."""
+    for dest in dests:
+        value = getattr(args, dest, None)
+        if value is not None and not value > 0:
+            raise FlagError(f"{_flag(dest)} must be positive, got {value}")
+
+
+def check_global_batch(args) -> None:
+    """--global-batch-size a multiple of --micro-batch-size x the data-parallel size, unless
+    --decrease-batch-size-if-needed (then at least one such unit)."""
+    mbs, dp, gbs = args.micro_batch_size, args.data_parallel_size, args.global_batch_size
+    unit = mbs * dp
+    if getattr(args, "decrease_batch_size_if_needed", False):
+        if gbs < unit:
+            raise FlagError(f"--global-batch-size {gbs} is smaller than --micro-batch-size "
+                            f"{mbs} x data-parallel size {dp}")
+    elif gbs % unit:
+        raise FlagError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size "
+                        f"{mbs} x data-parallel size {dp} (or pass "
+                        f"--decrease-batch-size-if-needed)")
+
+
+def check_tokenizer_files(args, default: str = "") -> None:
+    """The flags --tokenizer-type needs; `default`: said where the type is the trainer's
+    default rather than the user's (Megatron-LM's GPT2BPETokenizer)."""
+    kind = getattr(args, "tokenizer_type", None)
+    for dest in TOKENIZER_NEEDS.get(kind, ()):
+        if getattr(args, dest, None) is None:
+            raise FlagError(f"--tokenizer-type {kind}{default} needs {_flag(dest)}")
