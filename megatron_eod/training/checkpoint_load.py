@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ from megatron_eod.training.checkpointing import (TRACKER, _content_metadata, _it
                                                  _legacy_file, _ps, _read_tracker,
                                                  _set_rng_state, _state, _unwrap)
 
-__all__ = ["CheckpointError", "load_checkpoint"]
+__all__ = ["CheckpointError", "load_checkpoint", "schedule_mismatch"]
 
 
 class CheckpointError(ValueError):
@@ -137,7 +138,10 @@ def _finish(args, loaded, load_optim, load_rng, optimizer, scheduler):
         elif args.use_checkpoint_opt_param_scheduler:
             for group, values in zip(optimizer.param_groups, saved):
                 group.update(values)
-        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        try:
+            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        except AssertionError as error:
+            raise CheckpointError(schedule_mismatch(error, args.load)) from None
     elif args.bf16 or args.fp16:
         optimizer.reload_model_params()  # float32 main weights follow the loaded ones
     if load_rng:
@@ -145,6 +149,34 @@ def _finish(args, loaded, load_optim, load_rng, optimizer, scheduler):
 
 
 _SCHEDULED = ("max_lr", "min_lr", "start_wd", "end_wd")  # per group, read by the scheduler
+
+# megatron-core's OptimizerParamScheduler names for its values -> the flags that set them.
+_SCHEDULE_FLAGS = {
+    "learning rate": "--lr", "minimum learning rate": "--min-lr",
+    "warmup iterations": "--lr-warmup-iters/-samples/-fraction",
+    "total number of iterations": "--lr-decay-iters/-samples (default: --train-iters/-samples)",
+    "learning rate decay style": "--lr-decay-style",
+    "start weight decay": "--start-weight-decay", "end weight decay": "--end-weight-decay",
+    "total number of weight decay iterations": "--train-iters/-samples",
+    "weight decay incr style": "--weight-decay-incr-style"}
+
+
+def schedule_mismatch(error: AssertionError, folder) -> str:
+    """The line for megatron-core's assertion that a resumed run's LR schedule differs from
+    its checkpoint's (both trainers: a traceback on every rank, counting samples as
+    'iterations', naming no flag)."""
+    found = re.search(r"class input value (.*) and checkpoint ?value (.*) for (.*) do not match",
+                      str(error))
+    if found is None:
+        said = str(error)
+    else:
+        now, saved, name = found.groups()
+        flag = _SCHEDULE_FLAGS.get(name, name)
+        unit = " (in samples)" if "iterations" in name else ""
+        said = f"{flag}: {now}{unit} here, {saved} in the checkpoint"
+    return (f"--load {folder}: this run's learning-rate schedule differs from the checkpoint's: "
+            f"{said}; pass --override-opt_param-scheduler to follow the flags, or "
+            f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule")
 
 
 def _schedule_values_to_flags(loaded_optimizer, current_groups):

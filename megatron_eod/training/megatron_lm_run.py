@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from megatron_eod.data.checks import DatasetError
 from megatron_eod.megatron import cpu_compat, gloo_on_cuda
+from megatron_eod.training.checkpoint_load import CheckpointError, schedule_mismatch
 from megatron_eod.training.cp_flags import FlagError, exit_with_error
 from megatron_eod.training.megatron_lm import EodProviders
 from megatron_eod.training.megatron_lm_args import (add_eod_args, check_before_megatron,
@@ -72,6 +73,7 @@ def run(argv=None):
     training = importlib.import_module("megatron.training.training")
     _use_prebuilt_dataset_helpers()
     _check_after_validate()
+    _schedule_flags_after_load(training)
     providers = EodProviders()
     _Metrics(providers).install(training)
     model_type = importlib.import_module("megatron.core.enums").ModelType.encoder_or_decoder
@@ -90,7 +92,7 @@ def run(argv=None):
             pretrain(config.pretrain_cfg_container_from_args(args), **kwargs)
         else:
             pretrain(extra_args_provider=add_eod_args, args_defaults=ARGS_DEFAULTS, **kwargs)
-    except (FlagError, DatasetError) as error:  # raised on every rank (eod_wiring gathers)
+    except (FlagError, DatasetError, CheckpointError) as error:  # raised on every rank
         exit_with_error(error, 2)
     finally:
         if providers._steps is not None:
@@ -127,6 +129,37 @@ def _check_after_validate() -> None:
 
         validate_args._eod = True
         module.validate_args = validate_args
+
+
+def _schedule_flags_after_load(training) -> None:
+    """Megatron-LM's load_checkpoint, then the LR flags where --override-opt_param-scheduler
+    asks for them: the loaded optimizer param groups carry the checkpoint's max/min LR, which
+    megatron-core 0.16's scheduler reads before its own, so Megatron-LM said "overriding" and
+    trained on at the checkpoint's LR (the lean trainer's checkpoint_load does the same
+    there). A schedule that differs without either scheduler flag: one line naming them."""
+    original = training.load_checkpoint
+    if getattr(original, "_eod", False):
+        return
+
+    def load_checkpoint(model, optimizer, scheduler, *rest, **kwargs):
+        flags = [(g.get("max_lr"), g.get("min_lr")) for g in
+                 (optimizer.param_groups if optimizer is not None else [])]
+        try:
+            result = original(model, optimizer, scheduler, *rest, **kwargs)
+        except AssertionError as error:
+            if "OptimizerParamScheduler" not in str(error):
+                raise
+            args = importlib.import_module("megatron.training").get_args()
+            raise CheckpointError(schedule_mismatch(error, args.load)) from None
+        if scheduler is not None and scheduler.override_opt_param_scheduler:
+            for group, (max_lr, min_lr) in zip(optimizer.param_groups, flags):  # loaded anew
+                if max_lr is not None:
+                    group["max_lr"], group["min_lr"] = max_lr, min_lr
+            scheduler.step(0)  # this iteration's LR from them, not the checkpoint's
+        return result
+
+    load_checkpoint._eod = True
+    training.load_checkpoint = load_checkpoint
 
 
 def megatron_lm_assertion(error: AssertionError) -> str:

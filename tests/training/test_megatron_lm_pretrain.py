@@ -323,3 +323,33 @@ def test_a_data_error_is_one_line_on_every_rank(short_docs_data, tmp_path):
     for _, text in results:
         assert "pretrain_gpt.py: error: " in text and "EoD id 256" in text, text[-2000:]
         assert "Traceback" not in text
+
+
+def test_save_at_the_end_and_another_lr_on_resume(short_docs_data, tmp_path):
+    """--save without --save-interval saves the last iteration, as the lean trainer does
+    (Megatron-LM asserted an interval, bare); resuming with another --lr is refused by name
+    without a scheduler flag (megatron-core's traceback on every rank) and follows the new
+    --lr with --override-opt_param-scheduler (Megatron-LM said "overriding learning rate
+    value to 0.001" and trained on at the checkpoint's 2e-3: the loaded optimizer groups
+    carry it)."""
+    ckpt = str(tmp_path / "ckpt")
+    train(tmp_path, "save", short_docs_data, "--save", ckpt)
+    assert sorted(os.listdir(ckpt)) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+    resume = ("--load", ckpt, "--train-iters", "6", "--lr", "1e-3")
+    results = run_ranks(_start, 4, flags(short_docs_data, str(tmp_path / "m.jsonl"), *resume),
+                        timeout=240, daemon=False)
+    assert [code for code, _ in results] == [2] * 4, results
+    for _, text in results:
+        assert "pretrain_gpt.py: error: --load " in text and "Traceback" not in text, text
+        assert "--lr: 0.001 here, 0.002 in the checkpoint; pass --override-opt_param-scheduler" \
+            in text
+    import_megatron_lm()
+    metrics = tmp_path / "override.jsonl"
+    run_ranks(_train, 4, flags(short_docs_data, str(metrics), *resume,
+                               "--override-opt_param-scheduler"), str(tmp_path / "o.log"),
+              timeout=240, daemon=False)
+    lrs = {r["iteration"]: r["lr"] for r in map(json.loads, metrics.read_text().splitlines())
+           if "kind" not in r}
+    # Linear decay over --lr-decay-iters 10 from the new --lr; Megatron-LM logs the LR its
+    # step leaves for the next iteration. The checkpoint's 2e-3 would give 1e-3, 8e-4.
+    assert lrs == {5: pytest.approx(5e-4), 6: pytest.approx(4e-4)}
