@@ -184,25 +184,42 @@ def _embedding_ranks(pp_ranks):
     return ranks
 
 
+def _logged_lr(param_groups):
+    """The LR Megatron-LM logs of these groups (its first default_config group's)."""
+    scheduler = importlib.import_module("megatron.core.optimizer_param_scheduler")
+    canonical = getattr(scheduler, "get_canonical_lr_for_logging", None)
+    if canonical is not None:
+        return canonical(param_groups)
+    return param_groups[0]["lr"] if param_groups else None
+
+
 class _Metrics:
     """--metrics-file under Megatron-LM's loop: the same JSON lines as the lean trainer's
     (iteration, lm_loss, grad_norm, lr, tokens, tokens_per_s, iteration_ms, plan_wait_ms;
+    lr is the one the iteration ran at, read before its step: Megatron-LM's log line shows the
+    one its step leaves for the next;
     kind "valid"/"test" for evaluations, and "set": its index with --multiple-validation-sets),
     written by the last rank."""
 
     def __init__(self, providers):
         self.providers, self.file, self.iteration = providers, None, 0
-        self.last, self.waited, self.eval_losses = time.perf_counter(), 0.0, []
+        self.last, self.waited, self.eval_losses, self.lr = time.perf_counter(), 0.0, [], None
 
     def install(self, training):
         log, evaluate, report = (training.training_log, training.evaluate,
                                  training.evaluate_and_print_results)
+        step, signature = training.train_step, inspect.signature(training.train_step)
+
+        def train_step(*args, **kwargs):  # the LR this iteration runs at, as the lean trainer
+            optimizer = signature.bind(*args, **kwargs).arguments.get("optimizer")
+            self.lr = None if optimizer is None else _logged_lr(optimizer.param_groups)
+            return step(*args, **kwargs)
 
         def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
                          report_memory_flag, skipped_iter, grad_norm, *rest, **kwargs):
             result = log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
                          report_memory_flag, skipped_iter, grad_norm, *rest, **kwargs)
-            self._iteration(loss_dict, learning_rate, iteration, skipped_iter, grad_norm)
+            self._iteration(loss_dict, self.lr, iteration, skipped_iter, grad_norm)
             return result
 
         def evaluate_(*args, **kwargs):  # once per validation set
@@ -222,6 +239,7 @@ class _Metrics:
             return result
 
         training.training_log, training.evaluate = training_log, evaluate_
+        training.train_step = train_step
         training.evaluate_and_print_results = evaluate_and_print_results
 
     def _iteration(self, loss_dict, lr, iteration, skipped, grad_norm):
