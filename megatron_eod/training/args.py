@@ -124,14 +124,26 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tiktoken-pattern", choices=("v1", "v2"), default=None,
                    help="TikTokenizer's split pattern (required with it)")
     g.add_argument("--tiktoken-special-tokens", nargs="+", default=None)
+    g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                   help="read the .bin files instead of memory-mapping them (megatron-core's)")
+    g.add_argument("--dataloader-type", choices=("single", "cyclic", "external"), default=None,
+                   help="single (the default, and the only one here): the samples in order, "
+                        "each once, as Megatron-LM's single sampler")
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                   dest="create_attention_mask_in_dataloader",
+                   help="accepted for Megatron-LM scripts: no dense mask is ever made here")
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging and checkpoints")
     _typed(g, str, ("--save", None), ("--load", None), ("--tensorboard-dir", None),
            ("--metrics-file", None))
+    _switches(g, "--skip-train")
     _typed(g, int, ("--save-interval", None), ("--eval-interval", 1000), ("--eval-iters", 100),
            ("--log-interval", 100), ("--exit-interval", None),
+           ("--exit-duration-in-mins", None, "save (with --save) and exit after this many "
+                                             "minutes since start-up, checked every iteration "
+                                             "(Megatron-LM's)"),
            ("--save-keep-last", None, "keep only the newest N checkpoints under --save "
                                       "(default: keep all, as Megatron-LM)"))
 
@@ -352,6 +364,10 @@ def _check_data(args) -> None:
     check_tokenizer_files(args)
     _positive(args, "vocab_size")
     _require(args.num_workers >= 0, f"--num-workers must be >= 0, got {args.num_workers}")
+    _require(args.dataloader_type in (None, "single"),
+             f"--dataloader-type {args.dataloader_type}: the lean trainer reads the samples in "
+             f"order, each once (single); drop the flag, or train with Megatron-LM's trainer "
+             f"(--trainer megatron-lm)")
 
 
 def _check_eod(args) -> None:
@@ -366,7 +382,7 @@ def _check_eod(args) -> None:
 
 def _check_logging(args) -> None:
     _positive(args, "save_interval", "eval_interval", "log_interval", "exit_interval",
-              "save_keep_last")
+              "save_keep_last", "exit_duration_in_mins")
     _require(args.save_keep_last is None or args.save is not None,
              "--save-keep-last needs --save DIR")
     _require(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")

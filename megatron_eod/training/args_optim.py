@@ -85,6 +85,9 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "one file per TP/PP rank, no resharding (both load either way)")
     g.add_argument("--auto-detect-ckpt-format", action="store_true",
                    help="accepted for Megatron-LM scripts: --load always detects the format")
+    g.add_argument("--use-dist-ckpt", action="store_true", dest="use_dist_ckpt_deprecated",
+                   help="accepted for Megatron-LM scripts: deprecated there, no effect "
+                        "(--ckpt-format says the format)")
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
                    help="with --use-distributed-optimizer: save its state so that a --load at "
                         "another TP/PP size can read it (default: DP/CP changes only)")

@@ -56,7 +56,7 @@ def datasets(args, tokenizer, sizes):
         args.data_path, args.data_args_path,
         (args.train_data_path, args.valid_data_path, args.test_data_path),
         args.per_split_data_args_path)
-    return _checked_datasets(args, tokenizer, sizes, *blends)
+    return _checked_datasets(args, tokenizer, sizes, *blends, mmap_bin_files=args.mmap_bin_files)
 
 
 def megatron_lm_datasets(args, tokenizer, sizes):

@@ -54,6 +54,7 @@ class NonFiniteError(RuntimeError):
 def pretrain(argv=None):
     """Run a training job; returns this rank's per-iteration lm losses (nan off the last
     pipeline stage). Works under torchrun or inside an already initialised process group."""
+    started = _now()  # --exit-duration-in-mins counts from here, as Megatron-LM's
     world_size = dist.get_world_size() if dist.is_initialized() else None
     try:
         args = parse_args(argv, world_size=world_size)
@@ -61,7 +62,7 @@ def pretrain(argv=None):
         exit_with_error(error, 2)
     initialize(args)
     try:
-        return _Trainer(args).run()
+        return _Trainer(args, started).run()
     except (NonFiniteError, DatasetError, CheckpointError) as error:
         exit_with_error(error, 1 if isinstance(error, NonFiniteError) else 2)
     except RuntimeError as error:
@@ -84,9 +85,14 @@ def _where(error) -> str:
     return f"{frames[-1].name} ({os.path.basename(frames[-1].filename)})" if frames else "?"
 
 
+def _now() -> float:
+    return time.time()
+
+
 class _Trainer:
-    def __init__(self, args):
+    def __init__(self, args, started=None):
         self.args = a = args
+        self.started = _now() if started is None else started
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         ps = self.ps = import_megatron("megatron.core.parallel_state")
         schedules = import_megatron("megatron.core.pipeline_parallel")
@@ -260,6 +266,12 @@ class _Trainer:
         # or init does not spread through the first all-gather.
         self._param_hooks(False, sync=False)
         micro_batches = self._micro_batches_now()
+        if a.skip_train:  # as Megatron-LM: evaluate the loaded weights, then stop
+            if dist.get_rank() == 0:
+                print("skipping training (--skip-train is on) ...", flush=True)
+            self.evaluate()
+            self.evaluate("test")
+            return self._finish(losses)
         while self.iteration < a.train_iters:
             # Megatron-LM: a checkpoint whenever the batch ramp-up changes the micro-batch
             # count, so a restart resumes at a consistent batch size.
@@ -286,7 +298,8 @@ class _Trainer:
             saved = a.save and a.save_interval and self.iteration % a.save_interval == 0
             if saved:
                 self._save()
-            if a.exit_interval and self.iteration % a.exit_interval == 0:
+            if (a.exit_interval and self.iteration % a.exit_interval == 0) or \
+                    self._past_exit_duration():
                 if a.save and not saved:
                     self._save()
                 return self._finish(losses)
@@ -297,6 +310,19 @@ class _Trainer:
         self.evaluate()
         self.evaluate("test")
         return self._finish(losses)
+
+    def _past_exit_duration(self) -> bool:
+        """--exit-duration-in-mins reached on any rank (every rank then stops here)."""
+        limit = self.args.exit_duration_in_mins
+        if not limit:
+            return False
+        minutes = (_now() - self.started) / 60
+        done = torch.tensor([int(minutes > limit)], device=self.device)
+        dist.all_reduce(done, op=dist.ReduceOp.MAX)
+        if done.item() and dist.get_rank() == 0:
+            print(f" exiting after {minutes:.1f} minutes (--exit-duration-in-mins {limit})",
+                  flush=True)
+        return bool(done.item())
 
     def _micro_batches_now(self) -> int:
         self.calculator.update_num_microbatches(self.counters["consumed_train_samples"],

@@ -85,12 +85,13 @@ def _megatron_lm_rank(rank, world, argv):
 
 def test_every_data_source_trains_as_its_data_path_twin(cp1, short_docs_data, tmp_path):
     """The lean trainer reads Megatron's other data sources: --data-args-path (the blend in a
-    file) trains exactly as --data-path; a blend per split (--train-data-path ..., or the same
+    file) trains exactly as --data-path, and so does --no-mmap-bin-files; a blend per split (--train-data-path ..., or the same
     in --per-split-data-args-path) trains on the whole train blend, as --split 100,0,0."""
     words = tmp_path / "blend.txt"
     words.write_text(short_docs_data + "\n")
     assert_same(train(1, short_docs_data, "--data-args-path", str(words),
                       drop=("--data-path",)), cp1)
+    assert_same(train(1, short_docs_data, "--no-mmap-bin-files"), cp1)  # read, not mapped
     whole = train(1, short_docs_data, "--split", "100,0,0")
     assert_same(train(1, short_docs_data, "--train-data-path", short_docs_data, "--valid-data-path",
                       short_docs_data, drop=("--data-path", "--split")), whole)
