@@ -1,7 +1,9 @@
 """Megatron-style log lines, the --metrics-file JSON lines and TensorBoard scalars.
 
 One job: report an iteration from the rank that has the loss (the last rank of the last
-pipeline stage). Iteration lines look like Megatron's:
+pipeline stage). Iteration lines look like Megatron's, and like its lines show the lm loss
+and the time per iteration averaged over the iterations since the last line
+(--log-interval), plus a line at the last iteration:
 
      [2026-11-23 10:00:00] iteration        3/      10 | consumed samples:           12 |
      elapsed time per iteration (ms): 812.3 | learning rate: 1.000000E-03 | global batch
@@ -28,6 +30,8 @@ __all__ = ["Reporter"]
 class Reporter:
     def __init__(self, args, is_reporting_rank: bool):
         self.args, self.active = args, is_reporting_rank
+        self.interval_seconds = self.interval_loss = 0.0
+        self.interval_iterations = self.interval_losses = 0
         self.metrics = open(args.metrics_file, "a") if (self.active and args.metrics_file) else None
         self.writer = None
         if self.active and args.tensorboard_dir:
@@ -54,12 +58,24 @@ class Reporter:
                   "tokens": tokens, "tokens_per_s": tokens / seconds,
                   "attention_tflops": flops / seconds / a.world_size / 1e12,
                   "iteration_ms": seconds * 1e3, "plan_wait_ms": plan_wait_s * 1e3}
+        # The line's loss and time: averages since the last line, as Megatron-LM's (the
+        # --metrics-file keeps each iteration's own).
+        self.interval_seconds += seconds
+        self.interval_iterations += 1
+        if math.isfinite(loss):
+            self.interval_loss, self.interval_losses = self.interval_loss + loss, \
+                self.interval_losses + 1
         if iteration % a.log_interval == 0 or iteration == a.train_iters:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            mean_loss = self.interval_loss / self.interval_losses if self.interval_losses \
+                else loss
+            per_iteration = self.interval_seconds / self.interval_iterations
+            self.interval_seconds = self.interval_loss = 0.0
+            self.interval_iterations = self.interval_losses = 0
             print(f" [{stamp}] iteration {iteration:8d}/{a.train_iters:8d} | consumed samples: "
-                  f"{consumed:12d} | elapsed time per iteration (ms): {seconds * 1e3:.1f} | "
+                  f"{consumed:12d} | elapsed time per iteration (ms): {per_iteration * 1e3:.1f} | "
                   f"learning rate: {lr:.6E} | global batch size: {batch_size:5d} | "
-                  f"lm loss: {loss:.6E} | "
+                  f"lm loss: {mean_loss:.6E} | "
                   + ("" if grad_norm is None else f"grad norm: {grad_norm:.3f} | ") +
                   f"number of skipped iterations: {skipped:3d} | "
                   f"number of nan iterations: {nan:3d} |", flush=True)
