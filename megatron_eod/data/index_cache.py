@@ -95,12 +95,16 @@ def check_index_cache(prefix: str, data_cache_path: Optional[str]) -> None:
     try:
         os.makedirs(folder, exist_ok=True)
     except (FileExistsError, NotADirectoryError):  # megatron-core's makedirs fails too
-        blocker = folder
-        while os.path.dirname(blocker) != blocker and not os.path.isfile(blocker):
+        blocker = folder  # the first path on the way that is there but not a folder
+        while os.path.dirname(blocker) != blocker and not (
+                os.path.lexists(blocker) and not os.path.isdir(blocker)):
             blocker = os.path.dirname(blocker)
+        if os.path.dirname(blocker) == blocker:
+            blocker = folder
         given = (f"--data-cache-path {data_cache_path}" if data_cache_path else
                  f"megatron-core's index cache of {prefix} ({folder})")
-        raise DatasetError(f"{given}: {blocker} is a file, where megatron-core makes its cache "
+        what = "a link to nowhere" if os.path.islink(blocker) else "a file"
+        raise DatasetError(f"{given}: {blocker} is {what}, where megatron-core makes its cache "
                            f"folder: pass a folder (or a path that does not exist yet) as "
                            f"--data-cache-path") from None
     except OSError:

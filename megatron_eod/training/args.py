@@ -143,7 +143,7 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
            ("--log-interval", 100), ("--exit-interval", None),
            ("--exit-duration-in-mins", None, "save (with --save) and exit after this many "
                                              "minutes since start-up, checked every iteration "
-                                             "(Megatron-LM's)"),
+                                             "(Megatron-LM's; 0: off)"),
            ("--save-keep-last", None, "keep only the newest N checkpoints under --save "
                                       "(default: keep all, as Megatron-LM)"))
 
@@ -381,8 +381,9 @@ def _check_eod(args) -> None:
 
 
 def _check_logging(args) -> None:
-    _positive(args, "save_interval", "eval_interval", "log_interval", "exit_interval",
-              "save_keep_last", "exit_duration_in_mins")
+    _positive(args, "save_interval", "log_interval", "exit_interval", "save_keep_last")
+    if not args.skip_train:  # read by the training loop only
+        _positive(args, "eval_interval")
     _require(args.save_keep_last is None or args.save is not None,
              "--save-keep-last needs --save DIR")
     _require(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")

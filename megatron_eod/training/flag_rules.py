@@ -38,8 +38,8 @@ def _flag(dest: str) -> str:
 def check_split(args) -> None:
     """--split: up to three shares, not all 0, and a training share where the run trains
     (None: not given, or a blend per split)."""
-    if getattr(args, "split", None) is None:
-        return
+    if getattr(args, "split", None) is None or getattr(args, "mock_data", False):
+        return  # mock data: megatron-core splits it 1,1,1 whatever --split says
     try:
         shares = split_shares(args.split)
     except ValueError as error:
@@ -48,7 +48,8 @@ def check_split(args) -> None:
         not getattr(args, "skip_train", False)
     if trains and shares[0] == 0:
         raise FlagError(f"--split {args.split} gives training no share of the data, and the "
-                        f"run trains: give the first (train) share a value above 0")
+                        f"run trains: give the first (train) share a value above 0, or pass "
+                        f"--skip-train to evaluate only")
 
 
 def check_intervals(args, *dests: str) -> None:

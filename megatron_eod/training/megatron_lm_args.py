@@ -23,6 +23,8 @@ Everything else EoD attention cannot run is in REFUSED, with the reason.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from megatron_eod.megatron.dataset import NO_DATA, data_sources_given
@@ -139,9 +141,14 @@ def check_before_megatron(args) -> None:
     if getattr(args, "ulysses_degree", None) is None:
         _resolve_context_parallel(args)
     check_split(args)
-    check_intervals(args, "log_interval", "eval_interval", "save_interval")
-    if getattr(args, "save", None) and getattr(args, "save_interval", 0) is None:
-        args.save_interval = SAVE_AT_THE_END
+    check_intervals(args, "log_interval")
+    if not (getattr(args, "skip_train", False) or getattr(args, "full_validation", False)):
+        check_intervals(args, "eval_interval")  # it sizes the validation data by it
+    if getattr(args, "save", None):
+        check_intervals(args, "save_interval")
+        if getattr(args, "save_interval", 0) is None and \
+                getattr(args, "save_retain_interval", None) is None:  # else: its assertion
+            args.save_interval = SAVE_AT_THE_END
 
 
 def eod_args_from_megatron(args) -> None:
@@ -160,8 +167,19 @@ def eod_args_from_megatron(args) -> None:
     _check_full_validation(args)
     if getattr(args, "data_parallel_size", None) and args.global_batch_size:  # validated
         check_global_batch(args)
-    check_tokenizer_files(args, " (Megatron-LM's default where none is given)"
-                          if args.tokenizer_type == "GPT2BPETokenizer" else "")
+    if _tokenizer_builder_asserts(args):
+        check_tokenizer_files(args, " (Megatron-LM's default where none is given)"
+                              if args.tokenizer_type == "GPT2BPETokenizer" else "")
+
+
+def _tokenizer_builder_asserts(args) -> bool:
+    """Whether this Megatron-LM builds its tokenizer with its legacy builder (core_v0.16, or
+    --legacy-tokenizer later), which asserts each type's files bare; from 0.17 megatron-core's
+    builder fetches a GPT-2/BERT vocabulary itself where none is given."""
+    builder = getattr(importlib.import_module("megatron.training.global_vars"),
+                      "build_tokenizer", None)
+    return getattr(args, "legacy_tokenizer", False) or builder is None or \
+        builder.__module__.startswith("megatron.training")
 
 
 def _check_cuda_graphs(args) -> None:

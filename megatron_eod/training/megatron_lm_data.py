@@ -71,6 +71,8 @@ def validation_source(args) -> Optional[str]:
     (--valid-data-path, --per-split-data-args-path)."""
     if set(data_sources_given(args)) & set(PER_SPLIT_SOURCES):
         return "the validation blend" if blends(args)[1][1] else None
+    if getattr(args, "mock_data", False):
+        return "--mock-data"  # megatron-core splits it 1,1,1 whatever --split says
     share = split_shares(args.split or "969,30,1")[1]
     return f"--split {args.split}" if share > 0 else None
 

@@ -23,6 +23,7 @@ What it does not do: no flag parsing of its own (Megatron-LM's parser with add_e
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import inspect
@@ -166,12 +167,27 @@ def megatron_lm_assertion(error: AssertionError) -> str:
     """A one-line account of an assertion of Megatron-LM's argument checks: its message, or
     the asserted line where it has none, the flags it reads, and where it stands."""
     frame = traceback.extract_tb(error.__traceback__)[-1]
-    line = (frame.line or "").strip()
+    line = _asserted(frame.filename, frame.lineno) or (frame.line or "").strip()
     flags = sorted({"--" + dest.replace("_", "-") for dest in re.findall(r"args\.(\w+)", line)})
     where = os.path.join(*frame.filename.split(os.sep)[-3:])
     said = str(error).strip() or f"it requires `{line.removeprefix('assert ')}`"
     return (f"Megatron-LM's flag check refused this run: {said}"
             f"{' (' + ', '.join(flags) + ')' if flags else ''} [{where}:{frame.lineno}]")
+
+
+def _asserted(filename: str, lineno: int) -> str:
+    """The whole `assert` statement around `lineno` of `filename` (a traceback names the line
+    of the failing expression, which may be the last of several), on one line."""
+    try:
+        with open(filename) as f:
+            source = f.read()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Assert) and node.lineno <= lineno <= node.end_lineno:
+                test = ast.get_source_segment(source, node.test).replace("\\\n", " ")
+                return "assert " + " ".join(test.split())
+    except (OSError, SyntaxError, ValueError):
+        pass
+    return ""
 
 
 def _embedding_ranks(pp_ranks):
@@ -227,14 +243,19 @@ class _Metrics:
             self.eval_losses.append(result[0].get("lm loss") if result and result[0] else None)
             return result
 
+        reported = inspect.signature(report)
+
         def evaluate_and_print_results(prefix, *args, **kwargs):
             self.eval_losses = []
             result = report(prefix, *args, **kwargs)
             kind = "test" if "test" in str(prefix) else "valid"
             many = len(self.eval_losses) > 1  # --multiple-validation-sets
+            # Its own iteration argument: the loaded one under --skip-train.
+            at = reported.bind(prefix, *args, **kwargs).arguments.get("iteration",
+                                                                      self.iteration)
             for index, loss in enumerate(self.eval_losses):
                 if loss is not None:
-                    self._write({"kind": kind, "iteration": self.iteration,
+                    self._write({"kind": kind, "iteration": at,
                                  "lm_loss": float(loss), **({"set": index} if many else {})})
             return result
 

@@ -129,7 +129,9 @@ class _Trainer:
             ds, a.micro_batch_size, dp_rank, dp, consumed, name, cyclic=name != "train",
             num_workers=a.num_workers)
         self.train_iter = make(train, self.counters["consumed_train_samples"], "train")
-        self.valid_iter = make(valid, self.counters["consumed_valid_samples"], "valid")
+        # --skip-train reads validation from its first sample, as Megatron-LM's loaders do.
+        self.valid_iter = make(valid, 0 if a.skip_train else self.counters[
+            "consumed_valid_samples"], "valid")
         self.test_ds = test
         self.steps = wiring.steps(a, self.registry, tokenizer.eod,
                                   getattr(tokenizer, "pad", None), a.plan_ahead)

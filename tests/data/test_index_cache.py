@@ -75,3 +75,12 @@ def test_a_file_in_the_cache_folders_way_is_named(tmp_path, under):
     with pytest.raises(DatasetError, match=f"--data-cache-path {re.escape(cache)}: .*afile is a "
                                            f"file, where megatron-core makes its cache folder"):
         check_index_cache(prefix, cache)
+
+
+def test_a_link_to_nowhere_as_the_cache_folder_is_named(tmp_path):
+    prefix = make(tmp_path, ["alpha"] * 20)
+    link = tmp_path / "cache"
+    link.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(DatasetError, match=f"--data-cache-path {re.escape(str(link))}: "
+                                           f"{re.escape(str(link))} is a link to nowhere"):
+        check_index_cache(prefix, str(link))

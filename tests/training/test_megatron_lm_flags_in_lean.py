@@ -30,8 +30,9 @@ def test_loaders_the_lean_trainer_lacks_are_refused_by_name(kind):
     with pytest.raises(FlagError, match=f"--dataloader-type {kind}: the lean trainer reads "
                                         f"the samples in order, each once"):
         parse_args([*MODEL, "--dataloader-type", kind], world_size=1, cuda_available=False)
-    with pytest.raises(FlagError, match="--exit-duration-in-mins must be positive"):
-        parse_args([*MODEL, "--exit-duration-in-mins", "0"], world_size=1, cuda_available=False)
+    # 0: off, as Megatron-LM reads it
+    assert parse_args([*MODEL, "--exit-duration-in-mins", "0"], world_size=1,
+                      cuda_available=False).exit_duration_in_mins == 0
 
 
 def _train_with_a_fast_clock(rank, world, argv):
@@ -57,18 +58,38 @@ def test_exit_duration_saves_and_stops_every_rank(tiny_data, tmp_path):
 
 def test_skip_train_evaluates_the_loaded_checkpoint(tiny_data, tmp_path):
     """As Megatron-LM's --skip-train: no iteration; the validation and test losses of the
-    loaded weights at the loaded iteration, equal to those the saving run had after its last
-    iteration (it saves before those evaluations, so both read the same samples)."""
-    save, metrics, first = str(tmp_path / "ckpt"), tmp_path / "m.jsonl", tmp_path / "first.jsonl"
-    short = ("--train-iters", "5", "--eval-interval", "1000")
-    run_ranks(_train, 1, tiny_flags(tiny_data, *short, "--save", save, "--metrics-file",
-                                    str(first)), daemon=False)
+    loaded weights at the loaded iteration, validation read from its first sample as
+    Megatron-LM's loaders do there (not from where the saving run's evaluations stopped): the
+    losses of a run that evaluates the same weights only after its last iteration."""
+    save, metrics = str(tmp_path / "ckpt"), tmp_path / "m.jsonl"
+    reference = tmp_path / "reference.jsonl"
+    short = ("--train-iters", "4")
+    run_ranks(_train, 1, tiny_flags(tiny_data, *short, "--eval-interval", "1000",
+                                    "--metrics-file", str(reference)), daemon=False)
+    # Evaluates at iteration 2 too: its checkpoint has consumed validation samples.
+    run_ranks(_train, 1, tiny_flags(tiny_data, *short, "--eval-interval", "2", "--save", save),
+              daemon=False)
     results = run_ranks(_train, 1, tiny_flags(tiny_data, *short, "--load", save, "--skip-train",
                                               "--metrics-file", str(metrics)), daemon=False)
     assert results[0][0] == 0 and results[0][2] == [], results
     assert "skipping training (--skip-train is on)" in results[0][1]
     evaluated = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [(r["kind"], r["iteration"]) for r in evaluated] == [("valid", 5), ("test", 5)]
-    saved = [json.loads(line) for line in first.read_text().splitlines()]
-    assert evaluated == [r for r in saved if "kind" in r]
-    assert sorted(os.listdir(save)) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
+    assert [(r["kind"], r["iteration"]) for r in evaluated] == [("valid", 4), ("test", 4)]
+    assert evaluated == [json.loads(line) for line in reference.read_text().splitlines()
+                         if "kind" in json.loads(line)]
+    assert sorted(os.listdir(save)) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+
+
+def test_no_mmap_bin_files_reaches_megatron_cores_dataset_config(tiny_data, monkeypatch):
+    """(Training on it gives the same losses, tests/functional/test_cpu_training.py: that
+    alone would pass with the flag ignored.)"""
+    from megatron_eod.training import eod_wiring
+    from megatron_eod.training.data import build_tokenizer_from_args
+
+    built = {}
+    monkeypatch.setattr(eod_wiring, "build_gpt_datasets",
+                        lambda *a, **settings: built.update(settings) or (None, None, None))
+    for flags, mapped in (([], True), (["--no-mmap-bin-files"], False)):
+        args = parse_args(tiny_flags(tiny_data, *flags), world_size=1, cuda_available=False)
+        eod_wiring.datasets(args, build_tokenizer_from_args(args), [8, 8, 8])
+        assert built["mmap_bin_files"] is mapped

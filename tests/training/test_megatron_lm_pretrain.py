@@ -353,3 +353,8 @@ def test_save_at_the_end_and_another_lr_on_resume(short_docs_data, tmp_path):
     # The LRs iterations 5 and 6 ran at: linear decay over --lr-decay-iters 10 from the new
     # --lr (the checkpoint's 2e-3 would give 1.2e-3, 1e-3).
     assert lrs == {5: pytest.approx(6e-4), 6: pytest.approx(5e-4)}
+    # --skip-train: the evaluations of the loaded weights, recorded at the loaded iteration
+    # (our --metrics-file said 0: no training_log came before them).
+    losses, text = train(tmp_path, "skip", short_docs_data, "--load", ckpt, "--skip-train")
+    evaluations = json.loads(text.rsplit("\n", 1)[1])
+    assert not losses and evaluations["valid"]["iteration"] == evaluations["test"]["iteration"] == 4

@@ -14,9 +14,10 @@ from tests.training.test_megatron_lm_args import BASE, megatron_lm_args
 pytestmark = needs_megatron_lm
 
 
-def validated(monkeypatch, *flags, base=BASE):
+def validated(monkeypatch, *flags, base=BASE, mock=True):
     """Megatron-LM's parse_args and its REAL validate_args, with the hooks
-    training/megatron_lm_run.py installs around it (restored after the test), at world 4."""
+    training/megatron_lm_run.py installs around it (restored after the test), at world 4;
+    on --mock-data, or (mock=False) on the --data-path of `base`."""
     import_megatron_lm()
     from megatron.training import arguments, initialize
 
@@ -27,10 +28,12 @@ def validated(monkeypatch, *flags, base=BASE):
     monkeypatch.setattr(megatron_lm_run.gloo_on_cuda, "wanted", lambda *a: False)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # as megatron_lm_run.run sets it
-    args = megatron_lm_args("--lr", "1e-3", "--train-iters", "2", "--mock-data",
+    args = megatron_lm_args("--lr", "1e-3", "--train-iters", "2",
+                            *(["--mock-data"] if mock else []),
                             "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
                             "--max-position-embeddings", "128", *flags,
-                            base=[f for f in base if f not in ("--data-path", "corpus")])
+                            base=[f for f in base if not mock or f not in ("--data-path",
+                                                                           "corpus")])
     megatron_lm_run._check_after_validate()
     from megatron_eod.megatron import cpu_compat
 
@@ -159,7 +162,7 @@ def test_flags_the_lean_trainer_refuses_by_name_are_refused_so_here(monkeypatch,
     from megatron_eod.training.args import parse_args as lean_parse_args
 
     with pytest.raises(FlagError, match=re.escape(message)):
-        validated(monkeypatch, *flags)
+        validated(monkeypatch, *flags, mock=False)
     lean = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "128", "--micro-batch-size", "2", "--lr", "1e-3",
             "--train-iters", "2", "--data-path", "corpus", *flags]
@@ -191,3 +194,29 @@ def test_save_without_an_interval_saves_at_the_end(monkeypatch):
     assert validated(monkeypatch, "--save", "ckpt").save_interval == SAVE_AT_THE_END
     assert validated(monkeypatch, "--save", "ckpt", "--save-interval", "5").save_interval == 5
     assert validated(monkeypatch).save_interval is None
+
+
+def test_what_megatron_lm_does_not_read_is_not_refused(monkeypatch):
+    """The shared rules stop only where Megatron-LM would: mock data ignores --split (megatron-
+    core splits it 1,1,1), --save-interval counts only with --save, --eval-interval sizes the
+    validation data only when the run trains."""
+    validated(monkeypatch, "--split", "0,1,0")  # --mock-data
+    validated(monkeypatch, "--split", "100,0,0")  # evaluates: mock data has validation
+    validated(monkeypatch, "--save-interval", "0")
+    validated(monkeypatch, "--eval-interval", "0", "--skip-train")
+    with pytest.raises(FlagError, match="or pass --skip-train to evaluate only"):
+        validated(monkeypatch, "--split", "0,1,0", mock=False)
+    validated(monkeypatch, "--split", "0,1,0", "--skip-train", mock=False)
+
+
+def test_megatron_lm_assertions_show_the_whole_statement(monkeypatch, tmp_path):
+    """A multi-line assert was shown by its last line, and --save-retain-interval without
+    --save-interval by the interval filled in for --save alone."""
+    spec = tmp_path / "splits.json"
+    spec.write_text('{"train": ["a"]}')
+    with pytest.raises(FlagError, match=re.escape(
+            "it requires `args.save_interval is not None` (--save-interval)")):
+        validated(monkeypatch, "--save", "ckpt", "--save-retain-interval", "10")
+    with pytest.raises(FlagError) as refused:
+        validated(monkeypatch, "--train-data-path", "a", "--per-split-data-args-path", str(spec))
+    assert "--train-data-path" in str(refused.value), refused.value
