@@ -26,7 +26,8 @@ echo "[test] megatron-core $VERSION, Megatron-LM's trainer from $MEGATRON_LM_PAT
 cd "$ROOT"
 if [ $# -eq 0 ]; then
   set -- tests/training/test_megatron_lm.py tests/training/test_megatron_lm_args.py \
-    tests/training/test_megatron_lm_pretrain.py tests/training/test_trainer_choice.py \
+    tests/training/test_megatron_lm_pretrain.py tests/training/test_megatron_lm_validate.py \
+    tests/training/test_trainer_choice.py tests/training/test_megatron_lm_flags_in_lean.py \
     tests/training/test_checkpoint_interop.py tests/training/test_data_checks_at_startup.py \
     tests/training/test_args_optim.py tests/training/test_optimizer.py \
     tests/megatron/test_cpu_compat.py tests/megatron/test_steps.py \

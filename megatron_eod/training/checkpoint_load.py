@@ -28,7 +28,7 @@ from megatron_eod.training.checkpointing import (TRACKER, _content_metadata, _it
                                                  _legacy_file, _ps, _read_tracker,
                                                  _set_rng_state, _state, _unwrap)
 
-__all__ = ["CheckpointError", "load_checkpoint", "schedule_mismatch"]
+__all__ = ["CheckpointError", "load_checkpoint", "schedule_mismatch", "schedule_values_to_flags"]
 
 
 class CheckpointError(ValueError):
@@ -127,7 +127,7 @@ def _check_optimizer_state(args, sharding, same_tp_pp, folder):
 def _finish(args, loaded, load_optim, load_rng, optimizer, scheduler):
     if load_optim:
         flag_lrs = [(g.get("max_lr"), g.get("min_lr")) for g in optimizer.param_groups]
-        saved = _schedule_values_to_flags(loaded["optimizer"], optimizer.param_groups)
+        saved = schedule_values_to_flags(loaded["optimizer"], optimizer.param_groups)
         optimizer.load_state_dict(loaded["optimizer"])
         if args.override_opt_param_scheduler:
             # The loaded param groups carry the checkpoint's per-group max/min LR, which the
@@ -179,7 +179,7 @@ def schedule_mismatch(error: AssertionError, folder) -> str:
             f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule")
 
 
-def _schedule_values_to_flags(loaded_optimizer, current_groups):
+def schedule_values_to_flags(loaded_optimizer, current_groups):
     """megatron-core 0.19 pairs each saved optimizer param group with a current one by its
     identifier keys, the schedule's per-group values (max/min LR, start/end weight decay)
     among them: a resume with another --lr found no group and stopped in the optimizer's

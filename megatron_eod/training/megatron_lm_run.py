@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 from megatron_eod.data.checks import DatasetError
 from megatron_eod.megatron import cpu_compat, gloo_on_cuda
-from megatron_eod.training.checkpoint_load import CheckpointError, schedule_mismatch
+from megatron_eod.training.checkpoint_load import (CheckpointError,
+                                                   schedule_values_to_flags, schedule_mismatch)
 from megatron_eod.training.cp_flags import FlagError, exit_with_error
 from megatron_eod.training.megatron_lm import EodProviders
 from megatron_eod.training.megatron_lm_args import (add_eod_args, check_before_megatron,
@@ -145,6 +146,17 @@ def _schedule_flags_after_load(training) -> None:
     def load_checkpoint(model, optimizer, scheduler, *rest, **kwargs):
         flags = [(g.get("max_lr"), g.get("min_lr")) for g in
                  (optimizer.param_groups if optimizer is not None else [])]
+        saved = []  # the checkpoint's schedule values per current group
+        if optimizer is not None:
+            load = optimizer.load_state_dict
+
+            def load_state_dict(state_dict, *a, **kw):  # megatron-core 0.19 pairs saved and
+                # current groups by their max/min LR too: another --lr found none and stopped
+                # the load before the scheduler flags had a say (checkpoint_load.py's rule)
+                saved[:] = schedule_values_to_flags(state_dict, optimizer.param_groups)
+                return load(state_dict, *a, **kw)
+
+            optimizer.load_state_dict = load_state_dict
         try:
             result = original(model, optimizer, scheduler, *rest, **kwargs)
         except AssertionError as error:
@@ -152,11 +164,18 @@ def _schedule_flags_after_load(training) -> None:
                 raise
             args = importlib.import_module("megatron.training").get_args()
             raise CheckpointError(schedule_mismatch(error, args.load)) from None
+        finally:
+            if optimizer is not None:
+                del optimizer.load_state_dict
         if scheduler is not None and scheduler.override_opt_param_scheduler:
             for group, (max_lr, min_lr) in zip(optimizer.param_groups, flags):  # loaded anew
                 if max_lr is not None:
                     group["max_lr"], group["min_lr"] = max_lr, min_lr
             scheduler.step(0)  # this iteration's LR from them, not the checkpoint's
+        elif scheduler is not None and scheduler.use_checkpoint_opt_param_scheduler and saved:
+            for group, values in zip(optimizer.param_groups, saved):
+                group.update(values)
+            scheduler.step(0)
         return result
 
     load_checkpoint._eod = True

@@ -344,15 +344,20 @@ def test_save_at_the_end_and_another_lr_on_resume(short_docs_data, tmp_path):
         assert "--lr: 0.001 here, 0.002 in the checkpoint; pass --override-opt_param-scheduler" \
             in text
     import_megatron_lm()
-    metrics = tmp_path / "override.jsonl"
-    run_ranks(_train, 4, flags(short_docs_data, str(metrics), *resume,
-                               "--override-opt_param-scheduler"), str(tmp_path / "o.log"),
-              timeout=240, daemon=False)
-    lrs = {r["iteration"]: r["lr"] for r in map(json.loads, metrics.read_text().splitlines())
-           if "kind" not in r}
+
+    def resumed_lrs(choice):
+        metrics = tmp_path / f"{choice}.jsonl"
+        run_ranks(_train, 4, flags(short_docs_data, str(metrics), *resume, choice),
+                  str(tmp_path / f"{choice}.log"), timeout=240, daemon=False)
+        return {r["iteration"]: r["lr"] for r in map(json.loads, metrics.read_text().splitlines())
+                if "kind" not in r}
+
     # The LRs iterations 5 and 6 ran at: linear decay over --lr-decay-iters 10 from the new
-    # --lr (the checkpoint's 2e-3 would give 1.2e-3, 1e-3).
-    assert lrs == {5: pytest.approx(6e-4), 6: pytest.approx(5e-4)}
+    # --lr (the checkpoint's 2e-3 gives 1.2e-3, 1e-3).
+    assert resumed_lrs("--override-opt_param-scheduler") == {5: pytest.approx(6e-4),
+                                                             6: pytest.approx(5e-4)}
+    assert resumed_lrs("--use-checkpoint-opt_param-scheduler") == {5: pytest.approx(1.2e-3),
+                                                                   6: pytest.approx(1e-3)}
     # --skip-train: the evaluations of the loaded weights, recorded at the loaded iteration
     # (our --metrics-file said 0: no training_log came before them).
     losses, text = train(tmp_path, "skip", short_docs_data, "--load", ckpt, "--skip-train")
