@@ -167,19 +167,24 @@ def eod_args_from_megatron(args) -> None:
     _check_full_validation(args)
     if getattr(args, "data_parallel_size", None) and args.global_batch_size:  # validated
         check_global_batch(args)
-    if _tokenizer_builder_asserts(args):
+    if args.tokenizer_type not in _fetched_vocabularies(args):
         check_tokenizer_files(args, " (Megatron-LM's default where none is given)"
                               if args.tokenizer_type == "GPT2BPETokenizer" else "")
 
 
-def _tokenizer_builder_asserts(args) -> bool:
-    """Whether this Megatron-LM builds its tokenizer with its legacy builder (core_v0.16, or
-    --legacy-tokenizer later), which asserts each type's files bare; from 0.17 megatron-core's
-    builder fetches a GPT-2/BERT vocabulary itself where none is given."""
-    builder = getattr(importlib.import_module("megatron.training.global_vars"),
-                      "build_tokenizer", None)
-    return getattr(args, "legacy_tokenizer", False) or builder is None or \
-        builder.__module__.startswith("megatron.training")
+def _fetched_vocabularies(args) -> tuple:
+    """The --tokenizer-type values whose files this Megatron-LM fetches itself where none is
+    given: from 0.17 megatron-core's tokenizer builder downloads GPT-2's and BERT's
+    vocabularies; core_v0.16's builder (and --legacy-tokenizer later) asserts them bare."""
+    try:
+        builder = getattr(importlib.import_module("megatron.training.global_vars"),
+                          "build_tokenizer", None)
+    except ImportError:  # no Megatron-LM trainer (a stand-in): its legacy rules
+        return ()
+    if getattr(args, "legacy_tokenizer", False) or builder is None or \
+            builder.__module__.startswith("megatron.training"):
+        return ()
+    return ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase")
 
 
 def _check_cuda_graphs(args) -> None:
