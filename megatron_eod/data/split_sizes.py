@@ -13,7 +13,7 @@ dataset is refused by checks.py), none of object-storage or mock data.
 
 from __future__ import annotations
 
-import re
+import math
 from typing import List, Optional, Sequence
 
 from megatron_eod.data.checks import DatasetError, sequence_count
@@ -29,15 +29,15 @@ def split_shares(split: str) -> List[float]:
     numbers in it, missing ones 0), normalised to sum 1. ValueError naming --split and the
     rule where megatron-core would stop on a bare assertion (four numbers) or divide by zero
     (all 0)."""
-    try:
-        shares = [float(number) for number in re.findall(r"[.0-9]+", split)]
-    except ValueError:  # "1.2.3"
+    config = import_megatron("megatron.core.datasets.blended_megatron_dataset_config")
+    try:  # asserts three numbers at most; "1.2.3" is a ValueError; all 0 gives NaN shares
+        shares = [float(share) for share in config.parse_and_normalize_split(split)]
+    except (AssertionError, ValueError, ZeroDivisionError):
         shares = []
-    if not 0 < len(shares) <= len(_SPLITS) or sum(shares) <= 0:
+    if not shares or not all(math.isfinite(share) for share in shares):
         raise ValueError(f"--split {split}: give up to three shares (train,valid,test, e.g. "
                          f"969,30,1; missing ones are 0), not all 0")
-    shares += [0.0] * (len(_SPLITS) - len(shares))
-    return [share / sum(shares) for share in shares]
+    return shares
 
 
 def check_split_sizes(blend, split: Optional[str], sizes: Sequence[Optional[int]]) -> None:

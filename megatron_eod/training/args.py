@@ -29,6 +29,7 @@ from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIAS
                                             check_context_parallel, check_gloo_on_cuda,
                                             check_gpu_attention, check_query_groups,
                                             check_sequence_parallel_rows)
+from megatron_eod.training.flag_rules import check_positive as _positive
 from megatron_eod.training.flag_rules import check_split, check_tokenizer_files
 
 __all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "check_context_parallel", "parse_args",
@@ -210,10 +211,6 @@ def _require(ok: bool, message: str) -> None:
         raise FlagError(message)
 
 
-def _positive(args, *dests: str) -> None:
-    for dest in dests:
-        value = getattr(args, dest)
-        _require(value is None or value > 0, f"{_flag(dest)} must be positive, got {value}")
 
 
 def validate_args(args: argparse.Namespace, world_size: int,

@@ -28,7 +28,8 @@ from megatron_eod.training.checkpointing import (TRACKER, _content_metadata, _it
                                                  _legacy_file, _ps, _read_tracker,
                                                  _set_rng_state, _state, _unwrap)
 
-__all__ = ["CheckpointError", "load_checkpoint", "schedule_mismatch", "schedule_values_to_flags"]
+__all__ = ["CheckpointError", "apply_schedule_choice", "group_lrs", "load_checkpoint",
+           "schedule_mismatch", "schedule_values_to_flags"]
 
 
 class CheckpointError(ValueError):
@@ -126,18 +127,11 @@ def _check_optimizer_state(args, sharding, same_tp_pp, folder):
 
 def _finish(args, loaded, load_optim, load_rng, optimizer, scheduler):
     if load_optim:
-        flag_lrs = [(g.get("max_lr"), g.get("min_lr")) for g in optimizer.param_groups]
+        flag_lrs = group_lrs(optimizer)
         saved = schedule_values_to_flags(loaded["optimizer"], optimizer.param_groups)
         optimizer.load_state_dict(loaded["optimizer"])
-        if args.override_opt_param_scheduler:
-            # The loaded param groups carry the checkpoint's per-group max/min LR, which the
-            # scheduler reads before its own: the flags' values must win here too (megatron-
-            # core 0.16.1 alone would keep the checkpoint's, unlike the flag's documentation).
-            for group, (max_lr, min_lr) in zip(optimizer.param_groups, flag_lrs):
-                group["max_lr"], group["min_lr"] = max_lr, min_lr
-        elif args.use_checkpoint_opt_param_scheduler:
-            for group, values in zip(optimizer.param_groups, saved):
-                group.update(values)
+        apply_schedule_choice(optimizer, flag_lrs, saved, args.override_opt_param_scheduler,
+                              args.use_checkpoint_opt_param_scheduler)
         try:
             scheduler.load_state_dict(loaded["opt_param_scheduler"])
         except AssertionError as error:
@@ -177,6 +171,27 @@ def schedule_mismatch(error: AssertionError, folder) -> str:
     return (f"--load {folder}: this run's learning-rate schedule differs from the checkpoint's: "
             f"{said}; pass --override-opt_param-scheduler to follow the flags, or "
             f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule")
+
+
+def group_lrs(optimizer):
+    """Each optimizer param group's (max_lr, min_lr): the flags' before a load."""
+    return [(g.get("max_lr"), g.get("min_lr")) for g in optimizer.param_groups]
+
+
+def apply_schedule_choice(optimizer, flag_lrs, saved, override: bool, use_checkpoint: bool):
+    """After the optimizer's load: the loaded param groups carry the checkpoint's per-group
+    max/min LR, which megatron-core's scheduler reads before its own, so with
+    --override-opt_param-scheduler the flags' values (`group_lrs` before the load) go back
+    (megatron-core 0.16.1 alone keeps the checkpoint's, unlike the flag's documentation); with
+    --use-checkpoint-opt_param-scheduler the checkpoint's (`saved`, from
+    schedule_values_to_flags)."""
+    if override:
+        for group, (max_lr, min_lr) in zip(optimizer.param_groups, flag_lrs):
+            if max_lr is not None:
+                group["max_lr"], group["min_lr"] = max_lr, min_lr
+    elif use_checkpoint:
+        for group, values in zip(optimizer.param_groups, saved):
+            group.update(values)
 
 
 def schedule_values_to_flags(loaded_optimizer, current_groups):

@@ -3,7 +3,7 @@ is refused by both with the same line, or by neither.
 
 One job: each `check_*(args)` reads a namespace with Megatron's attribute names (the lean
 trainer's args, or Megatron-LM's) and raises `FlagError` naming the flag and the rule:
-`check_split` (the --split string), `check_intervals` (intervals that are divided by),
+`check_split` (the --split string), `check_positive` (intervals that are divided by, sizes),
 `check_global_batch` (--global-batch-size against the micro-batch and DP sizes; needs
 `data_parallel_size`), `check_tokenizer_files` (what each --tokenizer-type reads). Under
 Megatron-LM's trainer each of these was a bare `AssertionError` or a ZeroDivisionError, some
@@ -19,7 +19,7 @@ from megatron_eod.data.split_sizes import split_shares
 from megatron_eod.data.tokenizers import SENTENCEPIECE_TYPES
 from megatron_eod.training.cp_flags import FlagError
 
-__all__ = ["check_global_batch", "check_intervals", "check_split", "check_tokenizer_files"]
+__all__ = ["check_global_batch", "check_positive", "check_split", "check_tokenizer_files"]
 
 # What each --tokenizer-type reads (Megatron-LM's build_tokenizer asserts these bare).
 TOKENIZER_NEEDS = {"HuggingFaceTokenizer": ("tokenizer_model",),
@@ -52,8 +52,9 @@ def check_split(args) -> None:
                         f"--skip-train to evaluate only")
 
 
-def check_intervals(args, *dests: str) -> None:
-    """Each of `dests` unset (None) or positive: the trainers take the iteration modulo it."""
+def check_positive(args, *dests: str) -> None:
+    """Each of `dests` unset (None) or positive (intervals: the trainers take the iteration
+    modulo them)."""
     for dest in dests:
         value = getattr(args, dest, None)
         if value is not None and not value > 0:

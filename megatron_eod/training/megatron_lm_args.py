@@ -35,7 +35,7 @@ from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIAS
                                             check_context_parallel, check_gloo_on_cuda,
                                             check_gpu_attention, check_hybrid_degree,
                                             check_query_groups, check_sequence_parallel_rows)
-from megatron_eod.training.flag_rules import (check_global_batch, check_intervals, check_split,
+from megatron_eod.training.flag_rules import (check_global_batch, check_positive, check_split,
                                               check_tokenizer_files)
 
 __all__ = ["REFUSED", "SAVE_AT_THE_END", "add_eod_args", "check_before_megatron",
@@ -141,11 +141,11 @@ def check_before_megatron(args) -> None:
     if getattr(args, "ulysses_degree", None) is None:
         _resolve_context_parallel(args)
     check_split(args)
-    check_intervals(args, "log_interval")
+    check_positive(args, "log_interval")
     if not (getattr(args, "skip_train", False) or getattr(args, "full_validation", False)):
-        check_intervals(args, "eval_interval")  # it sizes the validation data by it
+        check_positive(args, "eval_interval")  # it sizes the validation data by it
     if getattr(args, "save", None):
-        check_intervals(args, "save_interval")
+        check_positive(args, "save_interval")
         if getattr(args, "save_interval", 0) is None and \
                 getattr(args, "save_retain_interval", None) is None:  # else: its assertion
             args.save_interval = SAVE_AT_THE_END

@@ -39,8 +39,9 @@ import torch.distributed as dist
 
 from megatron_eod.data.checks import DatasetError
 from megatron_eod.megatron import cpu_compat, gloo_on_cuda
-from megatron_eod.training.checkpoint_load import (CheckpointError,
-                                                   schedule_values_to_flags, schedule_mismatch)
+from megatron_eod.training.checkpoint_load import (CheckpointError, apply_schedule_choice,
+                                                   group_lrs, schedule_mismatch,
+                                                   schedule_values_to_flags)
 from megatron_eod.training.cp_flags import FlagError, exit_with_error
 from megatron_eod.training.megatron_lm import EodProviders
 from megatron_eod.training.megatron_lm_args import (add_eod_args, check_before_megatron,
@@ -144,8 +145,7 @@ def _schedule_flags_after_load(training) -> None:
         return
 
     def load_checkpoint(model, optimizer, scheduler, *rest, **kwargs):
-        flags = [(g.get("max_lr"), g.get("min_lr")) for g in
-                 (optimizer.param_groups if optimizer is not None else [])]
+        flags = group_lrs(optimizer) if optimizer is not None else []
         saved = []  # the checkpoint's schedule values per current group
         if optimizer is not None:
             load = optimizer.load_state_dict
@@ -167,15 +167,11 @@ def _schedule_flags_after_load(training) -> None:
         finally:
             if optimizer is not None:
                 del optimizer.load_state_dict
-        if scheduler is not None and scheduler.override_opt_param_scheduler:
-            for group, (max_lr, min_lr) in zip(optimizer.param_groups, flags):  # loaded anew
-                if max_lr is not None:
-                    group["max_lr"], group["min_lr"] = max_lr, min_lr
-            scheduler.step(0)  # this iteration's LR from them, not the checkpoint's
-        elif scheduler is not None and scheduler.use_checkpoint_opt_param_scheduler and saved:
-            for group, values in zip(optimizer.param_groups, saved):
-                group.update(values)
-            scheduler.step(0)
+        if scheduler is not None and optimizer is not None:  # loaded anew: the groups too
+            apply_schedule_choice(optimizer, flags, saved,
+                                  scheduler.override_opt_param_scheduler,
+                                  scheduler.use_checkpoint_opt_param_scheduler)
+            scheduler.step(0)  # this iteration's LR from them
         return result
 
     load_checkpoint._eod = True
