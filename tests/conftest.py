@@ -18,6 +18,7 @@ with warnings.catch_warnings():
     import megatron.core.parallel_state  # noqa: F401
     import megatron.core.models.gpt  # noqa: F401
     import megatron.core.datasets.gpt_dataset  # noqa: F401
+    import numpy.ma  # noqa: F401 - np.unique imports it on first use: once here, not per rank
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

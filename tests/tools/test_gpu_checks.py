@@ -29,11 +29,29 @@ def stages():
     return dict(line.split("\t", 1) for line in listed.stdout.splitlines())
 
 
-def test_every_stage_runs_a_file_that_exists_and_pytest_stages_select_gpu_tests():
+class _Selected:
+    """A pytest plugin that keeps how many tests a session selected."""
+
+    count = None
+
+    def pytest_collection_finish(self, session):
+        self.count = len(session.items)
+
+
+def selected_tests(args):
+    """How many tests `pytest args` selects, collected in this process (the suite's modules are
+    imported here already; a pytest subprocess per stage spent seconds importing them again)."""
+    selected = _Selected()
+    code = pytest.main([*args, "--collect-only", "-q", "-p", "no:cacheprovider"],
+                       plugins=[selected])
+    return code, selected.count
+
+
+def test_every_stage_runs_a_file_that_exists_and_pytest_stages_select_gpu_tests(capsys):
     found = stages()
     assert list(found) == ["env", "kernels", "multiprocess", "training", "bench-cp", "profile",
                            "e2e", "bench-open", "profile-open"]
-    collecting = {}
+    collecting = 0
     for stage, command in found.items():
         words = shlex.split(command)
         paths = [w.split("=", 1)[-1] for w in words[1:]
@@ -41,18 +59,12 @@ def test_every_stage_runs_a_file_that_exists_and_pytest_stages_select_gpu_tests(
         assert paths, (stage, command)
         for path in paths:
             assert os.path.exists(os.path.join(REPO, path)), (stage, path)
-        if "pytest" in words:  # the collections run side by side: each imports the suite
+        if "pytest" in words:
             start = words.index("pytest") + 1
-            collecting[stage] = subprocess.Popen(
-                [sys.executable, "-m", "pytest", "--collect-only",
-                 *[w for w in words[start:] if w not in ("-s", "-rs")]],
-                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert collecting
-    for stage, collect in collecting.items():
-        stdout, _ = collect.communicate(timeout=120)
-        selected = re.search(r"(\d+)(?:/\d+)? tests? (?:collected|selected)", stdout)
-        assert collect.returncode == 0 and selected and int(selected.group(1)) > 0, (
-            stage, stdout[-2000:])
+            code, count = selected_tests([w for w in words[start:] if w not in ("-s", "-rs")])
+            assert code == 0 and count, (stage, capsys.readouterr().out[-2000:])
+            collecting += 1
+    assert collecting == 3
 
 
 def test_the_short_lease_stages_select_the_open_rows_and_their_baselines():
@@ -104,12 +116,15 @@ def test_without_a_gpu_the_env_stage_fails_and_stops_the_rest(tmp_path):
     assert "sees no CUDA device" in (tmp_path / "out" / "env.log").read_text()
 
 
-def test_env_report_runs_its_kernel_check_on_cpu():
-    result = subprocess.run([sys.executable, os.path.join(REPO, "tools", "gpu_env_report.py"),
-                             "--cpu"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "megatron.core" in result.stdout
-    assert "one varlen forward+backward on cpu: out (356, 4, 64), finite: True" in result.stdout
+def test_env_report_runs_its_kernel_check_on_cpu(capsys):
+    """In this process (the env stage above runs it as a script)."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import gpu_env_report
+
+    gpu_env_report.main(["--cpu"])
+    out = capsys.readouterr().out
+    assert "megatron.core" in out
+    assert "one varlen forward+backward on cpu: out (356, 4, 64), finite: True" in out
 
 
 def _pins(name):

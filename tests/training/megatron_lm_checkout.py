@@ -4,6 +4,7 @@ it carry `needs_megatron_lm` and skip, saying where they looked, when it is abse
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 import tempfile
@@ -36,7 +37,30 @@ def import_megatron_lm():
         with contextlib.redirect_stderr(_QUIET):
             cpu_compat.apply(force=True, megatron_lm=True)
             cpu_compat.remove()
+        _remember_help_texts()
         _IMPORTED = True
+
+
+def _remember_help_texts():
+    """Megatron-LM (0.16) reads the help texts of its config dataclasses from their source code
+    (inspect + ast) at every parse of its flags: 0.12 s a parse, a few hundred parses in this
+    suite, most of them in forked ranks. Tests only: each class's texts are read once here, in
+    the test process, and kept (the same texts: a class's source does not change in a run)."""
+    try:
+        from megatron.training.argument_utils import ArgumentGroupFactory
+    except ImportError:  # a Megatron-LM without it
+        return
+    read = getattr(ArgumentGroupFactory, "_get_field_docstrings", None)
+    if read is None:
+        return
+    texts = {}
+
+    def remembered(self, src_cfg_class):
+        if src_cfg_class not in texts:
+            texts[src_cfg_class] = read(self, src_cfg_class)
+        return dict(texts[src_cfg_class])
+
+    ArgumentGroupFactory._get_field_docstrings = remembered
 
 
 def null_tokenizer_vocab_size(eod: int) -> int:
@@ -49,8 +73,13 @@ def null_tokenizer_vocab_size(eod: int) -> int:
 
 def megatron_lm_knows(flag: str) -> bool:
     """Whether the Megatron-LM under test has `flag` (versions add and drop some)."""
+    return flag in _megatron_lm_flags()
+
+
+@functools.cache
+def _megatron_lm_flags():
     import_megatron_lm()
     from megatron.training.arguments import add_megatron_arguments
 
-    parser = add_megatron_arguments(argparse.ArgumentParser(add_help=False))
-    return flag in parser._option_string_actions
+    return frozenset(add_megatron_arguments(argparse.ArgumentParser(add_help=False))
+                     ._option_string_actions)

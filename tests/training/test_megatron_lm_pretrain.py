@@ -4,7 +4,8 @@ $MEGATRON_LM_PATH) with our providers, on 4 gloo CPU ranks, through pretrain_gpt
 (conftest.short_docs_data: about 2 EoDs a row, so every loss depends on the EoD masks).
 
 What this shows: per-iteration lm loss (from --metrics-file, Megatron-LM's own loss of each
-iteration) is the CP=1 x DP=4 loss at CP=4 ring, ulysses and hybrid 2x2 (spelled the
+iteration) is the CP=1 x DP=4 loss at CP=4 ring (its data read by Megatron-LM's loader
+worker processes; the other runs read in the rank's process), ulysses and hybrid 2x2 (spelled the
 Megatron-LM way, --cp-comm-type a2a+p2p with --hierarchical-context-parallel-sizes) and at
 CP=2 x DP=2 (with our --cp-ring-exchange batched-keep), all with the distributed optimizer,
 dropout off, to 1e-5 relative; TP=2 x CP=2 with sequence parallelism is TP=1 and PP=2 x CP=2
@@ -48,7 +49,9 @@ def flags(data, metrics, *extra):
             "--no-gradient-accumulation-fusion", "--no-bias-dropout-fusion",
             "--no-bias-gelu-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion",
             "--no-persist-layer-norm", "--use-distributed-optimizer",
-            "--metrics-file", metrics, *extra]
+            # Megatron-LM's loader reads in the rank's own process (its 2 worker processes,
+            # forked from each rank, doubled this file's time); ring4 turns them back on.
+            "--num-workers", "0", "--metrics-file", metrics, *extra]
 
 
 def _train(rank, world, argv, log):
@@ -91,7 +94,7 @@ def baseline(short_docs_data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("extra", [
-    ["--context-parallel-size", "4"],
+    ["--context-parallel-size", "4", "--num-workers", "2"],  # and the same data in workers
     ["--context-parallel-size", "4", "--cp-comm-type", "a2a"],
     ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
      "--hierarchical-context-parallel-sizes", "2", "2"],
