@@ -25,6 +25,7 @@ ranks, forward+backward of one attention layer, float32, same batch; wall-clock 
 """
 
 import argparse
+import functools
 import json
 import math
 import multiprocessing
@@ -45,14 +46,19 @@ from megatron_eod.plan.cost import (doc_pairs, kv_tokens_received_per_rank,  # n
 CONFIGS = [(32768, 4), (131072, 8)]
 
 
+@functools.cache
 def stdlib_lengths():
+    """The token count (bytes + EoD) of each document of the sample corpus: read once per
+    process (writing the corpus takes seconds), read-only."""
     from megatron_eod.data.sample_corpus import write_sample_corpus
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "corpus.jsonl")
         write_sample_corpus(path)
         with open(path, encoding="utf-8") as f:
-            return np.array([len(json.loads(line)["text"].encode()) + 1 for line in f])
+            lengths = np.array([len(json.loads(line)["text"].encode()) + 1 for line in f])
+    lengths.flags.writeable = False
+    return lengths
 
 
 def pack_rows(lengths, n, rng):

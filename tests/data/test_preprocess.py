@@ -174,11 +174,14 @@ def test_bad_arguments(tmp_path, kwargs, message):
 def test_command_line_tool(tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": "hello"}] * 30 + ['{"text": 1}'])
     cmd = [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", src,
-           "--output-prefix", str(tmp_path / "o"), "--append-eod", "--log-interval", "10"]
-    failed = subprocess.run(cmd, capture_output=True, text=True)
+           "--append-eod", "--log-interval", "10"]
+    runs = [subprocess.Popen(cmd + ["--output-prefix", str(tmp_path / name), *extra],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for name, extra in (("failed", []), ("ok", ["--skip-bad-lines", "--workers", "2"]))]
+    outputs = [run.communicate(timeout=120) for run in runs]  # side by side
+    failed, ok = (subprocess.CompletedProcess(run.args, run.returncode, *out)
+                  for run, out in zip(runs, outputs))
     assert failed.returncode == 1 and "in.jsonl:31:" in failed.stderr
-    ok = subprocess.run(cmd + ["--skip-bad-lines", "--workers", "2"], capture_output=True,
-                        text=True)
     assert ok.returncode == 0, ok.stderr
     assert "processed 30 documents" in ok.stderr and "MB/s" in ok.stderr
     assert "1 bad lines skipped" in ok.stderr

@@ -15,7 +15,6 @@ import time
 import pytest
 
 from megatron_eod.data.preprocess import PreprocessError, preprocess_jsonl
-from megatron_eod.data.sample_corpus import write_sample_corpus
 from megatron_eod.data.tokenizers import ByteTokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -62,8 +61,9 @@ def test_a_failing_rerun_keeps_the_previous_dataset(good, tmp_path):
 
 def test_a_killed_rerun_keeps_the_previous_dataset(good, tmp_path):
     prefix, before = good
-    big = tmp_path / "big.jsonl"
-    write_sample_corpus(str(big), max_bytes=30_000_000, seed=1)
+    big = tmp_path / "big.jsonl"  # 48 MB (over a second of work): killed as it starts writing
+    line = json.dumps({"text": "def f(x):\n    return x + 1\n" * 40}) + "\n"
+    big.write_text(line * (48_000_000 // len(line)))
     proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"),
                              "--input", str(big), "--output-prefix", str(tmp_path / "out"),
                              "--append-eod", "--log-interval", "100000000"],
