@@ -3,6 +3,7 @@
 it carry `needs_megatron_lm` and skip, saying where they looked, when it is absent."""
 
 import argparse
+import atexit
 import contextlib
 import functools
 import os
@@ -21,6 +22,7 @@ needs_megatron_lm = pytest.mark.skipif(not HAVE_MEGATRON_LM, reason=(
 
 _IMPORTED = False
 _QUIET = tempfile.TemporaryFile("w+")
+atexit.register(_QUIET.close)  # not left to the interpreter's teardown (a ResourceWarning)
 
 
 def import_megatron_lm():
