@@ -178,7 +178,13 @@ def test_command_line_tool(tmp_path):
     runs = [subprocess.Popen(cmd + ["--output-prefix", str(tmp_path / name), *extra],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for name, extra in (("failed", []), ("ok", ["--skip-bad-lines", "--workers", "2"]))]
-    outputs = [run.communicate(timeout=120) for run in runs]  # side by side
+    try:
+        outputs = [run.communicate(timeout=120) for run in runs]  # side by side
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
     failed, ok = (subprocess.CompletedProcess(run.args, run.returncode, *out)
                   for run, out in zip(runs, outputs))
     assert failed.returncode == 1 and "in.jsonl:31:" in failed.stderr

@@ -2,6 +2,7 @@
 that exist and select tests, its budget and failure handling, tools/gpu_env_report.py, and the
 offline wheel list's pins (the GPU runs it prepares cannot be run here)."""
 
+import json
 import os
 import re
 import shlex
@@ -29,29 +30,43 @@ def stages():
     return dict(line.split("\t", 1) for line in listed.stdout.splitlines())
 
 
-class _Selected:
-    """A pytest plugin that keeps how many tests a session selected."""
+# Each stage's pytest arguments collected in ONE fresh interpreter at the repository root (as
+# the GPU machine runs them; a pytest subprocess per stage spent seconds importing torch,
+# megatron-core and the suite again): prints [exit code, tests selected] per stage.
+_COLLECT = """
+import json, sys
+import pytest
 
+class Selected:
     count = None
 
     def pytest_collection_finish(self, session):
         self.count = len(session.items)
 
-
-def selected_tests(args):
-    """How many tests `pytest args` selects, collected in this process (the suite's modules are
-    imported here already; a pytest subprocess per stage spent seconds importing them again)."""
-    selected = _Selected()
+results = []
+for args in json.loads(sys.argv[1]):
+    selected = Selected()
     code = pytest.main([*args, "--collect-only", "-q", "-p", "no:cacheprovider"],
                        plugins=[selected])
-    return code, selected.count
+    results.append([int(code), selected.count])
+print("SELECTED", json.dumps(results))
+"""
 
 
-def test_every_stage_runs_a_file_that_exists_and_pytest_stages_select_gpu_tests(capsys):
+def selected_tests(stage_args):
+    """[(exit code, tests selected)] for each list of pytest arguments, in that order."""
+    collect = subprocess.run([sys.executable, "-c", _COLLECT, json.dumps(stage_args)], cwd=REPO,
+                             capture_output=True, text=True, timeout=240)
+    lines = [line for line in collect.stdout.splitlines() if line.startswith("SELECTED ")]
+    assert collect.returncode == 0 and lines, collect.stdout[-2000:] + collect.stderr[-2000:]
+    return [tuple(result) for result in json.loads(lines[-1].split(" ", 1)[1])], collect.stdout
+
+
+def test_every_stage_runs_a_file_that_exists_and_pytest_stages_select_gpu_tests():
     found = stages()
     assert list(found) == ["env", "kernels", "multiprocess", "training", "bench-cp", "profile",
                            "e2e", "bench-open", "profile-open"]
-    collecting = 0
+    collecting = {}
     for stage, command in found.items():
         words = shlex.split(command)
         paths = [w.split("=", 1)[-1] for w in words[1:]
@@ -61,10 +76,13 @@ def test_every_stage_runs_a_file_that_exists_and_pytest_stages_select_gpu_tests(
             assert os.path.exists(os.path.join(REPO, path)), (stage, path)
         if "pytest" in words:
             start = words.index("pytest") + 1
-            code, count = selected_tests([w for w in words[start:] if w not in ("-s", "-rs")])
-            assert code == 0 and count, (stage, capsys.readouterr().out[-2000:])
-            collecting += 1
-    assert collecting == 3
+            collecting[stage] = [w for w in words[start:] if w not in ("-s", "-rs")]
+    assert list(collecting) == ["kernels", "multiprocess", "training"]
+    # The single-file stages first: each is then imported fresh, as on the GPU machine.
+    order = ["multiprocess", "training", "kernels"]
+    results, out = selected_tests([collecting[stage] for stage in order])
+    for stage, (code, count) in zip(order, results):
+        assert code == 0 and count, (stage, code, count, out[-3000:])
 
 
 def test_the_short_lease_stages_select_the_open_rows_and_their_baselines():

@@ -41,13 +41,15 @@ def import_megatron_lm():
             cpu_compat.remove()
         _remember_help_texts()
         _IMPORTED = True
+        _megatron_lm_flags()  # one parse here: the help texts are kept before any fork
 
 
 def _remember_help_texts():
     """Megatron-LM (0.16) reads the help texts of its config dataclasses from their source code
     (inspect + ast) at every parse of its flags: 0.12 s a parse, a few hundred parses in this
-    suite, most of them in forked ranks. Tests only: each class's texts are read once here, in
-    the test process, and kept (the same texts: a class's source does not change in a run)."""
+    suite, most of them in forked ranks. Tests only: each class's texts are read once, at the
+    parse import_megatron_lm makes in the test process, and kept (the same texts: a class's
+    source does not change in a run)."""
     try:
         from megatron.training.argument_utils import ArgumentGroupFactory
     except ImportError:  # a Megatron-LM without it

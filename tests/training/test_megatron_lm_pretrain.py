@@ -226,7 +226,8 @@ def test_megatron_lm_default_learned_positions_under_cp(short_docs_data, tmp_pat
 @pytest.mark.parametrize("extra", [
     ["--micro-batch-size", "1"],
     ["--context-parallel-size", "2", "--recompute-granularity", "full", "--recompute-method",
-     "uniform", "--recompute-num-layers", "1", "--rerun-mode", "disabled"],
+     "uniform", "--recompute-num-layers", "1", "--rerun-mode", "disabled",
+     "--num-workers", "2"],
 ], ids=["cp1-mbs1", "cp2-mbs2-recompute-planahead"])
 def test_virtual_pipeline_stages_continue_a_plain_pipeline_run(short_docs_data, tmp_path_factory,
                                                                plain_pp2_checkpoint, extra):
@@ -237,8 +238,9 @@ def test_virtual_pipeline_stages_continue_a_plain_pipeline_run(short_docs_data, 
     at CP=1, micro-batch 1 (where gloo used to send freed stage outputs: cpu_compat), and at
     CP=2 with 2 sequences a micro-batch, full recompute (each chunk's contexts read again in
     backward, micro-batches later) and plans made one micro-batch ahead (each chunk's
-    iterator a stream of its own). A checkpoint, because Megatron-LM seeds each pipeline
-    stage apart and chunks hold other layers: the layouts would not start from one model."""
+    iterator a stream of its own, read by Megatron-LM's loader workers). A checkpoint,
+    because Megatron-LM seeds each pipeline stage apart and chunks hold other layers: the
+    layouts would not start from one model."""
     reference, ckpt = plain_pp2_checkpoint
     tmp_path = tmp_path_factory.mktemp("vpp")
     resumed, _ = train(tmp_path, "vpp", short_docs_data, *_PP2_CHECKPOINT_FLAGS,
