@@ -211,8 +211,6 @@ def _require(ok: bool, message: str) -> None:
         raise FlagError(message)
 
 
-
-
 def validate_args(args: argparse.Namespace, world_size: int,
                   cuda_available: bool) -> argparse.Namespace:
     """Fill the derived fields of `args` in place and check every rule; returns `args`."""

@@ -77,12 +77,13 @@ def null_tokenizer_vocab_size(eod: int) -> int:
 
 def megatron_lm_knows(flag: str) -> bool:
     """Whether the Megatron-LM under test has `flag` (versions add and drop some)."""
+    import_megatron_lm()
     return flag in _megatron_lm_flags()
 
 
 @functools.cache
 def _megatron_lm_flags():
-    import_megatron_lm()
+    """Every option string of Megatron-LM's parser (after import_megatron_lm)."""
     from megatron.training.arguments import add_megatron_arguments
 
     return frozenset(add_megatron_arguments(argparse.ArgumentParser(add_help=False))
