@@ -23,6 +23,7 @@ setup(
         "gpu": ["flash-attn>=2.6", "transformer-engine[pytorch]>=2.0"],
         "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "tokenizers>=0.20"],
         "hf": ["tokenizers>=0.20", "transformers>=4.40"],
+        "zstd": ["zstandard>=0.22"],  # preprocessing .jsonl.zst inputs
     },
     license="Apache-2.0",
 )

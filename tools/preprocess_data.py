@@ -3,6 +3,8 @@
 
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus --append-eod
 writes data/corpus_text_document.bin/.idx; train with --data-path data/corpus_text_document.
+--input takes several files, glob patterns ('shards/*.jsonl.zst', sorted), .gz/.bz2/.xz/.zst
+files and - (stdin); their documents go into one dataset, in that order.
 """
 
 import argparse
@@ -18,7 +20,9 @@ from megatron_eod.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noq
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     g = p.add_argument_group("input data")
-    g.add_argument("--input", required=True, help="jsonl file, one document a line")
+    g.add_argument("--input", required=True, nargs="+", metavar="INPUT",
+                   help="jsonl files (one document a line), glob patterns (quoted; matches "
+                        "sorted), .gz/.bz2/.xz/.zst files, or - for stdin: one dataset, in order")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract")
     g.add_argument("--skip-bad-lines", action="store_true",
                    help="skip and count malformed lines instead of stopping at the first")
@@ -39,7 +43,35 @@ def get_args(argv=None):
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     g.add_argument("--log-interval", type=int, default=1000, help="documents between reports")
-    return p.parse_args(argv)
+    g.add_argument("--partitions", type=int, default=1,
+                   help="Megatron's: accepted, not needed (the workers read all inputs' chunks "
+                        "in parallel; the output is the same)")
+    g.add_argument("--keep-sequential-samples", action="store_true",
+                   help="Megatron's: accepted; documents always keep the inputs' order")
+    for flag in _NOT_SUPPORTED:
+        g.add_argument(flag, nargs="*", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for flag, why in _NOT_SUPPORTED.items():
+        given = getattr(args, flag[2:].replace("-", "_"))
+        if given is not None and given != _HARMLESS.get(flag):
+            p.error(f"{flag} is not supported: {why}")
+    if args.partitions < 1:
+        p.error(f"--partitions must be >= 1, got {args.partitions}")
+    return args
+
+
+_SENTENCES = ("no sentence splitting: with EoD reset the document is the unit, and sentences "
+              "written as sequences would be shuffled apart by GPTDataset; drop the flag")
+# Megatron's flags that this tool refuses, and why.
+_NOT_SUPPORTED = {
+    "--split-sentences": _SENTENCES, "--keep-newlines": _SENTENCES, "--lang": _SENTENCES,
+    **dict.fromkeys(("--find-optimal-num-workers", "--workers-to-check", "--max-documents",
+                     "--performance-dir"),
+                    "no worker-count search; the progress lines give MB/s for a --workers "
+                    "value, and the output does not depend on it"),
+    "--vocab-extra-ids": "T5's sentinel tokens are not used by GPT pretraining",
+}
+_HARMLESS = {"--vocab-extra-ids": ["0"]}  # values that ask for nothing (Megatron's defaults)
 
 
 def progress_printer():
@@ -66,7 +98,11 @@ def main(argv=None) -> int:
     docs_s, tokens_s, mb_s = stats.rates()
     if sys.stderr.isatty():
         print(file=sys.stderr)
-    print(f"done: {stats.documents} documents ({stats.empty_documents} empty), {stats.tokens} "
+    if args.partitions > 1:
+        print(f"note: --partitions {args.partitions} was not needed: the {args.workers} "
+              f"workers read the inputs' chunks in parallel", file=sys.stderr)
+    print(f"done: {len(stats.inputs)} input{'s' * (len(stats.inputs) > 1)}, "
+          f"{stats.documents} documents ({stats.empty_documents} empty), {stats.tokens} "
           f"tokens, {stats.bytes_read / 1e6:.2f} MB in {stats.seconds:.2f} s "
           f"({docs_s:.0f} docs/s, {tokens_s:.0f} tokens/s, {mb_s:.2f} MB/s)", file=sys.stderr)
     if stats.blank_lines:

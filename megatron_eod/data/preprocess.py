@@ -1,8 +1,11 @@
 """jsonl -> Megatron indexed dataset (`{prefix}_{key}_document.bin/.idx`), as Megatron's tool.
 
-One job: read a jsonl file (one document a line), tokenize the `--json-keys` fields, optionally
-append the EoD id, and write one indexed dataset per key through megatron-core's
-`IndexedDatasetBuilder`, so that `IndexedDataset` / `GPTDataset` read it back unchanged.
+One job: read jsonl (one document a line) from one or more sources, tokenize the
+`--json-keys` fields, optionally append the EoD id, and write one indexed dataset per key
+through megatron-core's `IndexedDatasetBuilder`, so that `IndexedDataset` / `GPTDataset` read
+it back unchanged. The sources (files in the order given, glob patterns, `.gz`/`.bz2`/`.xz`/
+`.zst` files, stdin) and their chunking are jsonl_inputs.py's; their documents are written in
+that order, as one dataset.
 
 Semantics kept from Megatron's `tools/preprocess_data.py`: a field may be a string or a list of
 strings; empty documents are written as documents with no sequences and get no EoD; the token
@@ -14,13 +17,17 @@ under EoD reset.
 Added: every bad line (not UTF-8, malformed JSON, not an object, a missing key, a field that is
 not text, text the tokenizer rejects) is an error naming `file:line`, or, with
 `skip_bad_lines`, is skipped and counted; blank lines are counted and skipped; any number of
-workers writes the same bytes as one. Safe replacement: everything is written to `.tmp` files
+workers writes the same bytes as one, and several inputs the same bytes as their
+concatenation. Safe replacement: everything is written to `.tmp` files
 beside the outputs and renamed into place only after success (metadata, `.bin`, `.idx` last),
 so a failed or killed run leaves the previous dataset whole. Each dataset gets a metadata
 file (`{prefix}.json`, sidecar.py): the tokenizer's class, vocab size, EoD and pad ids, and
 the dataset's dtype, documents, tokens, non-EoD tokens and .bin size.
 
-What it does not do: no sentence splitting, no multiple input partitions.
+What it does not do: no sentence splitting (`--split-sentences`): with EoD reset a document
+is the unit, and sentences written as sequences would be shuffled apart. Megatron's
+`--partitions` (its way to read several files in parallel) is not needed: the workers read
+every input's chunks in parallel already.
 """
 
 from __future__ import annotations
@@ -31,10 +38,12 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy
 
+from megatron_eod.data.jsonl_inputs import (STDIN, InputError, bounded_ordered_map,
+                                             resolve_inputs, source_chunks)
 from megatron_eod.data.sidecar import sidecar_path, tokenizer_identity, write_sidecar
 
 __all__ = ["PreprocessError", "PreprocessStats", "preprocess_jsonl", "output_paths"]
@@ -58,6 +67,7 @@ class PreprocessStats:
     first_skipped: Optional[str] = None
     seconds: float = 0.0
     outputs: Dict[str, str] = field(default_factory=dict)
+    inputs: List[str] = field(default_factory=list)  # the sources read, in order
 
     def rates(self) -> Tuple[float, float, float]:
         """(documents/s, tokens/s, MB/s) so far."""
@@ -123,17 +133,22 @@ class _Encoder:
         return "ok", out
 
 
-def _encode_chunk(task: Tuple[str, int, int]):
-    """Encode the lines in bytes [start, end) of a file; one pickled array per key comes back.
+def _encode_chunk(task):
+    """Encode the lines of a chunk: bytes [start, end) of a file for a (path, start, end) task
+    (read here), else the task's bytes; one pickled array per key comes back.
 
-    Workers read their chunk themselves and return each key's ids of the whole chunk as one
-    array, so the parent moves neither raw text nor thousands of small arrays through pipes.
+    Workers read a file's chunks themselves and return each key's ids of the whole chunk as one
+    array, so the parent moves no raw text of plain files and no thousands of small arrays.
     -> (n_lines, [(line_in_chunk, n_bytes, status, reason | {key: lengths})], {key: ids})
     """
-    path, start, end = task
-    with open(path, "rb") as f:
-        f.seek(start)
-        lines = f.read(end - start).splitlines(keepends=True)
+    if isinstance(task, bytes):
+        data = task
+    else:
+        path, start, end = task
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read(end - start)
+    lines = data.splitlines(keepends=True)
     records, pieces = [], {key: [] for key in _ENCODER.json_keys}
     for i, raw in enumerate(lines):
         status, payload = _ENCODER.encode(raw)
@@ -148,19 +163,6 @@ def _encode_chunk(task: Tuple[str, int, int]):
     return len(lines), records, packed
 
 
-def _chunks(path: str):
-    """Split a file into ~_CHUNK_BYTES byte ranges that end on line boundaries."""
-    size, chunk_bytes = os.path.getsize(path), _CHUNK_BYTES
-    with open(path, "rb") as f:
-        start = 0
-        while start < size:
-            f.seek(min(start + chunk_bytes, size))
-            f.readline()  # move on to the end of the line the cut fell in
-            end = min(f.tell(), size)
-            yield path, start, end
-            start = end
-
-
 _TMP = ".tmp"
 
 
@@ -170,9 +172,7 @@ def output_paths(output_prefix: str, key: str) -> Tuple[str, str]:
     return base + ".bin", base + ".idx"
 
 
-def _check_args(input_path, json_keys, workers, log_interval) -> None:
-    if not os.path.isfile(input_path):
-        raise PreprocessError(f"--input {input_path!r} is not a file")
+def _check_args(json_keys, workers, log_interval) -> None:
     if not json_keys or len(set(json_keys)) != len(json_keys):
         raise PreprocessError(f"--json-keys must name distinct keys, got {list(json_keys)}")
     if workers < 1:
@@ -181,21 +181,31 @@ def _check_args(input_path, json_keys, workers, log_interval) -> None:
         raise PreprocessError(f"--log-interval must be >= 1, got {log_interval}")
 
 
-def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer,
+def preprocess_jsonl(input_path: Union[str, Sequence[str]], output_prefix: str, tokenizer,
                      json_keys: Sequence[str] = ("text",), append_eod: bool = False,
                      workers: int = 1, log_interval: int = 1000, skip_bad_lines: bool = False,
                      log=None) -> PreprocessStats:
-    """Tokenize `input_path` into indexed datasets; returns the run's statistics."""
+    """Tokenize `input_path` (a source or a list of them: paths, glob patterns, "-" for stdin)
+    into indexed datasets; returns the run's statistics."""
+    try:
+        return _preprocess(resolve_inputs(input_path), output_prefix, tokenizer, json_keys,
+                           append_eod, workers, log_interval, skip_bad_lines, log)
+    except InputError as err:
+        raise PreprocessError(str(err)) from None
+
+
+def _preprocess(sources, output_prefix, tokenizer, json_keys, append_eod, workers, log_interval,
+                skip_bad_lines, log) -> PreprocessStats:
     from megatron_eod.megatron.imports import import_megatron
 
     indexed = import_megatron("megatron.core.datasets.indexed_dataset")
     DType, IndexedDatasetBuilder = indexed.DType, indexed.IndexedDatasetBuilder
     global _ENCODER
-    _check_args(input_path, json_keys, workers, log_interval)
+    _check_args(json_keys, workers, log_interval)
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     _ENCODER = _Encoder(tokenizer, json_keys, append_eod, dtype)
-    stats = PreprocessStats()
+    stats = PreprocessStats(inputs=list(sources))
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     finals = {key: output_paths(output_prefix, key) for key in json_keys}
     temps = {key: tuple(path + _TMP for path in paths) for key, paths in finals.items()}
@@ -208,11 +218,17 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer,
     try:
         if workers > 1:
             pool = multiprocessing.get_context("fork").Pool(workers)
-            results = pool.imap(_encode_chunk, _chunks(input_path))
-        else:
-            results = map(_encode_chunk, _chunks(input_path))
-        first_line = 1
-        for n_lines, records, packed in results:
+        # A few chunks a worker in flight: enough to keep them busy, and a stream read in the
+        # parent (compressed, stdin) is never held whole.
+        results = bounded_ordered_map(_encode_chunk, source_chunks(sources, _CHUNK_BYTES),
+                                      pool, ahead=3 * workers)
+        source = None
+        for index, (n_lines, records, packed) in results:
+            if index != source:  # a new input: its line numbers start at 1
+                source, first_line = index, 1
+                name = "<stdin>" if sources[index] == STDIN else sources[index]
+                if len(sources) > 1:
+                    log(f"reading {name} ({index + 1} of {len(sources)} inputs)")
             offsets = dict.fromkeys(json_keys, 0)
             for key, ids in packed.items():
                 counts[key][0] += int(ids.size)
@@ -225,7 +241,7 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer,
                     stats.blank_lines += 1
                     continue
                 if status == "bad":
-                    where = f"{input_path}:{first_line + i}: {payload}"
+                    where = f"{name}:{first_line + i}: {payload}"
                     if not skip_bad_lines:
                         raise PreprocessError(where + " (or pass --skip-bad-lines)")
                     stats.skipped_lines += 1
