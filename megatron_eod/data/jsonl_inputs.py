@@ -10,6 +10,7 @@ line-aligned chunks of about `chunk_bytes` for the tokenizing workers.
   naming the `--input` value.
 - `.gz`, `.bz2` and `.xz` files are read through the standard library, `.zst` through the
   `zstandard` package where it is installed (`pip install zstandard`; else an error saying so).
+- A UTF-8 byte order mark at a source's start is skipped (json would reject line 1).
 - A plain regular file is cut into byte ranges that each worker reads itself; anything else
   (compressed, a pipe, stdin) is read in the parent and its chunks' bytes are handed over.
   `bounded_ordered_map` keeps at most `ahead` chunks in flight, so a stream of any size is
@@ -32,6 +33,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 __all__ = ["InputError", "STDIN", "resolve_inputs", "source_chunks", "bounded_ordered_map"]
 
 STDIN = "-"
+_BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, as Windows tools write: skipped at a start
 
 
 class InputError(ValueError):
@@ -135,7 +137,7 @@ def _range_chunks(path: str, chunk_bytes: int) -> Iterator[Tuple[str, int, int]]
     """~chunk_bytes byte ranges of a regular file that end on line boundaries."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
-        start = 0
+        start = len(_BOM) if f.read(len(_BOM)) == _BOM else 0
         while start < size:
             f.seek(min(start + chunk_bytes, size))
             f.readline()  # move on to the end of the line the cut fell in
@@ -148,7 +150,7 @@ def _stream_chunks(path: str, chunk_bytes: int) -> Iterator[bytes]:
     """~chunk_bytes pieces of a stream, each ending at a line's end (the last may not)."""
     name = "standard input" if path == STDIN else path
     stream = _open_stream(path)
-    held = b""
+    held, first = b"", True
     try:
         while True:
             try:
@@ -161,6 +163,8 @@ def _stream_chunks(path: str, chunk_bytes: int) -> Iterator[bytes]:
                     yield held
                 return
             held += block
+            if first and len(held) >= len(_BOM):
+                held, first = held[len(_BOM):] if held.startswith(_BOM) else held, False
             cut = held.rfind(b"\n") + 1
             if cut:
                 yield held[:cut]

@@ -84,6 +84,15 @@ def test_inputs_in_every_form_equal_their_concatenation(tmp_path, monkeypatch, s
     assert meta["documents"] == 600 and meta["tokens"] == stats.tokens
 
 
+@pytest.mark.parametrize("ext", ["", ".gz"])
+def test_a_byte_order_mark_at_a_start_is_skipped(tmp_path, ext):
+    lines = shard_lines(0, 5)
+    marked = write(tmp_path / "bom.jsonl", ["\ufeff" + lines[0], *lines[1:]], ext)
+    run([marked, write(tmp_path / "plain.jsonl", lines)], tmp_path / "o")  # not "given twice"
+    run(write(tmp_path / "twice.jsonl", lines + lines), tmp_path / "ref")
+    assert dataset_bytes(str(tmp_path / "o")) == dataset_bytes(str(tmp_path / "ref"))
+
+
 def test_explicit_inputs_keep_their_order(tmp_path):
     a, b = (write(tmp_path / f"{n}.jsonl", shard_lines(i, 5)) for i, n in enumerate("ab"))
     run([b, a], tmp_path / "ba")
