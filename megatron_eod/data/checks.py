@@ -26,7 +26,7 @@ import numpy
 
 from megatron_eod.data.sidecar import probe_digest, read_sidecar, sidecar_path
 
-__all__ = ["DatasetError", "SCAN_TOKENS", "check_dataset", "sequence_count"]
+__all__ = ["DatasetError", "SCAN_TOKENS", "check_dataset", "check_files", "sequence_count"]
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _HEADER = len(_MAGIC) + 8 + 1 + 8 + 8  # magic, version, dtype code, sequences, documents
@@ -51,22 +51,12 @@ def check_dataset(prefix: str, tokenizer, scan_tokens: Optional[int] = None,
     id (for an EoD mismatch's message). `reset_flags`: the EoD flags the run passes (e.g.
     "--reset-attention-mask"), which data without any EoD would make do nothing."""
     scan_tokens = SCAN_TOKENS if scan_tokens is None else scan_tokens
-    idx, bin_ = prefix + ".idx", prefix + ".bin"
-    dtype, lengths, pointers, documents = _read_index(idx)
-    size = os.path.getsize(bin_)
-    itemsize = numpy.dtype(dtype).itemsize
-    expected = int(pointers[-1]) + int(lengths[-1]) * itemsize if len(lengths) else 0
-    if size != expected:
-        raise DatasetError(f"{bin_}: {size} bytes, but {idx} points at {expected} ({len(lengths)}"
-                           f" sequences of {numpy.dtype(dtype).name}); the pair is truncated or "
-                           f"from different runs: re-run tools/preprocess_data.py")
-    tokens = int(lengths.sum(dtype=numpy.int64))
+    bin_ = prefix + ".bin"
+    dtype, _, tokens, meta = check_files(prefix)
     if tokens == 0:
         raise DatasetError(f"{prefix}: the dataset has no tokens")
-    meta = read_sidecar(prefix)
     if meta is not None:
-        _check_against_metadata(prefix, meta, numpy.dtype(dtype).name, len(documents) - 1,
-                                tokens, size, tokenizer, eod_flags)
+        _check_against_tokenizer(prefix, meta, tokenizer, eod_flags)
         if reset_flags and meta.get("non_eod_tokens") == tokens:
             raise DatasetError(_no_eod(prefix, tokenizer.eod, reset_flags))
         return
@@ -82,6 +72,35 @@ def check_dataset(prefix: str, tokenizer, scan_tokens: Optional[int] = None,
     if whole and non_eod == 0:
         raise DatasetError(f"{bin_}: every token is the EoD id {tokenizer.eod}: nothing to "
                            f"learn (wrong --tokenizer-type or data)")
+
+
+def check_files(prefix: str):
+    """-> (token dtype, documents, tokens, metadata or None) of `prefix`.bin/.idx, checking the
+    pair against itself and against its metadata file where there is one (DatasetError)."""
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    dtype, lengths, pointers, documents = _read_index(idx)
+    try:
+        size = os.path.getsize(bin_)
+    except OSError as err:
+        raise DatasetError(f"{bin_}: cannot be read ({err.strerror})") from None
+    itemsize = numpy.dtype(dtype).itemsize
+    expected = int(pointers[-1]) + int(lengths[-1]) * itemsize if len(lengths) else 0
+    if size != expected:
+        raise DatasetError(f"{bin_}: {size} bytes, but {idx} points at {expected} ({len(lengths)}"
+                           f" sequences of {numpy.dtype(dtype).name}); the pair is truncated or "
+                           f"from different runs: re-run tools/preprocess_data.py")
+    tokens = int(lengths.sum(dtype=numpy.int64))
+    meta = read_sidecar(prefix)
+    recorded = meta and (meta.get("dtype"), meta.get("documents"), meta.get("tokens"),
+                         meta.get("bin_bytes"))
+    if meta is not None and recorded != (numpy.dtype(dtype).name, len(documents) - 1, tokens,
+                                         size):
+        raise DatasetError(f"{prefix}.bin/.idx hold {len(documents) - 1} documents, {tokens} "
+                           f"{numpy.dtype(dtype).name} tokens, {size} bytes, but "
+                           f"{sidecar_path(prefix)} describes {recorded[1]}, {recorded[2]} "
+                           f"{recorded[0]}, {recorded[3]}: the files are not the ones "
+                           f"preprocessing wrote (re-run tools/preprocess_data.py)")
+    return dtype, len(documents) - 1, tokens, meta
 
 
 def _no_eod(prefix, eod, reset_flags) -> str:
@@ -137,16 +156,8 @@ def _read_index(idx: str):
     return _DTYPES[code], lengths, pointers, documents
 
 
-def _check_against_metadata(prefix, meta, dtype, documents, tokens, size, tokenizer,
-                            eod_flags):
+def _check_against_tokenizer(prefix, meta, tokenizer, eod_flags):
     where = sidecar_path(prefix)
-    recorded = (meta.get("dtype"), meta.get("documents"), meta.get("tokens"),
-                meta.get("bin_bytes"))
-    if recorded != (dtype, documents, tokens, size):
-        raise DatasetError(f"{prefix}.bin/.idx hold {documents} documents, {tokens} {dtype} "
-                           f"tokens, {size} bytes, but {where} describes {recorded[1]}, "
-                           f"{recorded[2]} {recorded[0]}, {recorded[3]}: the files are not the "
-                           f"ones preprocessing wrote (re-run tools/preprocess_data.py)")
     made = meta.get("tokenizer", {})
     if made.get("eod") != tokenizer.eod:
         flags = eod_flags(made["eod"]) if eod_flags and isinstance(made.get("eod"), int) else None

@@ -1,0 +1,176 @@
+"""Several indexed datasets -> one, as Megatron's `tools/merge_datasets.py`, checked, with metadata.
+
+One job: concatenate the documents of datasets preprocessed apart (shards made by separate
+jobs) into one `.bin/.idx` through megatron-core's `IndexedDatasetBuilder.add_index`, in the
+order given (a directory's datasets sorted by name, as Megatron's tool). Merging the outputs of
+shards gives the bytes preprocessing their concatenation gives, metadata file included.
+
+Added to Megatron's tool, which asserts only equal dtypes:
+- each part is checked first (checks.check_files: a truncated `.bin`, a damaged `.idx`, a pair
+  its metadata does not describe) and named when it fails;
+- parts whose metadata names another tokenizer, or another token dtype, are refused by name
+  (their ids would mean different text in one dataset);
+- the merged dataset gets a metadata file (sums, largest id) when every part has one; where
+  some part has none (Megatron's own tool made it), it gets none, the start-up checks scan it,
+  and the log says so;
+- a prefix named twice, a `.bin` without its `.idx`, and an output whose files a directory
+  input would hold (a re-run would merge the merged dataset into itself) are refused;
+- safe replacement as preprocess.py: `.tmp` files renamed into place only after success,
+  metadata, `.bin`, `.idx` last.
+
+What it does not do: no re-tokenizing, no multimodal datasets (sequence modes), no shuffling.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import numpy
+
+from megatron_eod.data.checks import DatasetError, check_files
+from megatron_eod.data.sidecar import sidecar_path, write_sidecar
+
+__all__ = ["MergeError", "MergeStats", "find_parts", "merge_datasets"]
+
+_TMP = ".tmp"
+_SUMMED = ("documents", "tokens", "non_eod_tokens", "bin_bytes")
+
+
+class MergeError(ValueError):
+    """A part or an argument that cannot be merged; the message names it and the rule."""
+
+
+@dataclass
+class MergeStats:
+    parts: List[str] = field(default_factory=list)
+    documents: int = 0
+    tokens: int = 0
+    without_metadata: List[str] = field(default_factory=list)  # parts that have none
+
+
+def _prefix_of(value: str) -> str:
+    root, ext = os.path.splitext(value)
+    return root if ext in (".bin", ".idx") else value
+
+
+def find_parts(values: Sequence[str]) -> List[str]:
+    """Dataset prefixes from `--input` values, in order: a directory stands for its datasets
+    (every `.bin`/`.idx` pair in it, sorted by name), any other value for one dataset (its
+    prefix, or its `.bin` or `.idx` path)."""
+    parts, seen = [], {}
+    for value in values:
+        if os.path.isdir(value):
+            names = sorted(os.listdir(value))
+            found = sorted({_prefix_of(n) for n in names if n.endswith((".bin", ".idx"))})
+            if not found:
+                raise MergeError(f"--input {value}: the directory holds no .bin/.idx dataset")
+            prefixes = [os.path.join(value, p) for p in found]
+        else:
+            prefixes = [_prefix_of(value)]
+        for prefix in prefixes:
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(prefix + ext):
+                    raise MergeError(f"--input {value}: {prefix + ext} does not exist"
+                                     + (" (a dataset is a .bin/.idx pair)"
+                                        if os.path.exists(prefix) else ""))
+            key = os.path.realpath(prefix + ".idx")
+            if key in seen:
+                raise MergeError(f"--input: the dataset {prefix} is named twice (by "
+                                 f"{seen[key]!r} and {value!r}); its documents would be "
+                                 f"merged twice")
+            seen[key] = value
+            parts.append(prefix)
+    if not parts:
+        raise MergeError("--input: name at least one dataset or directory of datasets")
+    return parts
+
+
+def _check_output(values: Sequence[str], parts: Sequence[str], output_prefix: str) -> None:
+    out_dir = os.path.realpath(os.path.dirname(os.path.abspath(output_prefix)))
+    for value in values:
+        if os.path.isdir(value) and os.path.realpath(value) == out_dir:
+            raise MergeError(f"--output-prefix {output_prefix} is in --input {value}: a re-run "
+                             f"would merge the merged dataset into itself; write it elsewhere")
+    target = os.path.realpath(output_prefix + ".idx")
+    for part in parts:
+        if os.path.realpath(part + ".idx") == target:
+            raise MergeError(f"--output-prefix {output_prefix} is one of the datasets to merge")
+
+
+def _tokenizer_difference(a: dict, b: dict) -> Optional[str]:
+    keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return ", ".join(f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in keys) or None
+
+
+def merge_datasets(inputs: Sequence[str], output_prefix: str, log=None) -> MergeStats:
+    """Merge the datasets `inputs` names (find_parts) into `output_prefix`.bin/.idx/.json."""
+    from megatron_eod.megatron.imports import import_megatron
+
+    IndexedDatasetBuilder = import_megatron(
+        "megatron.core.datasets.indexed_dataset").IndexedDatasetBuilder
+    log = log or (lambda msg: None)
+    parts = find_parts(list(inputs))
+    _check_output(inputs, parts, output_prefix)
+    facts = []
+    for part in parts:
+        try:
+            facts.append((part, *check_files(part)))
+        except DatasetError as err:
+            raise MergeError(f"cannot merge {part}: {err}") from None
+    first, dtype = facts[0][:2]
+    metas = [(part, meta) for part, _, _, _, meta in facts if meta is not None]
+    for part, part_dtype, _, _, _ in facts:
+        if part_dtype != dtype:
+            raise MergeError(f"{part} holds {numpy.dtype(part_dtype).name} tokens, {first} "
+                             f"{numpy.dtype(dtype).name}: they were made with tokenizers of "
+                             f"different vocabulary sizes; merge datasets of one tokenizer")
+    for part, meta in metas[1:]:
+        differ = _tokenizer_difference(metas[0][1].get("tokenizer", {}),
+                                       meta.get("tokenizer", {}))
+        if differ:
+            raise MergeError(f"{part} was made with another tokenizer than {metas[0][0]} "
+                             f"({differ}, per their metadata files); merge datasets of one "
+                             f"tokenizer")
+    stats = MergeStats(parts=list(parts), documents=sum(f[2] for f in facts),
+                       tokens=sum(f[3] for f in facts),
+                       without_metadata=[part for part, _, _, _, meta in facts if meta is None])
+    bin_, idx, meta_path = output_prefix + ".bin", output_prefix + ".idx", sidecar_path(
+        output_prefix)
+    temps = [bin_ + _TMP, idx + _TMP, meta_path + _TMP]
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    builder = None
+    # megatron-core's add_index runs a full garbage collection after each part: 0.2 s a part
+    # in a process holding torch. Objects made before the merge are left out of it meanwhile.
+    gc.freeze()
+    try:
+        builder = IndexedDatasetBuilder(temps[0], dtype=dtype)
+        for i, part in enumerate(parts):
+            builder.add_index(part)
+            log(f"merged {part} ({i + 1} of {len(parts)})")
+        builder.finalize(temps[1])
+        if not stats.without_metadata:
+            info = {"tokenizer": metas[0][1].get("tokenizer"),
+                    "dtype": numpy.dtype(dtype).name,
+                    "max_token_id": max(m.get("max_token_id", -1) for _, m in metas),
+                    **{key: sum(m[key] for _, m in metas) for key in _SUMMED
+                       if all(isinstance(m.get(key), int) for _, m in metas)}}
+            info["bin_bytes"] = os.path.getsize(temps[0])
+            write_sidecar(output_prefix, info, suffix=_TMP)
+            os.replace(temps[2], meta_path)
+        elif os.path.exists(meta_path):  # a previous output's: it would describe other files
+            os.remove(meta_path)
+        os.replace(temps[0], bin_)
+        os.replace(temps[1], idx)
+    except BaseException:
+        if builder is not None:
+            builder.data_file.close()
+        for path in temps:
+            if os.path.exists(path):
+                os.remove(path)
+        raise
+    finally:
+        gc.unfreeze()
+    return stats

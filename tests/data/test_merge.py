@@ -1,0 +1,141 @@
+"""Merging datasets preprocessed apart: the bytes (and metadata) of preprocessing their
+concatenation, parts checked and named, tokenizers that differ refused, outputs replaced
+safely."""
+
+import json
+import os
+import runpy
+
+import pytest
+
+from megatron_eod.data.checks import check_dataset
+from megatron_eod.data.merge import MergeError, merge_datasets
+from megatron_eod.data.preprocess import preprocess_jsonl
+from megatron_eod.data.sidecar import read_sidecar, sidecar_path
+from megatron_eod.data.tokenizers import ByteTokenizer, build_tokenizer
+
+TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "merge_datasets.py")
+
+
+def shard_lines(shard, n=60):
+    return [json.dumps({"text": f"shard {shard} text {i} " * (i % 6)}) + "\n" for i in range(n)]
+
+
+def make(tmp_path, name, lines, tokenizer=None, folder="shards"):
+    (tmp_path / folder).mkdir(exist_ok=True)
+    src = tmp_path / f"{name}.jsonl"
+    src.write_text("".join(lines))
+    preprocess_jsonl(str(src), str(tmp_path / folder / name), tokenizer or ByteTokenizer(),
+                     append_eod=True, log=lambda m: 0)
+    return str(tmp_path / folder / f"{name}_text_document")
+
+
+def files(prefix, exts=(".bin", ".idx", ".json")):
+    return tuple(open(prefix + ext, "rb").read() if os.path.exists(prefix + ext) else None
+                 for ext in exts)
+
+
+@pytest.fixture
+def shards(tmp_path):
+    # The third shard holds only empty documents: a dataset with no sequences merges too.
+    lines = [shard_lines(0), shard_lines(1, 7), ['{"text": ""}\n'] * 3, shard_lines(3, 25)]
+    parts = [make(tmp_path, f"part-{i}", shard) for i, shard in enumerate(lines)]
+    whole = make(tmp_path, "whole", [line for shard in lines for line in shard], folder="ref")
+    return parts, whole
+
+
+def test_merged_shards_equal_preprocessing_their_concatenation(tmp_path, shards):
+    parts, whole = shards
+    out = str(tmp_path / "merged" / "all_text_document")
+    stats = merge_datasets([str(tmp_path / "shards")], out)  # a directory: sorted by name
+    assert stats.parts == parts and stats.without_metadata == []
+    assert files(out) == files(whole)  # .bin, .idx and the metadata file
+    assert (stats.documents, stats.tokens) == (read_sidecar(whole)["documents"],
+                                               read_sidecar(whole)["tokens"])
+    check_dataset(out, ByteTokenizer())
+    # Prefixes and .bin/.idx paths name datasets too, in the order given.
+    merge_datasets([parts[0] + ".idx", parts[1], parts[2] + ".bin", parts[3]], out + "2")
+    assert files(out + "2") == files(whole)
+    merge_datasets([parts[1], parts[0]], out + "3")
+    assert files(out + "3") != files(out + "2")
+
+
+def test_a_part_without_metadata_gives_a_merge_without_it(tmp_path, shards):
+    parts, _ = shards
+    out = str(tmp_path / "merged" / "all")
+    merge_datasets(parts, out)
+    assert os.path.exists(sidecar_path(out))
+    os.remove(sidecar_path(parts[1]))  # as Megatron's own tool makes them
+    stats = merge_datasets(parts, out)
+    assert stats.without_metadata == [parts[1]]
+    assert not os.path.exists(sidecar_path(out)), "the previous metadata would describe " \
+                                                  "other files"
+    check_dataset(out, ByteTokenizer())  # checked by a scan now
+
+
+def test_parts_of_different_tokenizers_are_refused(tmp_path, shards):
+    parts, _ = shards
+    null = make(tmp_path, "null", ['{"text": "1 2 3"}\n'], build_tokenizer(
+        "NullTokenizer", vocab_size=300), folder="other")
+    with pytest.raises(MergeError, match=r"null_text_document was made with another tokenizer "
+                                         r"than .*part-0_text_document \(class .*eod"):
+        merge_datasets([parts[0], null], str(tmp_path / "o"))
+    wide = make(tmp_path, "wide", ['{"text": "1 2 3"}\n'], build_tokenizer(
+        "NullTokenizer", vocab_size=70000), folder="other")
+    with pytest.raises(MergeError, match=r"wide_text_document holds int32 tokens, .*part-0"
+                                         r"_text_document uint16: .*different vocabulary"):
+        merge_datasets([parts[0], wide], str(tmp_path / "o"))
+    assert not os.path.exists(tmp_path / "o.bin")
+
+
+def test_a_damaged_part_is_named_and_the_previous_merge_kept(tmp_path, shards):
+    parts, _ = shards
+    out = str(tmp_path / "merged" / "all")
+    merge_datasets(parts, out)
+    before = files(out)
+    with open(parts[3] + ".bin", "r+b") as f:
+        f.truncate(os.path.getsize(parts[3] + ".bin") - 2)
+    with pytest.raises(MergeError, match=r"cannot merge .*part-3_text_document: .*part-3_text"
+                                         r"_document\.bin: \d+ bytes, but .* points at"):
+        merge_datasets(parts, out)
+    assert files(out) == before
+    assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path / "merged"))
+
+
+def test_bad_inputs_and_outputs_are_named(tmp_path, shards):
+    parts, _ = shards
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "lonely").mkdir()
+    (tmp_path / "lonely" / "x.bin").write_bytes(b"")
+    cases = [
+        ([str(tmp_path / "empty")], r"--input .*empty: the directory holds no \.bin/\.idx"),
+        ([str(tmp_path / "lonely")], r"--input .*lonely: .*x\.idx does not exist"),
+        ([str(tmp_path / "nothing")], r"--input .*nothing: .*nothing\.bin does not exist"),
+        ([parts[0], parts[0] + ".idx"], r"the dataset .*part-0_text_document is named twice"),
+        ([str(tmp_path / "shards"), parts[1]], r"part-1_text_document is named twice"),
+        ([], r"name at least one dataset"),
+    ]
+    for inputs, message in cases:
+        with pytest.raises(MergeError, match=message):
+            merge_datasets(inputs, str(tmp_path / "out" / "o"))
+    with pytest.raises(MergeError, match=r"--output-prefix .*shards/all is in --input .*shards: "
+                                         r"a re-run would merge the merged dataset"):
+        merge_datasets([str(tmp_path / "shards")], str(tmp_path / "shards" / "all"))
+    with pytest.raises(MergeError, match=r"--output-prefix .*part-1_text_document is one of"):
+        merge_datasets(parts[:2], parts[1])
+
+
+def test_the_tool(tmp_path, shards, capsys):
+    main = runpy.run_path(TOOL)["main"]
+    parts, whole = shards
+    os.remove(sidecar_path(parts[0]))
+    assert main(["--input", str(tmp_path / "shards"), "--output-prefix",
+                 str(tmp_path / "m")]) == 0
+    err = capsys.readouterr().err
+    assert "done: 4 datasets, 95 documents" in err and "1 of them have no metadata" in err
+    assert files(str(tmp_path / "m"), (".bin", ".idx")) == files(whole, (".bin", ".idx"))
+    assert main(["--input", str(tmp_path / "nothing"), "--output-prefix", "o"]) == 1
+    assert "error: --input" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--input", "x", "--output-prefix", "o", "--multimodal"])
+    assert "--multimodal is not supported" in capsys.readouterr().err
