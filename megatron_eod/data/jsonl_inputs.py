@@ -5,9 +5,9 @@ line-aligned chunks of about `chunk_bytes` for the tokenizing workers.
 
 - A value is a path, a glob pattern (Megatron's tool takes `--input 'data/*.jsonl'`; matches
   are sorted, so the order does not depend on the file system), or `-` for standard input.
-  Values keep their order; a pattern that matches nothing, a directory, a missing file, a file
-  given twice (it would be trained on twice as often, silently) and a second `-` are errors
-  naming the `--input` value.
+  A path that exists is read as named, glob characters or not. Values keep their order; a
+  pattern that matches nothing, a directory, a missing file, a file given twice (it would be
+  trained on twice as often, silently) and a second `-` are errors naming the `--input` value.
 - `.gz`, `.bz2` and `.xz` files are read through the standard library, `.zst` through the
   `zstandard` package where it is installed (`pip install zstandard`; else an error saying so).
 - A UTF-8 byte order mark at a source's start is skipped (json would reject line 1).
@@ -95,7 +95,7 @@ def resolve_inputs(values: Sequence[str] | str) -> List[str]:
             if STDIN in seen:
                 raise InputError("--input: - (standard input) is given twice")
             matches = [STDIN]
-        elif glob.has_magic(value):
+        elif glob.has_magic(value) and not os.path.exists(value):  # a name like 'a[1]'
             matches = sorted(glob.glob(value, recursive=True))
             if not matches:
                 raise InputError(f"--input {value!r} matches no file")

@@ -95,6 +95,8 @@ def test_a_byte_order_mark_at_a_start_is_skipped(tmp_path, ext):
 
 def test_explicit_inputs_keep_their_order(tmp_path):
     a, b = (write(tmp_path / f"{n}.jsonl", shard_lines(i, 5)) for i, n in enumerate("ab"))
+    write(tmp_path / "a1.jsonl", shard_lines(7, 5))  # what the pattern a[1].jsonl matches
+    b = os.rename(b, tmp_path / "a[1].jsonl") or str(tmp_path / "a[1].jsonl")  # read as named
     run([b, a], tmp_path / "ba")
     run(write(tmp_path / "ba.jsonl", shard_lines(1, 5) + shard_lines(0, 5)), tmp_path / "ref")
     assert dataset_bytes(str(tmp_path / "ba")) == dataset_bytes(str(tmp_path / "ref"))
