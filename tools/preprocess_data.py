@@ -48,6 +48,9 @@ def get_args(argv=None):
                         "in parallel; the output is the same)")
     g.add_argument("--keep-sequential-samples", action="store_true",
                    help="Megatron's: accepted; documents always keep the inputs' order")
+    g.add_argument("--lang", default=None, help="Megatron's: accepted; only sentence "
+                                                "splitting (not supported) reads it")
+    g.add_argument("--keep-newlines", action="store_true", help="as --lang")
     for flag in _NOT_SUPPORTED:
         g.add_argument(flag, nargs="*", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -64,7 +67,7 @@ _SENTENCES = ("no sentence splitting: with EoD reset the document is the unit, a
               "written as sequences would be shuffled apart by GPTDataset; drop the flag")
 # Megatron's flags that this tool refuses, and why.
 _NOT_SUPPORTED = {
-    "--split-sentences": _SENTENCES, "--keep-newlines": _SENTENCES, "--lang": _SENTENCES,
+    "--split-sentences": _SENTENCES,
     **dict.fromkeys(("--find-optimal-num-workers", "--workers-to-check", "--max-documents",
                      "--performance-dir"),
                     "no worker-count search; the progress lines give MB/s for a --workers "
@@ -92,7 +95,7 @@ def main(argv=None) -> int:
                                  json_keys=args.json_keys, append_eod=args.append_eod,
                                  workers=args.workers, log_interval=args.log_interval,
                                  skip_bad_lines=args.skip_bad_lines, log=progress_printer())
-    except (PreprocessError, ValueError) as err:
+    except (PreprocessError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     docs_s, tokens_s, mb_s = stats.rates()

@@ -4,13 +4,17 @@ One job: turn the `--input` values into an ordered list of sources and each sour
 line-aligned chunks of about `chunk_bytes` for the tokenizing workers.
 
 - A value is a path, a glob pattern (Megatron's tool takes `--input 'data/*.jsonl'`; matches
-  are sorted, so the order does not depend on the file system), or `-` for standard input.
-  A path that exists is read as named, glob characters or not. Values keep their order; a
-  pattern that matches nothing, a directory, a missing file, a file given twice (it would be
-  trained on twice as often, silently) and a second `-` are errors naming the `--input` value.
-- `.gz`, `.bz2` and `.xz` files are read through the standard library, `.zst` through the
-  `zstandard` package where it is installed (`pip install zstandard`; else an error saying so).
-- A UTF-8 byte order mark at a source's start is skipped (json would reject line 1).
+  are sorted, so the order does not depend on the file system; directories among them are
+  passed over), or `-` for standard input. A path that exists is read as named, glob
+  characters or not. Values keep their order. A pattern that matches no file, a directory, a
+  missing or unreadable file, a file given twice (by a glob and a path, a link, `-` and
+  /dev/stdin: it would be trained on twice as often, silently), and one of the run's own
+  output files are errors naming the `--input` value.
+- gzip, bzip2, xz and zstd data (zstd through the `zstandard` package) are read whatever the
+  file's name says, told by their first bytes, through decompress.py (every stream, damage
+  detected); a `.gz`/`.bz2`/`.xz`/`.zst` name over other data is an error.
+- A UTF-8 byte order mark at a source's start is skipped (json would reject line 1). Each
+  source's lines are its own: one without a final newline does not run into the next.
 - A plain regular file is cut into byte ranges that each worker reads itself; anything else
   (compressed, a pipe, stdin) is read in the parent and its chunks' bytes are handed over.
   `bounded_ordered_map` keeps at most `ahead` chunks in flight, so a stream of any size is
@@ -21,98 +25,89 @@ What it does not do: no tokenizing or writing (preprocess.py).
 
 from __future__ import annotations
 
-import bz2
 import collections
 import glob
-import gzip
-import lzma
 import os
+import stat
 import sys
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Iterator, List, Sequence, Tuple
 
-__all__ = ["InputError", "STDIN", "resolve_inputs", "source_chunks", "bounded_ordered_map"]
+from megatron_eod.data.decompress import EXTENSIONS, Decompressed, DecompressError, codec_of
+
+__all__ = ["InputError", "STDIN", "resolve_inputs", "source_chunks", "source_name",
+           "bounded_ordered_map"]
 
 STDIN = "-"
 _BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, as Windows tools write: skipped at a start
+_MAGIC_BYTES = 6  # enough of a file's start to tell its compression
 
 
 class InputError(ValueError):
     """An `--input` value that names no readable jsonl source; the message names it."""
 
 
-class _ZstdStream:
-    """A .zst file's decompressed bytes, frame after frame, with `read(n)`; a file whose last
-    frame is cut short is an error (zstandard's stream reader ends such a file silently)."""
+def source_name(path: str) -> str:
+    return "<stdin>" if path == STDIN else path
 
-    def __init__(self, path: str):
+
+def _identity(path: str, where: str):
+    """The file behind `path` (device, inode), so that links and /dev/stdin are told apart
+    from other files; InputError where it cannot be read."""
+    if path == STDIN:
+        if sys.stdin is None or getattr(sys.stdin, "buffer", None) is None:
+            raise InputError("--input -: standard input is closed")
         try:
-            import zstandard
-        except ImportError:
-            raise InputError(f"{path}: reading .zst files needs the zstandard package (pip "
-                             f"install zstandard), or decompress it first (zstd -d)") from None
-        self._path, self._file = path, open(path, "rb")
-        self._decompressor = zstandard.ZstdDecompressor()
-        self._frame, self._in_frame, self._out = self._decompressor.decompressobj(), False, b""
-
-    def read(self, size: int) -> bytes:
-        while len(self._out) < size:
-            data = self._file.read(1 << 20)
-            if not data:
-                if self._in_frame:
-                    raise EOFError("the last zstd frame is cut short")
-                break
-            while data:
-                self._out += self._frame.decompress(data)
-                self._in_frame = not self._frame.eof
-                if self._frame.eof:  # the next frame starts in what is left
-                    data, self._frame = self._frame.unused_data, self._decompressor.decompressobj()
-                else:
-                    data = b""
-        block, self._out = self._out[:size], self._out[size:]
-        return block
-
-    def close(self) -> None:
-        self._file.close()
+            info = os.fstat(sys.stdin.buffer.fileno())
+        except (OSError, ValueError):  # not a real file (e.g. replaced in a test)
+            return STDIN
+        return info.st_dev, info.st_ino
+    try:
+        info = os.stat(path)
+    except OSError as err:
+        raise InputError(f"{where}: {'no such file' if not os.path.lexists(path) else err.strerror}"
+                         ) from None
+    if stat.S_ISDIR(info.st_mode):
+        raise InputError(f"{where} is a directory; name its files (e.g. --input "
+                         f"'{os.path.join(path, '*.jsonl')}')")
+    if stat.S_ISREG(info.st_mode):  # (a pipe is not opened here: that would wait for a writer)
+        try:
+            open(path, "rb").close()
+        except OSError as err:
+            raise InputError(f"{where}: cannot be read ({err.strerror})") from None
+    return info.st_dev, info.st_ino
 
 
-_DECOMPRESSORS = {".gz": gzip.GzipFile, ".bz2": bz2.BZ2File, ".xz": lzma.LZMAFile,
-                  ".zst": _ZstdStream}  # each opens a path for reading: path -> stream
-
-
-def _compression(path: str) -> Optional[str]:
-    ext = os.path.splitext(path)[1].lower()
-    return ext if ext in _DECOMPRESSORS else None
-
-
-def resolve_inputs(values: Sequence[str] | str) -> List[str]:
-    """The sources `--input` names, in order: patterns expanded (sorted), each checked."""
+def resolve_inputs(values: Sequence[str] | str, outputs: Sequence[str] = ()) -> List[str]:
+    """The sources `--input` names, in order: patterns expanded (sorted), each checked.
+    `outputs`: the run's own files, which no input may be."""
     values = [values] if isinstance(values, str) else list(values)
     if not values:
         raise InputError("--input: give at least one jsonl file, glob pattern or - (stdin)")
+    own = {}
+    for path in outputs:
+        if os.path.exists(path):
+            info = os.stat(path)
+            own[info.st_dev, info.st_ino] = path
     sources, seen = [], {}
     for value in values:
-        if value == STDIN:
-            if STDIN in seen:
-                raise InputError("--input: - (standard input) is given twice")
-            matches = [STDIN]
-        elif glob.has_magic(value) and not os.path.exists(value):  # a name like 'a[1]'
-            matches = sorted(glob.glob(value, recursive=True))
+        if value != STDIN and glob.has_magic(value) and not os.path.exists(value):
+            matches = [m for m in sorted(glob.glob(value, recursive=True))
+                       if not os.path.isdir(m)]  # a pattern stands for files ('data/**')
             if not matches:
                 raise InputError(f"--input {value!r} matches no file")
         else:
             matches = [value]
         for path in matches:
-            where = f"--input {path}" if path == value else f"--input {value!r}: {path}"
-            if path != STDIN and not os.path.exists(path):
-                raise InputError(f"{where}: no such file")
-            if path != STDIN and os.path.isdir(path):
-                raise InputError(f"{where} is a directory; name its files (e.g. --input "
-                                 f"'{os.path.join(path, '*.jsonl')}')")
-            key = path if path == STDIN else os.path.realpath(path)
+            where = f"--input {source_name(path)}" if path == value else \
+                f"--input {value!r}: {path}"
+            key = _identity(path, where)
+            if key in own:
+                raise InputError(f"{where} is this run's own output ({own[key]}): name the "
+                                 f"jsonl inputs only, or write the output elsewhere")
             if key in seen:
                 first_value, first_path = seen[key]
-                what = (f"{path} is given twice" if first_path == path
-                        else f"{first_path} and {path} are the same file")
+                what = (f"{source_name(path)} is given twice" if first_path == path
+                        else f"{source_name(first_path)} and {path} are the same file")
                 by = ("" if first_value == value == path else f" (by {value!r})"
                       if first_value == value else f" (by {first_value!r} and {value!r})")
                 raise InputError(f"--input: {what}{by}; its documents would be written twice")
@@ -121,23 +116,10 @@ def resolve_inputs(values: Sequence[str] | str) -> List[str]:
     return sources
 
 
-def _is_range_readable(path: str) -> bool:
-    """Workers can read byte ranges of it themselves: an uncompressed regular file."""
-    return path != STDIN and _compression(path) is None and os.path.isfile(path)
-
-
-def _open_stream(path: str):
-    if path == STDIN:
-        return sys.stdin.buffer
-    ext = _compression(path)
-    return _DECOMPRESSORS[ext](path) if ext else open(path, "rb")
-
-
-def _range_chunks(path: str, chunk_bytes: int) -> Iterator[Tuple[str, int, int]]:
-    """~chunk_bytes byte ranges of a regular file that end on line boundaries."""
-    size = os.path.getsize(path)
+def _range_chunks(path: str, size: int, start: int,
+                  chunk_bytes: int) -> Iterator[Tuple[str, int, int]]:
+    """~chunk_bytes byte ranges of a regular file from `start`, ending on line boundaries."""
     with open(path, "rb") as f:
-        start = len(_BOM) if f.read(len(_BOM)) == _BOM else 0
         while start < size:
             f.seek(min(start + chunk_bytes, size))
             f.readline()  # move on to the end of the line the cut fell in
@@ -146,42 +128,83 @@ def _range_chunks(path: str, chunk_bytes: int) -> Iterator[Tuple[str, int, int]]
             start = end
 
 
-def _stream_chunks(path: str, chunk_bytes: int) -> Iterator[bytes]:
-    """~chunk_bytes pieces of a stream, each ending at a line's end (the last may not)."""
-    name = "standard input" if path == STDIN else path
-    stream = _open_stream(path)
-    held, first = b"", True
-    try:
-        while True:
-            try:
-                block = stream.read(chunk_bytes)
-            except Exception as err:  # zlib.error, EOFError, LZMAError, ZstdError, OSError
-                raise InputError(f"{name}: cannot be read to its end ({type(err).__name__}: "
-                                 f"{err}); the file is damaged or cut short") from None
-            if not block:
-                if held:
-                    yield held
-                return
-            held += block
-            if first and len(held) >= len(_BOM):
-                held, first = held[len(_BOM):] if held.startswith(_BOM) else held, False
-            cut = held.rfind(b"\n") + 1
-            if cut:
-                yield held[:cut]
-                held = held[cut:]
-    finally:
+def _reader(read: Callable[[int], bytes], name: str) -> Callable[[int], bytes]:
+    def checked(size: int) -> bytes:
+        try:
+            return read(size)
+        except DecompressError as err:
+            raise InputError(str(err)) from None
+        except OSError as err:
+            raise InputError(f"{name}: cannot be read to its end ({err})") from None
+    return checked
+
+
+def _stream_chunks(read: Callable[[int], bytes], chunk_bytes: int) -> Iterator[bytes]:
+    """~chunk_bytes pieces of a stream, each ending at a line's end (the last may not); the
+    time is linear in the data, however long its lines."""
+    head = b""
+    while len(head) < len(_BOM):
+        more = read(len(_BOM) - len(head))
+        if not more:
+            break
+        head += more
+    pieces = [] if head == _BOM or not head else [head]
+    while True:
+        block = read(chunk_bytes)
+        if not block:
+            if pieces:
+                yield b"".join(pieces)
+            return
+        cut = block.rfind(b"\n") + 1
+        if cut:
+            pieces.append(block[:cut])
+            yield b"".join(pieces)
+            pieces = [block[cut:]] if cut < len(block) else []
+        else:
+            pieces.append(block)
+
+
+def _open(path: str):
+    """(binary file, codec or None, its first bytes) of a source."""
+    name = source_name(path)
+    f = sys.stdin.buffer if path == STDIN else open(path, "rb")
+    head = f.peek(_MAGIC_BYTES)[:_MAGIC_BYTES] if hasattr(f, "peek") else b""
+    codec = codec_of(head)
+    named = EXTENSIONS.get(os.path.splitext(path)[1].lower())
+    if named and codec != named:
         if path != STDIN:
-            stream.close()
+            f.close()
+        if not head:
+            raise InputError(f"{name}: holds no {named} data (empty); the file is damaged or "
+                             f"cut short")
+        found = f"{codec} data" if codec else f"not (it starts with {head!r})"
+        raise InputError(f"{name}: named as {named} data, but it is {found}; rename it or "
+                         f"compress it again")
+    return f, codec, head
 
 
 def source_chunks(sources: Sequence[str], chunk_bytes: int) -> Iterator[Tuple[int, object]]:
     """(source index, task) for each chunk of each source, in order. A task is (path, start,
     end) for a worker to read, or the chunk's bytes."""
     for index, path in enumerate(sources):
-        chunks = (_range_chunks if _is_range_readable(path) else _stream_chunks)(path,
-                                                                                chunk_bytes)
-        for task in chunks:
-            yield index, task
+        name = source_name(path)
+        f, codec, head = _open(path)
+        try:
+            if codec is None and path != STDIN and stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                size = os.fstat(f.fileno()).st_size
+                f.close()
+                chunks = _range_chunks(path, size, len(_BOM) if head.startswith(_BOM) else 0,
+                                       chunk_bytes)
+            else:
+                read = Decompressed(f, codec, name).read if codec else f.read
+                chunks = _stream_chunks(_reader(read, name), chunk_bytes)
+            for task in chunks:
+                yield index, task
+        except DecompressError as err:  # (zstandard missing)
+            raise InputError(str(err)) from None
+        finally:
+            if path != STDIN:
+                f.close()
 
 
 def bounded_ordered_map(fn: Callable, items: Iterable[Tuple[int, object]], pool=None,

@@ -42,8 +42,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy
 
-from megatron_eod.data.jsonl_inputs import (STDIN, InputError, bounded_ordered_map,
-                                             resolve_inputs, source_chunks)
+from megatron_eod.data.jsonl_inputs import (InputError, bounded_ordered_map, resolve_inputs,
+                                             source_chunks, source_name)
 from megatron_eod.data.sidecar import sidecar_path, tokenizer_identity, write_sidecar
 
 __all__ = ["PreprocessError", "PreprocessStats", "preprocess_jsonl", "output_paths"]
@@ -188,10 +188,20 @@ def preprocess_jsonl(input_path: Union[str, Sequence[str]], output_prefix: str, 
     """Tokenize `input_path` (a source or a list of them: paths, glob patterns, "-" for stdin)
     into indexed datasets; returns the run's statistics."""
     try:
-        return _preprocess(resolve_inputs(input_path), output_prefix, tokenizer, json_keys,
+        sources = resolve_inputs(input_path, _own_files(output_prefix, json_keys))
+        return _preprocess(sources, output_prefix, tokenizer, json_keys,
                            append_eod, workers, log_interval, skip_bad_lines, log)
     except InputError as err:
         raise PreprocessError(str(err)) from None
+
+
+def _own_files(output_prefix: str, json_keys: Sequence[str]) -> List[str]:
+    """Every file a run writes (and its .tmp), which no input may be."""
+    files = []
+    for key in json_keys:
+        bin_, idx = output_paths(output_prefix, key)
+        files += [bin_, idx, sidecar_path(bin_[: -len(".bin")])]
+    return [path + suffix for path in files for suffix in ("", _TMP)]
 
 
 def _preprocess(sources, output_prefix, tokenizer, json_keys, append_eod, workers, log_interval,
@@ -226,7 +236,7 @@ def _preprocess(sources, output_prefix, tokenizer, json_keys, append_eod, worker
         for index, (n_lines, records, packed) in results:
             if index != source:  # a new input: its line numbers start at 1
                 source, first_line = index, 1
-                name = "<stdin>" if sources[index] == STDIN else sources[index]
+                name = source_name(sources[index])
                 if len(sources) > 1:
                     log(f"reading {name} ({index + 1} of {len(sources)} inputs)")
             offsets = dict.fromkeys(json_keys, 0)
@@ -284,8 +294,10 @@ def _preprocess(sources, output_prefix, tokenizer, json_keys, append_eod, worker
         _remove(sidecar_path(finals[key][0][: -len(".bin")]) + _TMP for key in json_keys)
         raise
     finally:
-        if pool is not None:
+        if pool is not None:  # (and let go of it: a failed run's traceback keeps this frame)
             pool.terminate()
+            pool.join()
+            pool = results = None
         _ENCODER = None
     stats.seconds = time.perf_counter() - start
     return stats

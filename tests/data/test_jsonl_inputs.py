@@ -114,53 +114,114 @@ def test_a_bad_line_names_its_own_file_and_line(tmp_path, small_chunks, ext):
     assert stats.documents == 70
 
 
+def _flip(data: bytes, at: int) -> bytes:
+    damaged = bytearray(data)
+    damaged[at] ^= 0x55
+    return bytes(damaged)
+
+
 @pytest.mark.parametrize("ext", sorted(COMPRESS))
-def test_a_damaged_or_cut_compressed_file_is_named_and_keeps_the_previous_dataset(tmp_path,
-                                                                                  ext):
-    good = write(tmp_path / "good.jsonl", shard_lines(0, 400), ext)
+def test_a_damaged_cut_or_empty_compressed_file_is_named_and_keeps_the_previous_dataset(
+        tmp_path, ext):
+    lines = shard_lines(0, 400)
+    good = write(tmp_path / "good.jsonl", lines, ext)
     run(good, tmp_path / "out")
     before = dataset_bytes(str(tmp_path / "out"))
     data = open(good, "rb").read()
-    cut = tmp_path / f"cut.jsonl{ext}"
-    cut.write_bytes(data[: len(data) * 2 // 3])
-    with pytest.raises(PreprocessError, match=rf"cut\.jsonl{ext}: cannot be read to its end "
-                                              r".*damaged or cut short"):
-        run([good, str(cut)], tmp_path / "out", workers=2)
-    assert dataset_bytes(str(tmp_path / "out")) == before
-    garbage = tmp_path / f"garbage.jsonl{ext}"
+    one_stream = COMPRESS[ext]("".join(lines).encode()) if ext != ".zst" else \
+        pytest.importorskip("zstandard").ZstdCompressor().compress("".join(lines).encode())
+    damaged = {
+        "cut": data[: len(data) * 2 // 3],
+        "empty": b"",
+        # A second stream (gzip member, bzip2/xz stream, zstd frame), as `cat a.gz b.gz`
+        # makes, damaged in its header or its data: BZ2File and LZMAFile stop there silently.
+        "second-header": one_stream + _flip(one_stream, 1),
+        "second-data": one_stream + _flip(one_stream, len(one_stream) // 2),
+        "garbage-after": one_stream + b"\x01garbage",
+    }
+    for name, content in damaged.items():
+        path = tmp_path / f"{name}.jsonl{ext}"
+        path.write_bytes(content)
+        with pytest.raises(PreprocessError, match=rf"{name}\.jsonl{ext}: .*(cannot be read to "
+                                                  rf"its end|cut short|no .* data \(empty\))"):
+            run([good, str(path)], tmp_path / "out", workers=2)
+        assert dataset_bytes(str(tmp_path / "out")) == before, name
+    garbage = tmp_path / f"plain.jsonl{ext}"
     garbage.write_bytes(b'{"text": "not compressed"}\n')
-    with pytest.raises(PreprocessError, match=rf"garbage\.jsonl{ext}: cannot be read"):
+    with pytest.raises(PreprocessError, match=rf"plain\.jsonl{ext}: named as \w+ data, but it "
+                                              rf"is not \(it starts with b'{{\"text'"):
         run(str(garbage), tmp_path / "out")
+
+
+@pytest.mark.parametrize("ext", sorted(COMPRESS))
+def test_compression_is_told_by_the_data_and_padding_is_allowed(tmp_path, ext):
+    lines = shard_lines(2, 50)
+    run(write(tmp_path / "plain.jsonl", lines), tmp_path / "ref")
+    misnamed = write(tmp_path / "misnamed", lines, ext)
+    os.rename(misnamed, tmp_path / "misnamed.jsonl")  # compressed, named as plain jsonl
+    run(str(tmp_path / "misnamed.jsonl"), tmp_path / "o")
+    assert dataset_bytes(str(tmp_path / "o")) == dataset_bytes(str(tmp_path / "ref"))
+    if ext in (".gz", ".xz"):  # zero bytes after a member/stream, which gzip and xz allow
+        padded = write(tmp_path / "padded.jsonl", lines, ext)
+        with open(padded, "ab") as f:
+            f.write(b"\0" * 8)
+        run(padded, tmp_path / "p")
+        assert dataset_bytes(str(tmp_path / "p")) == dataset_bytes(str(tmp_path / "ref"))
+
+
+def test_a_long_line_in_a_stream(tmp_path, small_chunks):
+    lines = shard_lines(0, 3) + [json.dumps({"text": "long " * 40_000}) + "\n"] + shard_lines(1, 3)
+    run(write(tmp_path / "plain.jsonl", lines), tmp_path / "ref")
+    run(write(tmp_path / "packed.jsonl", lines, ".gz"), tmp_path / "o", workers=2)
+    assert dataset_bytes(str(tmp_path / "o")) == dataset_bytes(str(tmp_path / "ref"))
 
 
 def test_zst_without_zstandard_says_what_to_install(tmp_path, monkeypatch):
     path = tmp_path / "in.jsonl.zst"
     path.write_bytes(b"\x28\xb5\x2f\xfd")
     monkeypatch.setitem(sys.modules, "zstandard", None)  # import fails
-    with pytest.raises(PreprocessError, match=r"in\.jsonl\.zst: reading \.zst files needs the "
+    with pytest.raises(PreprocessError, match=r"in\.jsonl\.zst: reading zstd data needs the "
                                               r"zstandard package \(pip install zstandard\)"):
         run(str(path), tmp_path / "o")
 
 
-def test_bad_input_values_are_named(tmp_path):
+def test_bad_input_values_are_named(tmp_path, monkeypatch):
     a = write(tmp_path / "a.jsonl", shard_lines(0, 3))
     (tmp_path / "sub").mkdir()
     os.symlink(a, tmp_path / "link.jsonl")
+    os.link(a, tmp_path / "hard.json")
     cases = [
         ([str(tmp_path / "nothing-*.jsonl")], r"--input '.*nothing-\*\.jsonl' matches no file"),
         ([str(tmp_path / "missing.jsonl")], r"--input .*missing\.jsonl: no such file"),
+        ([a + "/x"], r"--input .*a\.jsonl/x: no such file"),
         ([str(tmp_path / "sub")], r"--input .*sub is a directory; name its files"),
-        ([str(tmp_path / "s*")], r"--input '.*s\*': .*sub is a directory"),
+        ([str(tmp_path / "s*")], r"--input '.*s\*' matches no file"),  # directories passed over
         ([a, a], r"--input: .*a\.jsonl is given twice; its documents would be written twice"),
         ([str(tmp_path / "*.jsonl")], r"a\.jsonl and .*link\.jsonl are the same file \(by "
                                       r"'.*\*\.jsonl'\)"),
+        ([a, str(tmp_path / "hard.json")], r"a\.jsonl and .*hard\.json are the same file"),
         ([str(tmp_path / "?.jsonl"), a], r"a\.jsonl is given twice \(by '.*\?\.jsonl' and "),
-        (["-", "-"], r"- \(standard input\) is given twice"),
         ([], r"--input: give at least one"),
     ]
     for inputs, message in cases:
         with pytest.raises(PreprocessError, match=message):
             run(inputs, tmp_path / "o")
+    # A glob over the folder the output goes to would read the previous run's output as jsonl.
+    (tmp_path / "out").mkdir()
+    run(write(tmp_path / "out" / "in.jsonl", shard_lines(0, 3)), tmp_path / "out" / "o")
+    with pytest.raises(PreprocessError, match=r"--input '.*\*': .*o_text_document\.bin is this "
+                                              r"run's own output"):
+        run([str(tmp_path / "out" / "*")], tmp_path / "out" / "o")
+    # Standard input: given twice (as - and as the file behind it), closed.
+    with open(a, "rb") as f:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(f))
+        for inputs in (["-", "-"], ["-", f"/proc/self/fd/{f.fileno()}"]):
+            with pytest.raises(PreprocessError, match=r"<stdin> (is given twice|and .* are the "
+                                                      r"same file)"):
+                run(inputs, tmp_path / "o2")
+    monkeypatch.setattr(sys, "stdin", None)
+    with pytest.raises(PreprocessError, match=r"--input -: standard input is closed"):
+        run(["-"], tmp_path / "o2")
 
 
 def test_bounded_ordered_map_keeps_order_and_reads_at_most_ahead():
@@ -188,11 +249,12 @@ def test_the_tool_takes_megatron_flags_and_names_the_ones_it_refuses(tmp_path, c
         write(tmp_path / f"s{i}.jsonl", shard_lines(i, 20))
     assert main(["--input", str(tmp_path / "s*.jsonl"), "--output-prefix", str(tmp_path / "o"),
                  "--workers", "2", "--partitions", "2", "--keep-sequential-samples",
-                 "--vocab-extra-ids", "0"]) == 0
+                 "--vocab-extra-ids", "0", "--lang", "english", "--keep-newlines"]) == 0
     err = capsys.readouterr().err
     assert "--partitions 2 was not needed" in err and "done: 3 inputs, 60 documents" in err
-    refused = {"--split-sentences": "no sentence splitting", "--lang english": "no sentence",
-               "--keep-newlines": "no sentence", "--workers-to-check 16 32": "no worker-count",
+    refused = {"--split-sentences": "no sentence splitting",
+               "--split-sentences --lang english": "no sentence",
+               "--workers-to-check 16 32": "no worker-count",
                "--find-optimal-num-workers": "no worker-count", "--vocab-extra-ids 100": "T5"}
     for flags, why in refused.items():
         with pytest.raises(SystemExit) as stop:
