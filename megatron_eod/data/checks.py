@@ -90,7 +90,10 @@ def check_files(prefix: str):
                            f" sequences of {numpy.dtype(dtype).name}); the pair is truncated or "
                            f"from different runs: re-run tools/preprocess_data.py")
     tokens = int(lengths.sum(dtype=numpy.int64))
-    meta = read_sidecar(prefix)
+    try:
+        meta = read_sidecar(prefix)
+    except ValueError as err:  # unreadable, or another tool's file of that name
+        raise DatasetError(str(err)) from None
     recorded = meta and (meta.get("dtype"), meta.get("documents"), meta.get("tokens"),
                          meta.get("bin_bytes"))
     if meta is not None and recorded != (numpy.dtype(dtype).name, len(documents) - 1, tokens,
@@ -136,6 +139,9 @@ def _read_index(idx: str):
                            f"{sorted(_DTYPES)}); the index is damaged")
     size = os.path.getsize(idx)
     expected = _HEADER + 12 * sequences + 8 * docs
+    if size == expected + sequences and sequences:
+        raise DatasetError(f"{idx}: a multimodal dataset (a mode per sequence), not GPT "
+                           f"pretraining data")
     if size != expected:
         raise DatasetError(f"{idx}: {size} bytes, but its header ({sequences} sequences, "
                            f"{docs - 1 if docs else 0} documents) needs {expected}; the index "

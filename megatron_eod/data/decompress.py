@@ -9,7 +9,8 @@ from a file's first bytes, so a misnamed file is still read right.
 Why not the standard library's file objects: `BZ2File` and `LZMAFile` end silently at a later
 stream they cannot decode (its documents lost without a word), `GzipFile` reads an empty file
 as empty data, and zstandard's stream reader ends a cut-short frame silently. Zero bytes
-between and after gzip members and xz streams are padding, as gzip and xz allow.
+between and after gzip members and xz streams are padding, passed over (gzip itself stops
+at zeros between members; Python's gzip module reads on, as here).
 
 What it does not do: no choice of sources and no line splitting (jsonl_inputs.py).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import bz2
 import lzma
+import sys
 import zlib
 from typing import Optional
 
@@ -29,10 +31,10 @@ _MAGIC = {"gzip": b"\x1f\x8b", "bzip2": b"BZh", "xz": b"\xfd7zXZ\x00",
 _PADDED = ("gzip", "xz")  # formats whose streams may be followed by zero bytes
 _OUT = 1 << 20  # the most bytes one decompression step gives
 _IN = 1 << 16  # the most compressed bytes a step reads
-# zstd's decompressor takes no output bound, so its input is fed in pieces sized to give about
-# _OUT a step: from 64 bytes, halved while a step gives more (1 KiB of repeated text can be
-# 30 MB), doubled while it gives far less.
-_ZSTD_FIRST = _ZSTD_LEAST = 64
+# zstd's decompressor takes no output bound, so its input is fed in small pieces: from 64
+# bytes, doubled while a step gives far less than _OUT, halved while it gives more, never over
+# 1 KiB (a 4-byte zstd block can stand for 128 KiB: a step gives at most ~32 MiB).
+_ZSTD_LEAST, _ZSTD_MOST = 64, 1 << 10
 
 
 class DecompressError(ValueError):
@@ -41,6 +43,8 @@ class DecompressError(ValueError):
 
 def codec_of(head: bytes) -> Optional[str]:
     """The codec whose magic number `head` (a file's first bytes) starts with, else None."""
+    if len(head) >= 4 and 0x50 <= head[0] <= 0x5F and head[1:4] == b"\x2a\x4d\x18":
+        return "zstd"  # a skippable frame first, as pzstd writes
     return next((codec for codec, magic in _MAGIC.items() if head.startswith(magic)), None)
 
 
@@ -80,8 +84,8 @@ class _Zstd:
     unused_data = property(lambda self: self._d.unused_data)
 
 
-_NEW = {"gzip": _Zlib, "bzip2": bz2.BZ2Decompressor, "xz": lzma.LZMADecompressor,
-        "zstd": _Zstd}
+_NEW = {"gzip": _Zlib, "bzip2": bz2.BZ2Decompressor,
+        "xz": lambda: lzma.LZMADecompressor(format=lzma.FORMAT_XZ), "zstd": _Zstd}
 
 
 class Decompressed:
@@ -90,7 +94,7 @@ class Decompressed:
 
     def __init__(self, file, codec: str, name: str):
         self._file, self._codec, self._name = file, codec, name
-        self._step_in = _ZSTD_FIRST if codec == "zstd" else _IN
+        self._step_in = _ZSTD_LEAST if codec == "zstd" else _IN
         try:
             self._d = _NEW[codec]()
         except DecompressError as err:  # zstandard is missing
@@ -98,8 +102,9 @@ class Decompressed:
         self._input, self._out = b"", bytearray()
         self._in_stream, self._streams, self._done = False, 0, False
 
-    def read(self, size: int) -> bytes:
-        """At most `size` bytes; b"" only at the end of the data."""
+    def read(self, size: int = -1) -> bytes:
+        """At most `size` bytes (all that is left for a negative size); b"" only at the end."""
+        size = sys.maxsize if size < 0 else size
         try:
             while len(self._out) < size and not self._done:
                 self._step()
@@ -132,7 +137,7 @@ class Decompressed:
             if made > _OUT:
                 self._step_in = max(_ZSTD_LEAST, self._step_in // 2)
             elif made < _OUT // 4:
-                self._step_in = min(_IN, self._step_in * 2)
+                self._step_in = min(_ZSTD_MOST, self._step_in * 2)
         if self._d.eof:  # a stream ended: what is left of the input starts the next
             self._streams += 1
             self._in_stream = False

@@ -164,11 +164,33 @@ def _stream_chunks(read: Callable[[int], bytes], chunk_bytes: int) -> Iterator[b
             pieces.append(block)
 
 
+class _Prefixed:
+    """A binary stream whose first bytes were read already (to tell its compression)."""
+
+    def __init__(self, head: bytes, stream):
+        self._head, self._stream = head, stream
+
+    def read(self, size: int = -1) -> bytes:
+        if not self._head:
+            return self._stream.read(size)
+        if size < 0:
+            block, self._head = self._head + self._stream.read(), b""
+        else:
+            block, self._head = self._head[:size], self._head[size:]
+        return block
+
+
 def _open(path: str):
-    """(binary file, codec or None, its first bytes) of a source."""
+    """(binary file, a stream of its data, codec or None, its first bytes, whether workers can
+    read ranges of it) of a source."""
     name = source_name(path)
     f = sys.stdin.buffer if path == STDIN else open(path, "rb")
-    head = f.peek(_MAGIC_BYTES)[:_MAGIC_BYTES] if hasattr(f, "peek") else b""
+    regular = path != STDIN and stat.S_ISREG(os.fstat(f.fileno()).st_mode)
+    if regular:
+        head, stream = f.peek(_MAGIC_BYTES)[:_MAGIC_BYTES], f
+    else:  # a pipe: read (read() waits for all 6 bytes, or the end) and put back in front
+        head = f.read(_MAGIC_BYTES)
+        stream = _Prefixed(head, f)
     codec = codec_of(head)
     named = EXTENSIONS.get(os.path.splitext(path)[1].lower())
     if named and codec != named:
@@ -180,7 +202,7 @@ def _open(path: str):
         found = f"{codec} data" if codec else f"not (it starts with {head!r})"
         raise InputError(f"{name}: named as {named} data, but it is {found}; rename it or "
                          f"compress it again")
-    return f, codec, head
+    return f, stream, codec, head, regular and codec is None
 
 
 def source_chunks(sources: Sequence[str], chunk_bytes: int) -> Iterator[Tuple[int, object]]:
@@ -188,15 +210,15 @@ def source_chunks(sources: Sequence[str], chunk_bytes: int) -> Iterator[Tuple[in
     end) for a worker to read, or the chunk's bytes."""
     for index, path in enumerate(sources):
         name = source_name(path)
-        f, codec, head = _open(path)
+        f, stream, codec, head, ranges = _open(path)
         try:
-            if codec is None and path != STDIN and stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            if ranges:
                 size = os.fstat(f.fileno()).st_size
                 f.close()
                 chunks = _range_chunks(path, size, len(_BOM) if head.startswith(_BOM) else 0,
                                        chunk_bytes)
             else:
-                read = Decompressed(f, codec, name).read if codec else f.read
+                read = Decompressed(stream, codec, name).read if codec else stream.read
                 chunks = _stream_chunks(_reader(read, name), chunk_bytes)
             for task in chunks:
                 yield index, task

@@ -76,12 +76,15 @@ def find_parts(values: Sequence[str]) -> List[str]:
                     raise MergeError(f"--input {value}: {prefix + ext} does not exist"
                                      + (" (a dataset is a .bin/.idx pair)"
                                         if os.path.exists(prefix) else ""))
-            key = os.path.realpath(prefix + ".idx")
+            info = os.stat(prefix + ".idx")  # the file, however it is named (links too)
+            key = info.st_dev, info.st_ino
             if key in seen:
-                raise MergeError(f"--input: the dataset {prefix} is named twice (by "
-                                 f"{seen[key]!r} and {value!r}); its documents would be "
-                                 f"merged twice")
-            seen[key] = value
+                first_value, first = seen[key]
+                what = (f"the dataset {prefix} is named twice" if first == prefix else
+                        f"{first} and {prefix} are the same dataset")
+                raise MergeError(f"--input: {what} (by {first_value!r} and {value!r}); its "
+                                 f"documents would be merged twice")
+            seen[key] = value, prefix
             parts.append(prefix)
     if not parts:
         raise MergeError("--input: name at least one dataset or directory of datasets")

@@ -102,17 +102,40 @@ def test_a_damaged_part_is_named_and_the_previous_merge_kept(tmp_path, shards):
     assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path / "merged"))
 
 
+def test_a_part_with_foreign_or_damaged_metadata_or_multimodal_is_named(tmp_path, shards):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    parts, _ = shards
+    for content, why in (('{"x":', "unreadable dataset metadata"),
+                         ('{"format": "stats"}', "not a megatron-eod dataset metadata file")):
+        with open(sidecar_path(parts[2]), "w") as f:
+            f.write(content)
+        with pytest.raises(MergeError, match=rf"cannot merge .*part-2_text_document: .*{why}"):
+            merge_datasets(parts, str(tmp_path / "o"))
+    multimodal = str(tmp_path / "mm")
+    builder = IndexedDatasetBuilder(multimodal + ".bin", multimodal=True)
+    builder.add_item(__import__("torch").tensor([1, 2, 3]), 0)
+    builder.end_document()
+    builder.finalize(multimodal + ".idx")
+    with pytest.raises(MergeError, match=r"mm\.idx: a multimodal dataset"):
+        merge_datasets([multimodal], str(tmp_path / "o"))
+
+
 def test_bad_inputs_and_outputs_are_named(tmp_path, shards):
     parts, _ = shards
     (tmp_path / "empty").mkdir()
     (tmp_path / "lonely").mkdir()
     (tmp_path / "lonely" / "x.bin").write_bytes(b"")
+    for ext in (".bin", ".idx"):  # a hard link names the same dataset
+        os.link(parts[0] + ext, str(tmp_path / "hard") + ext)
     cases = [
         ([str(tmp_path / "empty")], r"--input .*empty: the directory holds no \.bin/\.idx"),
         ([str(tmp_path / "lonely")], r"--input .*lonely: .*x\.idx does not exist"),
         ([str(tmp_path / "nothing")], r"--input .*nothing: .*nothing\.bin does not exist"),
         ([parts[0], parts[0] + ".idx"], r"the dataset .*part-0_text_document is named twice"),
         ([str(tmp_path / "shards"), parts[1]], r"part-1_text_document is named twice"),
+        ([parts[0], str(tmp_path / "hard")], r"part-0_text_document and .*hard are the same "
+                                              r"dataset"),
         ([], r"name at least one dataset"),
     ]
     for inputs, message in cases:
