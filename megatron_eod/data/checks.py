@@ -94,16 +94,16 @@ def check_files(prefix: str):
         meta = read_sidecar(prefix)
     except ValueError as err:  # unreadable, or another tool's file of that name
         raise DatasetError(str(err)) from None
-    recorded = meta and (meta.get("dtype"), meta.get("documents"), meta.get("tokens"),
-                         meta.get("bin_bytes"))
-    if meta is not None and recorded != (numpy.dtype(dtype).name, len(documents) - 1, tokens,
-                                         size):
-        raise DatasetError(f"{prefix}.bin/.idx hold {len(documents) - 1} documents, {tokens} "
-                           f"{numpy.dtype(dtype).name} tokens, {size} bytes, but "
-                           f"{sidecar_path(prefix)} describes {recorded[1]}, {recorded[2]} "
-                           f"{recorded[0]}, {recorded[3]}: the files are not the ones "
-                           f"preprocessing wrote (re-run tools/preprocess_data.py)")
-    return dtype, len(documents) - 1, tokens, meta
+    held = (numpy.dtype(dtype).name, len(documents) - 1, tokens, size)
+    if meta is not None:
+        recorded = tuple(meta.get(k) for k in ("dtype", "documents", "tokens", "bin_bytes"))
+        if recorded != held:
+            raise DatasetError(f"{prefix}.bin/.idx hold {held[1]} documents, {tokens} {held[0]} "
+                               f"tokens, {size} bytes, but {sidecar_path(prefix)} describes "
+                               f"{recorded[1]}, {recorded[2]} {recorded[0]}, {recorded[3]}: the "
+                               f"files are not the ones preprocessing wrote (re-run "
+                               f"tools/preprocess_data.py)")
+    return dtype, held[1], tokens, meta
 
 
 def _no_eod(prefix, eod, reset_flags) -> str:

@@ -3,9 +3,9 @@
 One job: read jsonl (one document a line) from one or more sources, tokenize the
 `--json-keys` fields, optionally append the EoD id, and write one indexed dataset per key
 through megatron-core's `IndexedDatasetBuilder`, so that `IndexedDataset` / `GPTDataset` read
-it back unchanged. The sources (files in the order given, glob patterns, `.gz`/`.bz2`/`.xz`/
-`.zst` files, stdin) and their chunking are jsonl_inputs.py's; their documents are written in
-that order, as one dataset.
+it back unchanged. The sources (files in the order given, glob patterns, gzip/bzip2/xz/zstd
+files, stdin) and their chunking are jsonl_inputs.py's; their documents are written in that
+order, as one dataset.
 
 Semantics kept from Megatron's `tools/preprocess_data.py`: a field may be a string or a list of
 strings; empty documents are written as documents with no sequences and get no EoD; the token
@@ -18,7 +18,7 @@ Added: every bad line (not UTF-8, malformed JSON, not an object, a missing key, 
 not text, text the tokenizer rejects) is an error naming `file:line`, or, with
 `skip_bad_lines`, is skipped and counted; blank lines are counted and skipped; any number of
 workers writes the same bytes as one, and several inputs the same bytes as their
-concatenation. Safe replacement: everything is written to `.tmp` files
+concatenation (each input's lines its own). Safe replacement: everything is written to `.tmp` files
 beside the outputs and renamed into place only after success (metadata, `.bin`, `.idx` last),
 so a failed or killed run leaves the previous dataset whole. Each dataset gets a metadata
 file (`{prefix}.json`, sidecar.py): the tokenizer's class, vocab size, EoD and pad ids, and
