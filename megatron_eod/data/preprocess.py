@@ -83,6 +83,7 @@ class _Encoder:
         # does, and it is ~2x faster than building the array from a list of ints.
         fast = getattr(tokenizer, "tokenize_array", None)
         self._to_array = fast or (lambda text: numpy.asarray(tokenizer.tokenize(text), dtype))
+        self._eod = numpy.array([tokenizer.eod], dtype=dtype)
 
     def encode(self, raw: bytes):
         """-> ("blank", None) | ("bad", reason) | ("ok", {key: (ids, lengths)})."""
@@ -114,19 +115,20 @@ class _Encoder:
                     return "bad", f"key {key!r} holds text that is not valid Unicode ({err.reason})"
                 except ValueError as err:
                     return "bad", f"key {key!r}: {err}"
+                # The EoD id must not come out of a document's text: it would cut the
+                # document. (Not the pad id: GPTDataset only masks its loss, and some configs
+                # name an ordinary token.)
+                if (piece == self.tokenizer.eod).any():
+                    return "bad", (f"key {key!r}: the text tokenizes to the tokenizer's EoD id "
+                                   f"{self.tokenizer.eod} (it holds that special token as "
+                                   f"text); with EoD reset it would cut the document there: "
+                                   f"remove it from the text")
                 if piece.size:
                     pieces.append(piece)
-            ids = numpy.concatenate(pieces) if pieces else numpy.zeros(0, dtype=self.dtype)
-            # The EoD id must not come out of a document's text: it would cut the document.
-            # (Not the pad id: GPTDataset only masks its loss, and some configs name an
-            # ordinary token.)
-            if (ids == self.tokenizer.eod).any():
-                return "bad", (f"key {key!r}: the text tokenizes to the tokenizer's EoD id "
-                               f"{self.tokenizer.eod} (it holds that special token as text); "
-                               f"with EoD reset it would cut the document there: remove it "
-                               f"from the text")
-            if ids.size and self.append_eod:
-                ids = numpy.append(ids, numpy.array([self.tokenizer.eod], dtype=self.dtype))
+            if pieces and self.append_eod:
+                pieces.append(self._eod)
+            ids = (numpy.concatenate(pieces) if len(pieces) > 1 else pieces[0] if pieces
+                   else self._eod[:0])
             # One sequence per document: GPTDataset shuffles sequences as documents, so a
             # list's strings written apart (as Megatron's tool does) would be scattered.
             out[key] = (ids.astype(self.dtype, copy=False), [int(ids.size)] if ids.size else [])
