@@ -64,8 +64,8 @@ def _identity(path: str, where: str):
     try:
         info = os.stat(path)
     except OSError as err:
-        raise InputError(f"{where}: {'no such file' if not os.path.lexists(path) else err.strerror}"
-                         ) from None
+        why = err.strerror if os.path.lexists(path) else "no such file"
+        raise InputError(f"{where}: {why}") from None
     if stat.S_ISDIR(info.st_mode):
         raise InputError(f"{where} is a directory; name its files (e.g. --input "
                          f"'{os.path.join(path, '*.jsonl')}')")

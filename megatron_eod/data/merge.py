@@ -15,8 +15,8 @@ Added to Megatron's tool, which asserts only equal dtypes:
   and the log says so;
 - a prefix named twice, a `.bin` without its `.idx`, and an output whose files a directory
   input would hold (a re-run would merge the merged dataset into itself) are refused;
-- safe replacement as preprocess.py: `.tmp` files renamed into place only after success,
-  metadata, `.bin`, `.idx` last.
+- safe replacement (dataset_files.py), as preprocess.py: `.tmp` files renamed into place only
+  after success.
 
 What it does not do: no re-tokenizing, no multimodal datasets (sequence modes), no shuffling.
 """
@@ -31,12 +31,11 @@ from typing import List, Optional, Sequence
 import numpy
 
 from megatron_eod.data.checks import DatasetError, check_files
-from megatron_eod.data.sidecar import sidecar_path, write_sidecar
+from megatron_eod.data.dataset_files import discard, install, temporary_files
 
 __all__ = ["MergeError", "MergeStats", "find_parts", "merge_datasets"]
 
-_TMP = ".tmp"
-_SUMMED = ("documents", "tokens", "non_eod_tokens", "bin_bytes")
+_SUMMED = ("documents", "tokens", "non_eod_tokens")
 
 
 class MergeError(ValueError):
@@ -97,9 +96,9 @@ def _check_output(values: Sequence[str], parts: Sequence[str], output_prefix: st
         if os.path.isdir(value) and os.path.realpath(value) == out_dir:
             raise MergeError(f"--output-prefix {output_prefix} is in --input {value}: a re-run "
                              f"would merge the merged dataset into itself; write it elsewhere")
-    target = os.path.realpath(output_prefix + ".idx")
+    target = output_prefix + ".idx"
     for part in parts:
-        if os.path.realpath(part + ".idx") == target:
+        if os.path.exists(target) and os.path.samefile(part + ".idx", target):
             raise MergeError(f"--output-prefix {output_prefix} is one of the datasets to merge")
 
 
@@ -140,9 +139,7 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str, log=None) -> Merge
     stats = MergeStats(parts=list(parts), documents=sum(f[2] for f in facts),
                        tokens=sum(f[3] for f in facts),
                        without_metadata=[part for part, _, _, _, meta in facts if meta is None])
-    bin_, idx, meta_path = output_prefix + ".bin", output_prefix + ".idx", sidecar_path(
-        output_prefix)
-    temps = [bin_ + _TMP, idx + _TMP, meta_path + _TMP]
+    temps = temporary_files(output_prefix)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     builder = None
     # megatron-core's add_index runs a full garbage collection after each part: 0.2 s a part
@@ -154,25 +151,17 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str, log=None) -> Merge
             builder.add_index(part)
             log(f"merged {part} ({i + 1} of {len(parts)})")
         builder.finalize(temps[1])
-        if not stats.without_metadata:
-            info = {"tokenizer": metas[0][1].get("tokenizer"),
-                    "dtype": numpy.dtype(dtype).name,
-                    "max_token_id": max(m.get("max_token_id", -1) for _, m in metas),
-                    **{key: sum(m[key] for _, m in metas) for key in _SUMMED
-                       if all(isinstance(m.get(key), int) for _, m in metas)}}
-            info["bin_bytes"] = os.path.getsize(temps[0])
-            write_sidecar(output_prefix, info, suffix=_TMP)
-            os.replace(temps[2], meta_path)
-        elif os.path.exists(meta_path):  # a previous output's: it would describe other files
-            os.remove(meta_path)
-        os.replace(temps[0], bin_)
-        os.replace(temps[1], idx)
+        metadata = None if stats.without_metadata else {
+            "tokenizer": metas[0][1].get("tokenizer"), "dtype": numpy.dtype(dtype).name,
+            "max_token_id": max(m.get("max_token_id", -1) for _, m in metas),
+            "bin_bytes": os.path.getsize(temps[0]),
+            **{key: sum(m[key] for _, m in metas) for key in _SUMMED
+               if all(isinstance(m.get(key), int) for _, m in metas)}}
+        install(output_prefix, metadata)
     except BaseException:
         if builder is not None:
             builder.data_file.close()
-        for path in temps:
-            if os.path.exists(path):
-                os.remove(path)
+        discard(output_prefix)
         raise
     finally:
         gc.unfreeze()

@@ -42,9 +42,11 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy
 
+from megatron_eod.data.dataset_files import (dataset_files, discard, install,
+                                              temporary_files)
 from megatron_eod.data.jsonl_inputs import (InputError, bounded_ordered_map, resolve_inputs,
                                              source_chunks, source_name)
-from megatron_eod.data.sidecar import sidecar_path, tokenizer_identity, write_sidecar
+from megatron_eod.data.sidecar import tokenizer_identity
 
 __all__ = ["PreprocessError", "PreprocessStats", "preprocess_jsonl", "output_paths"]
 
@@ -165,13 +167,13 @@ def _encode_chunk(task):
     return len(lines), records, packed
 
 
-_TMP = ".tmp"
+def _base(output_prefix: str, key: str) -> str:
+    return f"{output_prefix}_{key}_document"  # Megatron's tool's name for one json key
 
 
 def output_paths(output_prefix: str, key: str) -> Tuple[str, str]:
     """The (.bin, .idx) paths Megatron's tool uses for one json key."""
-    base = f"{output_prefix}_{key}_document"
-    return base + ".bin", base + ".idx"
+    return dataset_files(_base(output_prefix, key))[:2]
 
 
 def _check_args(json_keys, workers, log_interval) -> None:
@@ -199,11 +201,8 @@ def preprocess_jsonl(input_path: Union[str, Sequence[str]], output_prefix: str, 
 
 def _own_files(output_prefix: str, json_keys: Sequence[str]) -> List[str]:
     """Every file a run writes (and its .tmp), which no input may be."""
-    files = []
-    for key in json_keys:
-        bin_, idx = output_paths(output_prefix, key)
-        files += [bin_, idx, sidecar_path(bin_[: -len(".bin")])]
-    return [path + suffix for path in files for suffix in ("", _TMP)]
+    bases = [_base(output_prefix, key) for key in json_keys]
+    return [path for base in bases for path in (*dataset_files(base), *temporary_files(base))]
 
 
 def _preprocess(sources, output_prefix, tokenizer, json_keys, append_eod, workers, log_interval,
@@ -219,9 +218,10 @@ def _preprocess(sources, output_prefix, tokenizer, json_keys, append_eod, worker
     _ENCODER = _Encoder(tokenizer, json_keys, append_eod, dtype)
     stats = PreprocessStats(inputs=list(sources))
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
-    finals = {key: output_paths(output_prefix, key) for key in json_keys}
-    temps = {key: tuple(path + _TMP for path in paths) for key, paths in finals.items()}
-    _remove(path for paths in temps.values() for path in paths)  # a killed run's leftovers
+    bases = {key: _base(output_prefix, key) for key in json_keys}
+    for base in bases.values():
+        discard(base)  # a killed run's leftovers
+    temps = {key: temporary_files(base) for key, base in bases.items()}
     builders = {key: IndexedDatasetBuilder(temps[key][0], dtype=dtype) for key in json_keys}
     counts = {key: [0, 0, -1] for key in json_keys}  # tokens, EoD tokens, largest id
     eod = getattr(tokenizer, "eod", None)
@@ -277,23 +277,19 @@ def _preprocess(sources, output_prefix, tokenizer, json_keys, append_eod, worker
             first_line += n_lines
         for key, builder in builders.items():
             builder.finalize(temps[key][1])
-        for key in json_keys:  # only now replace what was there: metadata, .bin, .idx last
-            base = finals[key][0][: -len(".bin")]
+        for key, base in bases.items():  # only now replace what was there
             tokens, eods, largest = counts[key]
-            meta = write_sidecar(base, {
+            install(base, {
                 "tokenizer": tokenizer_identity(tokenizer),
                 "dtype": numpy.dtype(dtype).name, "documents": stats.documents,
                 "tokens": tokens, "non_eod_tokens": tokens - eods, "max_token_id": largest,
-                "bin_bytes": os.path.getsize(temps[key][0])}, suffix=_TMP)
-            os.replace(meta, sidecar_path(base))
-            os.replace(temps[key][0], finals[key][0])
-            os.replace(temps[key][1], finals[key][1])
+                "bin_bytes": os.path.getsize(temps[key][0])})
             stats.outputs[key] = base
     except BaseException:
         for builder in builders.values():
             builder.data_file.close()
-        _remove(path for paths in temps.values() for path in paths)
-        _remove(sidecar_path(finals[key][0][: -len(".bin")]) + _TMP for key in json_keys)
+        for base in bases.values():
+            discard(base)
         raise
     finally:
         if pool is not None:  # (and let go of it: a failed run's traceback keeps this frame)
@@ -304,8 +300,3 @@ def _preprocess(sources, output_prefix, tokenizer, json_keys, append_eod, worker
     stats.seconds = time.perf_counter() - start
     return stats
 
-
-def _remove(paths) -> None:
-    for path in paths:
-        if os.path.exists(path):
-            os.remove(path)

@@ -1,0 +1,49 @@
+"""A dataset's files and their safe replacement, for the tools that write datasets.
+
+One job: the paths of `{base}.bin/.idx/.json` and of their `.tmp` files, which a writer fills
+first; `install` renames a finished set into place (metadata, `.bin`, `.idx` last: a failed or
+killed run leaves the previous dataset whole, and a kill between the renames leaves a pair the
+start-up checks refuse by name), `discard` removes a failed run's `.tmp` files. Used by
+preprocess.py and merge.py.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+from megatron_eod.data.sidecar import sidecar_path, write_sidecar
+
+__all__ = ["TMP", "dataset_files", "temporary_files", "install", "discard"]
+
+TMP = ".tmp"
+
+
+def dataset_files(base: str) -> Tuple[str, str, str]:
+    """(.bin, .idx, metadata) of the dataset `base`."""
+    return base + ".bin", base + ".idx", sidecar_path(base)
+
+
+def temporary_files(base: str) -> Tuple[str, str, str]:
+    """Where a writer puts each of dataset_files(base) until `install`."""
+    return tuple(path + TMP for path in dataset_files(base))
+
+
+def install(base: str, metadata: Optional[dict]) -> None:
+    """Put the written `.bin/.idx` temporaries of `base` into place, with `metadata` written
+    beside them; None: the dataset has none (and a previous one, which would describe other
+    files, is removed)."""
+    bin_, idx, meta = dataset_files(base)
+    if metadata is not None:
+        os.replace(write_sidecar(base, metadata, suffix=TMP), meta)
+    elif os.path.exists(meta):
+        os.remove(meta)
+    os.replace(bin_ + TMP, bin_)
+    os.replace(idx + TMP, idx)
+
+
+def discard(base: str) -> None:
+    """Remove the temporaries of `base` that exist (a failed or killed run's)."""
+    for path in temporary_files(base):
+        if os.path.exists(path):
+            os.remove(path)
