@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 from typing import Optional, Sequence
 
 import torch
@@ -24,6 +25,9 @@ from megatron_eod.attention.backends import has_transformer_engine
 from megatron_eod.data.tokenizers import TOKENIZER_TYPES
 from megatron_eod.megatron.dataset import NO_DATA, PER_SPLIT_SOURCES, data_sources_given
 from megatron_eod.training import args_optim as optim
+from megatron_eod.training.args_megatron_lm_only import (add_no_effect_args,
+                                                         check_no_effect_values,
+                                                         explain_unrecognized)
 from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIASES,
                                             RING_EXCHANGE_HELP, RING_EXCHANGES, FlagError,
                                             check_context_parallel, check_gloo_on_cuda,
@@ -34,6 +38,10 @@ from megatron_eod.training.flag_rules import check_split, check_tokenizer_files
 
 __all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "check_context_parallel", "parse_args",
            "validate_args"]
+
+# Signals a handler can catch (Megatron-LM's --exit-signal takes their names).
+_SIGNALS = frozenset(s.name for s in signal.Signals) - {"SIGKILL", "SIGSTOP"}
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse whose usage errors raise FlagError (one clean line) instead of exiting."""
@@ -55,8 +63,10 @@ def _typed(g, kind, *specs) -> None:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"):
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads"):
         g.add_argument(flag, type=int, required=True)
+    _typed(g, int, ("--seq-length", None, "required (or Megatron-LM's --encoder-seq-length)"),
+           ("--encoder-seq-length", None, "Megatron-LM's other name of --seq-length"))
     _typed(g, int, ("--num-query-groups", None, "key/value heads with --group-query-attention "
                                                 "(default there: 1); without it, multi-head "
                                                 "attention, as Megatron-LM"),
@@ -72,7 +82,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
               "--qk-layernorm", "--rotary-interleaved", "--use-rope-scaling")
     _typed(g, float, ("--rope-scaling-factor", 8.0, "Llama-3 RoPE scaling factor"),
            ("--rotary-seq-len-interpolation-factor", None,
-            "divide positions by this factor (linear RoPE interpolation)"))
+            "divide positions by this factor (linear RoPE interpolation)"),
+           ("--norm-epsilon", 1e-5, "the layer norms' epsilon"),
+           ("--embedding-init-method-std", None, "default: --init-method-std"))
+    _switches(g, "--apply-layernorm-1p", "--add-qkv-bias", "--squared-relu",
+              "--init-method-xavier-uniform", "--use-rotary-position-embeddings")
+    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                   help="Megatron-LM's deprecated spelling; only with RoPE")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default=None,
@@ -96,6 +112,33 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
                    help="default with full: uniform")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron-LM's other name of --recompute-granularity selective")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Python's garbage collector off, a full collection every "
+                        "--manual-gc-interval iterations (0: none) and around evaluations")
+    g.add_argument("--manual-gc-interval", type=int, default=0)
+    g.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", action="store_false",
+                   dest="manual_gc_eval",
+                   help="with --manual-gc: no collection around evaluations")
+    g.add_argument("--empty-unused-memory-level", type=int, choices=(0, 1, 2), default=0,
+                   help="give cached CUDA memory back: 1 after each forward-backward, 2 also "
+                        "after each optimizer step (as Megatron-LM)")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal (any rank), save (with --save) after the current "
+                        "iteration and stop")
+    g.add_argument("--exit-signal", default="SIGTERM", help="a signal name (default SIGTERM)")
+    for flag, dest in (("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion"),
+                       ("--no-bias-gelu-fusion", "bias_gelu_fusion"),
+                       ("--no-bias-swiglu-fusion", "bias_swiglu_fusion"),
+                       ("--no-bias-dropout-fusion", "bias_dropout_fusion")):
+        g.add_argument(flag, action="store_false", dest=dest,
+                       help="turn off this fusion of megatron-core's (on with CUDA where it runs)")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="megatron-core's fused vocab-parallel cross entropy")
+    g.add_argument("--cross-entropy-fusion-impl", choices=("native", "te"), default="native")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: reduce gradients in bf16 (default float32)")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="default: nccl with CUDA, else gloo")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
@@ -133,13 +176,17 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
                    dest="create_attention_mask_in_dataloader",
                    help="accepted for Megatron-LM scripts: no dense mask is ever made here")
+    _typed(g, int, ("--num-dataset-builder-threads", 1))
+    _typed(g, float, ("--mid-level-dataset-surplus", 0.005))
+    _switches(g, "--dataloader-fast-cache-load", "--dataloader-defer-npy-index-mmap")
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging and checkpoints")
     _typed(g, str, ("--save", None), ("--load", None), ("--tensorboard-dir", None),
            ("--metrics-file", None))
-    _switches(g, "--skip-train")
+    _switches(g, "--skip-train", "--log-params-norm", "--log-num-zeros-in-grad",
+              "--log-throughput", "--log-validation-ppl-to-tensorboard")
     _typed(g, int, ("--save-interval", None), ("--eval-interval", 1000), ("--eval-iters", 100),
            ("--log-interval", 100), ("--exit-interval", None),
            ("--exit-duration-in-mins", None, "save (with --save) and exit after this many "
@@ -177,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                      allow_abbrev=False)
     for add in (_add_model_args, _add_training_args, optim.add_optimizer_args,
                 optim.add_schedule_args, _add_data_args, _add_logging_args,
-                optim.add_checkpoint_args, _add_parallel_args):
+                optim.add_checkpoint_args, _add_parallel_args, add_no_effect_args):
         add(parser)
     return parser
 
@@ -185,12 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
                cuda_available: Optional[bool] = None) -> argparse.Namespace:
     """Parse `argv` (default sys.argv[1:]) and `validate_args`; unknown flags are a FlagError."""
-    args, unknown = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
     if unknown:
-        raise FlagError(f"unrecognized flags: {' '.join(unknown)} (the lean trainer's flags: "
-                        f"--help; Megatron-LM's own trainer, --trainer megatron-lm where "
-                        f"megatron.training is installed, takes all of Megatron-LM's flags, "
-                        f"virtual pipeline stages included)")
+        raise FlagError(explain_unrecognized(unknown, parser._option_string_actions))
     if world_size is None:
         try:
             world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -226,6 +271,7 @@ def validate_args(args: argparse.Namespace, world_size: int,
     _check_eod(args)
     _check_logging(args)
     optim.check_checkpoint(args)
+    check_no_effect_values(args)
     return args
 
 
@@ -241,7 +287,30 @@ def _check_parallel_sizes(args) -> None:
     args.data_parallel_size = args.world_size // (tp * pp * cp)
 
 
+def _check_megatron_lm_spellings(args) -> None:
+    """Megatron-LM's other names: --encoder-seq-length, --use-rotary-position-embeddings,
+    --recompute-activations; --no-position-embedding only with RoPE (as Megatron-LM)."""
+    if args.seq_length is None:
+        _require(args.encoder_seq_length is not None, "--seq-length is required")
+        args.seq_length = args.encoder_seq_length
+    _require(args.encoder_seq_length in (None, args.seq_length),
+             f"--seq-length {args.seq_length} and --encoder-seq-length "
+             f"{args.encoder_seq_length} differ: pass one")
+    args.encoder_seq_length = args.seq_length
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    _require(args.add_position_embedding or args.position_embedding_type == "rope",
+             "--no-position-embedding is deprecated (Megatron-LM refuses it without RoPE): "
+             "pass --position-embedding-type none (or rope)")
+    if args.recompute_activations:
+        _require(args.recompute_granularity in (None, "selective"),
+                 f"--recompute-activations means --recompute-granularity selective, not "
+                 f"{args.recompute_granularity}: pass one")
+        args.recompute_granularity = "selective"
+
+
 def _check_model(args) -> None:
+    _check_megatron_lm_spellings(args)
     _positive(args, "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
               "ffn_hidden_size", "kv_channels", "seq_length", "max_position_embeddings",
               "make_vocab_size_divisible_by", "rotary_base", "init_method_std")
@@ -285,6 +354,9 @@ def _check_model(args) -> None:
              f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
     _require(0.0 <= args.hidden_dropout < 1.0,
              f"--hidden-dropout must be in [0, 1), got {args.hidden_dropout}")
+    _require(not (args.squared_relu and args.swiglu),
+             "--squared-relu and --swiglu are exclusive (one activation): pass one")
+    _positive(args, "norm_epsilon", "embedding_init_method_std")
     _require(args.attention_dropout == 0.0,
              f"--attention-dropout {args.attention_dropout}: our varlen attention kernels "
              f"apply no dropout; pass --attention-dropout 0")
@@ -303,6 +375,12 @@ def _check_training(args, cuda_available: bool) -> None:
     _check_recompute(args)
     _check_device_flags(args, cuda_available)
     _positive(args, "distributed_timeout_minutes")
+    _require(args.manual_gc_interval >= 0,
+             f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
+    _require(not args.grad_reduce_in_bf16 or args.bf16,
+             "--grad-reduce-in-bf16 reduces bf16 gradients: it needs --bf16")
+    _require(args.exit_signal in _SIGNALS,
+             f"--exit-signal {args.exit_signal}: not a signal name (e.g. SIGTERM, SIGUSR1)")
 
 
 def _check_recompute(args) -> None:

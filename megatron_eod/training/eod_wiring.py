@@ -48,6 +48,11 @@ def gpt_position_embedding_type(args) -> str:
     return "learned_absolute" if args.position_embedding_type == "learned_absolute" else "none"
 
 
+# The dataset-builder settings the lean trainer has flags for (Megatron-LM's spellings).
+_LEAN_BUILDER_SETTINGS = ("mmap_bin_files", "num_dataset_builder_threads",
+                          "mid_level_dataset_surplus", "fast_cache_load", "defer_npy_index_mmap")
+
+
 def datasets(args, tokenizer, sizes):
     """Train/valid/test GPTDatasets for the lean trainer's args on the ranks that read data
     (None elsewhere), from any of Megatron's data sources (`read_data_sources`), after every
@@ -56,7 +61,8 @@ def datasets(args, tokenizer, sizes):
         args.data_path, args.data_args_path,
         (args.train_data_path, args.valid_data_path, args.test_data_path),
         args.per_split_data_args_path)
-    return _checked_datasets(args, tokenizer, sizes, *blends, mmap_bin_files=args.mmap_bin_files)
+    return _checked_datasets(args, tokenizer, sizes, *blends, **megatron_lm_data.builder_settings(
+        args, names=_LEAN_BUILDER_SETTINGS))
 
 
 def megatron_lm_datasets(args, tokenizer, sizes):

@@ -77,15 +77,16 @@ def validation_source(args) -> Optional[str]:
     return f"--split {args.split}" if share > 0 else None
 
 
-def builder_settings(args) -> dict:
+def builder_settings(args, names=None) -> dict:
     """The GPTDatasetConfig settings pretrain_gpt.py passes besides the blends, split, seed,
     sequence length, tokenizer, cache path and the reset flags; only the fields this
-    megatron-core has (a flag of a later Megatron-LM is not in its parser either)."""
+    megatron-core has (a flag of a later Megatron-LM is not in its parser either). `names`:
+    only these settings (the lean trainer's)."""
     gpt = import_megatron("megatron.core.datasets.gpt_dataset")
     fields = {f.name for f in dataclasses.fields(gpt.GPTDatasetConfig) if f.init}
     out = {}
     for name, read in _SETTINGS.items():
-        if name not in fields:
+        if name not in fields or (names is not None and name not in names):
             continue
         try:
             out[name] = read(args)

@@ -4,13 +4,18 @@ One job: turn validated flags into a `TransformerConfig`, build this pipeline st
 `GPTModel` with `get_gpt_layer_eod_spec` (--transformer-impl: local modules, or
 TransformerEngine's; default TransformerEngine where it is installed and a GPU is present) and
 wrap it in megatron-core's DistributedDataParallel as Megatron-LM configures it (gradients
-accumulate in float32 buffers and are summed over DP x CP by `finalize_model_grads`,
-per-token loss mode; --overlap-grad-reduce buckets of max(40M, 1M x DP x CP) elements, or
---ddp-bucket-size / --ddp-num-buckets,
+accumulate in float32 buffers, bf16 ones with --grad-reduce-in-bf16, and are summed over
+DP x CP by `finalize_model_grads`, per-token loss mode; --overlap-grad-reduce buckets of
+max(40M, 1M x DP x CP) elements, or --ddp-bucket-size / --ddp-num-buckets;
 --use-distributed-optimizer / --overlap-param-gather shard and gather the parameters).
 
+Megatron-LM's model flags map onto the config as its `core_transformer_config_from_args` maps
+them (--norm-epsilon, --apply-layernorm-1p, --add-qkv-bias, --squared-relu,
+--init-method-xavier-uniform, --embedding-init-method-std, --cross-entropy-loss-fusion).
+
 What it does not do: no optimizer, no data. Megatron's bias/activation and bias/dropout
-fusions are on with CUDA (as Megatron-LM's defaults) and off on CPU (see cpu_compat).
+fusions are on with CUDA (as Megatron-LM's defaults, each --no-*-fusion turns its one off)
+and off on CPU (see cpu_compat).
 """
 
 from __future__ import annotations
@@ -36,10 +41,13 @@ def transformer_config(args):
         ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels,
         hidden_dropout=args.hidden_dropout, attention_dropout=0.0,
         init_method_std=args.init_method_std, normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         gated_linear_unit=args.swiglu, qk_layernorm=args.qk_layernorm,
-        rotary_interleaved=args.rotary_interleaved,
-        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
-        add_bias_linear=not args.disable_bias_linear,
+        rotary_interleaved=args.rotary_interleaved, activation_func=_activation(args),
+        add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
+        embedding_init_method_std=args.embedding_init_method_std,
+        **_xavier_init(args),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
@@ -51,16 +59,36 @@ def transformer_config(args):
         recompute_method=args.recompute_method if recompute == "full" else None,
         recompute_num_layers=args.recompute_num_layers if recompute == "full" else None,
         calculate_per_token_loss=True,
-        # Megatron-LM's defaults on GPUs; its gelu fusion needs the bias it fuses.
-        bias_activation_fusion=gpu and (args.swiglu or args.add_bias_linear),
-        bias_dropout_fusion=gpu, masked_softmax_fusion=False,
+        # Megatron-LM's defaults on GPUs (each --no-*-fusion turns its one off); its gelu
+        # fusion needs the bias it fuses.
+        bias_activation_fusion=gpu and (
+            args.bias_swiglu_fusion if args.swiglu else
+            args.bias_gelu_fusion and args.add_bias_linear and not args.squared_relu),
+        bias_dropout_fusion=gpu and args.bias_dropout_fusion, masked_softmax_fusion=False,
         # Weight gradients straight into DDP's main_grad, as Megatron-LM's default, where it
         # can run: the output layer is always megatron-core's own ColumnParallelLinear, which
         # needs Apex's fused_weight_gradient_mlp_cuda for it (TE layers alone are not enough).
         apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=gpu and _has_module("fused_weight_gradient_mlp_cuda"),
-        cross_entropy_loss_fusion=False,
+        gradient_accumulation_fusion=gpu and args.gradient_accumulation_fusion and _has_module(
+            "fused_weight_gradient_mlp_cuda"),
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
         batch_p2p_sync=gpu)  # the sync after batched p2p is torch.cuda.synchronize()
+
+
+def _activation(args):
+    if args.squared_relu:
+        return import_megatron("megatron.core.activations").squared_relu
+    return torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu
+
+
+def _xavier_init(args) -> dict:
+    """--init-method-xavier-uniform: every weight matrix, the output projections included
+    (Megatron-LM's intent; its 0.16 config has no field for the scaled one it names)."""
+    if not args.init_method_xavier_uniform:
+        return {}
+    return {"init_method": torch.nn.init.xavier_uniform_,
+            "output_layer_init_method": torch.nn.init.xavier_uniform_}
 
 
 def _has_module(name: str) -> bool:
@@ -107,7 +135,8 @@ def ddp_config(args, parameters: int):
                 40_000_000, 1_000_000 * ps.get_data_parallel_world_size(
                     with_context_parallel=True))
     return ddp.DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
+        grad_reduce_in_fp32=not args.grad_reduce_in_bf16,
+        overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         check_for_nan_in_grad=False,  # the trainer stops on NaN itself, saying where

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megatron_eod.data.checks import DatasetError
 from megatron_eod.data.tokenizers import padded_vocab_size
 from megatron_eod.training.args import FlagError, parse_args
+from megatron_eod.training.args_megatron_lm_only import no_effect_notice
 from megatron_eod.training.cp_flags import exit_with_error
 from megatron_eod.megatron.batch_context import EodContextRegistry
 from megatron_eod.megatron.imports import import_megatron
@@ -41,8 +42,10 @@ from megatron_eod.training.checkpointing import save_checkpoint
 from megatron_eod.training.data import MicroBatches, build_datasets, build_tokenizer_from_args
 from megatron_eod.training.initialize import initialize, shutdown
 from megatron_eod.training.model import build_model
+from megatron_eod.training.model_stats import params_norm
 from megatron_eod.training.optimizer import build_optimizer
 from megatron_eod.training.reporting import Reporter
+from megatron_eod.training.run_controls import RunControls
 
 __all__ = ["NonFiniteError", "pretrain"]
 
@@ -61,6 +64,9 @@ def pretrain(argv=None):
     except FlagError as error:
         exit_with_error(error, 2)
     initialize(args)
+    notice = no_effect_notice(args)
+    if notice and dist.get_rank() == 0:
+        print(notice, flush=True)
     try:
         return _Trainer(args, started).run()
     except (NonFiniteError, DatasetError, CheckpointError) as error:
@@ -136,7 +142,8 @@ class _Trainer:
         self.steps = wiring.steps(a, self.registry, tokenizer.eod,
                                   getattr(tokenizer, "pad", None), a.plan_ahead)
         self.fwd_bwd = schedules.get_forward_backward_func()
-        self.reporter = Reporter(a, dist.get_rank() == dist.get_world_size() - 1)
+        self.reporter = Reporter(a, dist.get_rank() == dist.get_world_size() - 1, vocab)
+        self.controls = None  # RunControls, while run() runs
 
     def _schedule(self, data_iterator, forward_only, num_micro_batches):
         a = self.args
@@ -158,7 +165,8 @@ class _Trainer:
         return (total[0] / total[1].clamp(min=1)).item()
 
     def _train_step(self):
-        """-> (loss, grad norm or None, lr, attention pairs, plan wait, samples consumed)."""
+        """-> (loss, grad norm or None, lr, attention pairs, plan wait, samples consumed,
+        {params_norm, num_zeros} as asked)."""
         a = self.args
         self.calculator.update_num_microbatches(self.counters["consumed_train_samples"],
                                                 consistency_check=True)
@@ -170,16 +178,20 @@ class _Trainer:
         waited = self.steps.plan_wait_s
         lr = self.optimizer.param_groups[0]["lr"]
         loss = self._mean_loss(self._schedule(self.train_iter, False, micro_batches))
-        updated, grad_norm, _ = self.optimizer.step()
+        self.controls.after_forward_backward()
+        updated, grad_norm, num_zeros = self.optimizer.step()
         if updated:
             self.scheduler.step(increment=samples)
         else:
             self.counters["skipped"] += 1
+        logged = {"num_zeros": num_zeros if a.log_num_zeros_in_grad else None,
+                  "params_norm": params_norm(self.model) if a.log_params_norm else None}
         pairs = torch.tensor([float(self.steps.pairs_seen)], dtype=torch.float64,
                              device=self.device)
         dist.all_reduce(pairs, group=self.ps.get_data_parallel_group())
         self._stop_if_not_finite(f"iteration {self.iteration + 1}", loss, grad_norm, updated)
-        return loss, grad_norm, lr, pairs.item(), self.steps.plan_wait_s - waited, samples
+        return (loss, grad_norm, lr, pairs.item(), self.steps.plan_wait_s - waited, samples,
+                logged)
 
     def _stop_if_not_finite(self, where, loss, grad_norm=None, updated=False):
         """NaN/Inf in the loss (training or evaluation, as Megatron-LM's loss checks) or the
@@ -217,9 +229,11 @@ class _Trainer:
         self._param_hooks(False)
         self.model.eval()
         outputs = []
-        with torch.no_grad():  # the full --global-batch-size, as Megatron-LM evaluates
+        # the full --global-batch-size, as Megatron-LM evaluates
+        with torch.no_grad(), self.controls.around_evaluation():
             for _ in range(a.eval_iters):
                 outputs += self._schedule(iterator, True, a.num_micro_batches)
+                self.controls.after_forward_backward()
         self.model.train()
         self._param_hooks(hooks_were_on)
         if label == "validation":
@@ -261,6 +275,13 @@ class _Trainer:
                         self.counters)
 
     def run(self):
+        self.controls = RunControls(self.args)
+        try:
+            return self._loop()
+        finally:
+            self.controls.close()
+
+    def _loop(self):
         a, counters = self.args, self.counters
         self.model.train()
         losses = []
@@ -282,9 +303,10 @@ class _Trainer:
                 self._save()
             micro_batches = now
             start = time.perf_counter()
-            loss, grad_norm, lr, pairs, plan_wait, samples = self._train_step()
+            loss, grad_norm, lr, pairs, plan_wait, samples, logged = self._train_step()
             self._param_hooks(True)
             self.iteration += 1
+            self.controls.after_step(self.iteration)
             counters["consumed_train_samples"] += samples
             if (self.ps.is_pipeline_last_stage() and not math.isfinite(loss)) or \
                     not _finite(grad_norm):
@@ -293,7 +315,7 @@ class _Trainer:
             self.reporter.iteration(self.iteration, time.perf_counter() - start, lr, loss,
                                     grad_norm, counters["skipped"], counters["nan"],
                                     counters["consumed_train_samples"], pairs, plan_wait,
-                                    samples)
+                                    samples, **logged)
             if a.eval_interval and self.iteration % a.eval_interval == 0 and \
                     self.iteration < a.train_iters:
                 self.evaluate()
@@ -301,7 +323,7 @@ class _Trainer:
             if saved:
                 self._save()
             if (a.exit_interval and self.iteration % a.exit_interval == 0) or \
-                    self._past_exit_duration():
+                    self._told_to_exit():
                 if a.save and not saved:
                     self._save()
                 return self._finish(losses)
@@ -313,18 +335,23 @@ class _Trainer:
         self.evaluate("test")
         return self._finish(losses)
 
-    def _past_exit_duration(self) -> bool:
-        """--exit-duration-in-mins reached on any rank (every rank then stops here)."""
-        limit = self.args.exit_duration_in_mins
-        if not limit:
+    def _told_to_exit(self) -> bool:
+        """--exit-duration-in-mins reached, or --exit-signal received (--exit-signal-handler),
+        on any rank: every rank then stops here. One all-reduce for both."""
+        a = self.args
+        limit = a.exit_duration_in_mins
+        if not (limit or a.exit_signal_handler):
             return False
         minutes = (_now() - self.started) / 60
-        done = torch.tensor([int(minutes > limit)], device=self.device)
-        dist.all_reduce(done, op=dist.ReduceOp.MAX)
-        if done.item() and dist.get_rank() == 0:
-            print(f" exiting after {minutes:.1f} minutes (--exit-duration-in-mins {limit})",
-                  flush=True)
-        return bool(done.item())
+        told = torch.tensor([int(bool(limit) and minutes > limit),
+                             int(self.controls.signal_received())], device=self.device)
+        dist.all_reduce(told, op=dist.ReduceOp.MAX)
+        late, signalled = told.tolist()
+        if dist.get_rank() == 0 and (late or signalled):
+            print(f" exiting after {minutes:.1f} minutes (--exit-duration-in-mins {limit})"
+                  if late else f" exiting after receiving {a.exit_signal} "
+                               f"(--exit-signal-handler)", flush=True)
+        return bool(late or signalled)
 
     def _micro_batches_now(self) -> int:
         self.calculator.update_num_microbatches(self.counters["consumed_train_samples"],

@@ -15,6 +15,11 @@ tokens, tokens_per_s, attention_tflops: attention FLOP/s per rank counting only 
 pairs a document mask needs, forward and backward; iteration_ms; plan_wait_ms: how long the
 reporting rank's steps waited for CP plans) and one per validation (kind "valid").
 
+Megatron-LM's optional fields: --log-throughput adds "throughput per GPU (TFLOP/s/GPU)"
+(model FLOPs, training/model_stats.py; metrics "model_tflops_per_gpu"), --log-num-zeros-in-grad
+"num zeros" ("num_zeros_in_grad"), --log-params-norm "params norm" ("params_norm"),
+--log-validation-ppl-to-tensorboard the validation perplexity as a TensorBoard scalar.
+
 What it does not do: no timers breakdown, no memory report.
 """
 
@@ -24,12 +29,14 @@ import json
 import math
 import time
 
+from megatron_eod.training.model_stats import model_flops
+
 __all__ = ["Reporter"]
 
 
 class Reporter:
-    def __init__(self, args, is_reporting_rank: bool):
-        self.args, self.active = args, is_reporting_rank
+    def __init__(self, args, is_reporting_rank: bool, vocab_size: int = 0):
+        self.args, self.active, self.vocab_size = args, is_reporting_rank, vocab_size
         self.interval_seconds = self.interval_loss = 0.0
         self.interval_iterations = self.interval_losses = 0
         self.metrics = open(args.metrics_file, "a") if (self.active and args.metrics_file) else None
@@ -44,9 +51,11 @@ class Reporter:
                 self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
 
     def iteration(self, iteration, seconds, lr, loss, grad_norm, skipped, nan, consumed,
-                  attention_pairs, plan_wait_s=0.0, batch_size=None):
+                  attention_pairs, plan_wait_s=0.0, batch_size=None, params_norm=None,
+                  num_zeros=None):
         """grad_norm is None when --clip-grad 0; batch_size is this iteration's global batch
-        (it ramps with --rampup-batch-size)."""
+        (it ramps with --rampup-batch-size); params_norm and num_zeros with
+        --log-params-norm and --log-num-zeros-in-grad."""
         if not self.active:
             return
         a = self.args
@@ -58,6 +67,15 @@ class Reporter:
                   "tokens": tokens, "tokens_per_s": tokens / seconds,
                   "attention_tflops": flops / seconds / a.world_size / 1e12,
                   "iteration_ms": seconds * 1e3, "plan_wait_ms": plan_wait_s * 1e3}
+        throughput = None
+        if getattr(a, "log_throughput", False):
+            work = model_flops(a, self.vocab_size, tokens, attention_pairs)
+            record["model_tflops_per_gpu"] = work / seconds / a.world_size / 1e12
+            throughput = work / a.world_size / 1e12  # divided by the line's mean time
+        if params_norm is not None:
+            record["params_norm"] = params_norm
+        if num_zeros is not None:
+            record["num_zeros_in_grad"] = num_zeros
         # The line's loss and time: averages since the last line, as Megatron-LM's (the
         # --metrics-file keeps each iteration's own).
         self.interval_seconds += seconds
@@ -74,15 +92,20 @@ class Reporter:
             self.interval_iterations = self.interval_losses = 0
             print(f" [{stamp}] iteration {iteration:8d}/{a.train_iters:8d} | consumed samples: "
                   f"{consumed:12d} | elapsed time per iteration (ms): {per_iteration * 1e3:.1f} | "
+                  + ("" if throughput is None else f"throughput per GPU (TFLOP/s/GPU): "
+                                                   f"{throughput / per_iteration:.1f} | ") +
                   f"learning rate: {lr:.6E} | global batch size: {batch_size:5d} | "
                   f"lm loss: {mean_loss:.6E} | "
-                  + ("" if grad_norm is None else f"grad norm: {grad_norm:.3f} | ") +
+                  + ("" if grad_norm is None else f"grad norm: {grad_norm:.3f} | ")
+                  + ("" if num_zeros is None else f"num zeros: {num_zeros} | ")
+                  + ("" if params_norm is None else f"params norm: {params_norm:.3f} | ") +
                   f"number of skipped iterations: {skipped:3d} | "
                   f"number of nan iterations: {nan:3d} |", flush=True)
         self._write(record)
         if self.writer:
-            for key in ("lm_loss", "grad_norm", "lr", "tokens_per_s", "attention_tflops"):
-                if record[key] is not None:
+            for key in ("lm_loss", "grad_norm", "lr", "tokens_per_s", "attention_tflops",
+                        "model_tflops_per_gpu", "params_norm", "num_zeros_in_grad"):
+                if record.get(key) is not None:
                     self.writer.add_scalar(key, record[key], iteration)
 
     def validation(self, iteration, loss, label="validation"):
@@ -96,6 +119,8 @@ class Reporter:
                      "iteration": iteration, "lm_loss": loss})
         if self.writer:
             self.writer.add_scalar(f"{label} lm_loss", loss, iteration)
+            if getattr(self.args, "log_validation_ppl_to_tensorboard", False):
+                self.writer.add_scalar(f"{label} lm_loss ppl", ppl, iteration)
 
     def _write(self, record):
         if self.metrics:

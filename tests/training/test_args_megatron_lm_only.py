@@ -1,0 +1,99 @@
+"""Megatron-LM's flags under the lean trainer: every flag of Megatron-LM's REAL parser
+(core_v0.16.1) is honoured, accepted with no effect (and said at start-up), or refused naming
+the flag and the feature; a flag of neither gets the nearest lean flag."""
+
+import argparse
+
+import pytest
+
+from megatron_eod.training.args import FlagError, build_parser, parse_args
+from megatron_eod.training.args_megatron_lm_only import (NO_EFFECT, explain_unrecognized,
+                                                         no_effect_notice, why_absent)
+from tests.training.megatron_lm_checkout import import_megatron_lm, needs_megatron_lm
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "128", "--mock-data", "--train-iters", "10", "--lr", "1e-3"]
+
+
+def lean(*flags):
+    return parse_args([*BASE, *flags], world_size=1, cuda_available=False)
+
+
+def _megatron_lm_actions():
+    import_megatron_lm()
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(add_help=False))
+    return {flag: action for flag, action in parser._option_string_actions.items()
+            if flag.startswith("--")}
+
+
+@needs_megatron_lm
+def test_every_megatron_lm_flag_is_honoured_accepted_or_refused_with_its_reason():
+    known = build_parser()._option_string_actions
+    loose = sorted(flag for flag in _megatron_lm_actions()
+                   if flag not in known and why_absent(flag) is None)
+    assert not loose, f"Megatron-LM flags the lean trainer neither knows nor explains: {loose}"
+
+
+@needs_megatron_lm
+def test_no_effect_flags_take_the_values_megatron_lm_gives_them():
+    """A switch here is a switch there, a flag with a value takes one there too: a script's
+    next word is never eaten or left over."""
+    actions = _megatron_lm_actions()
+    for flag, (values, _) in NO_EFFECT.items():
+        action = actions[flag]
+        takes = 0 if action.nargs == 0 else "+" if action.nargs in ("+", "*") else 1
+        assert takes == values, flag
+
+
+@pytest.mark.parametrize("flags", [
+    ["--use-mcore-models", "--attention-backend", "fused", "--timing-log-level", "2",
+     "--log-timers-to-tensorboard", "--dist-ckpt-strictness", "log_all", "--async-save"],
+    ["--rerun-mode", "disabled", "--calculate-per-token-loss", "--local-rank=3"],
+])
+def test_no_effect_flags_are_accepted_and_said(flags):
+    args = lean(*flags)
+    notice = no_effect_notice(args)
+    for flag in flags:
+        if flag.startswith("--"):
+            assert flag.split("=")[0] in notice
+    assert no_effect_notice(lean()) is None
+
+
+def test_no_effect_values_are_still_checked():
+    with pytest.raises(FlagError, match="--attention-backend.*invalid choice: 'flashh'"):
+        lean("--attention-backend", "flashh")
+    with pytest.raises(FlagError, match="--rerun-mode validate_results: Megatron-LM's rerun "
+                                        "engine.*--rerun-mode disabled"):
+        lean("--rerun-mode", "validate_results")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--fp8-format", "hybrid"], "--fp8-format: Megatron-LM's FP8/FP4 training.*which the "
+                                 "lean trainer does not have.*--trainer megatron-lm"),
+    (["--num-experts", "8"], "--num-experts: Megatron-LM's mixture of experts, refused by "
+                             "both trainers: MoE layers are not wired with EoD attention"),
+    (["--moe-router-topk", "2"], "--moe-router-topk: .*refused by both trainers"),
+    (["--cp-comm-type", "a2a"], "--cp-comm-type: .*--context-parallel-algo ring\\|ulysses"),
+    (["--wandb-project=run"], "--wandb-project: Megatron-LM's profiling and Weights"),
+    (["--profile", "--use-torch-fsdp2"], "--profile: .*\\[and 1 more unrecognized flag: "
+                                         "--use-torch-fsdp2\\]"),
+])
+def test_megatron_lm_features_the_lean_trainer_lacks_are_named(flags, message):
+    with pytest.raises(FlagError, match=message):
+        lean(*flags)
+
+
+@pytest.mark.parametrize("word,near", [("--num-layer", "--num-layers"),
+                                       ("--micro-batchsize", "--micro-batch-size"),
+                                       ("--frobnicate", None)])
+def test_a_flag_of_neither_gets_the_nearest_lean_flag(word, near):
+    with pytest.raises(FlagError, match=f"unrecognized flag {word}") as raised:
+        lean(word, "3")
+    assert ("did you mean " + near if near else "did you mean") in str(raised.value) or \
+        (near is None and "did you mean" not in str(raised.value))
+
+
+def test_words_that_are_not_flags():
+    assert explain_unrecognized(["stray"], []) == "unrecognized arguments: stray"
