@@ -39,10 +39,6 @@ from megatron_eod.training.flag_rules import check_split, check_tokenizer_files
 __all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "check_context_parallel", "parse_args",
            "validate_args"]
 
-# Signals a handler can catch (Megatron-LM's --exit-signal takes their names).
-_SIGNALS = frozenset(s.name for s in signal.Signals) - {"SIGKILL", "SIGSTOP"}
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse whose usage errors raise FlagError (one clean line) instead of exiting."""
 
@@ -83,10 +79,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     _typed(g, float, ("--rope-scaling-factor", 8.0, "Llama-3 RoPE scaling factor"),
            ("--rotary-seq-len-interpolation-factor", None,
             "divide positions by this factor (linear RoPE interpolation)"),
-           ("--norm-epsilon", 1e-5, "the layer norms' epsilon"),
            ("--embedding-init-method-std", None, "default: --init-method-std"))
-    _switches(g, "--apply-layernorm-1p", "--add-qkv-bias", "--squared-relu",
-              "--init-method-xavier-uniform", "--use-rotary-position-embeddings")
+    # Megatron-LM's dests (its checkpoints' args carry these names)
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, dest="layernorm_epsilon",
+                   help="the layer norms' epsilon")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   dest="layernorm_zero_centered_gamma",
+                   help="norm weights stored as gamma - 1 (initialised to 0)")
+    _switches(g, "--add-qkv-bias", "--squared-relu", "--init-method-xavier-uniform",
+              "--use-rotary-position-embeddings")
     g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
                    help="Megatron-LM's deprecated spelling; only with RoPE")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
@@ -300,8 +301,11 @@ def _check_megatron_lm_spellings(args) -> None:
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     _require(args.add_position_embedding or args.position_embedding_type == "rope",
-             "--no-position-embedding is deprecated (Megatron-LM refuses it without RoPE): "
-             "pass --position-embedding-type none (or rope)")
+             f"--no-position-embedding is deprecated and, as in Megatron-LM, refused with "
+             f"--position-embedding-type {args.position_embedding_type}: drop it ("
+             + ("--position-embedding-type none already adds no positions)"
+                if args.position_embedding_type == "none" else
+                "--position-embedding-type none adds no positions)"))
     if args.recompute_activations:
         _require(args.recompute_granularity in (None, "selective"),
                  f"--recompute-activations means --recompute-granularity selective, not "
@@ -356,7 +360,9 @@ def _check_model(args) -> None:
              f"--hidden-dropout must be in [0, 1), got {args.hidden_dropout}")
     _require(not (args.squared_relu and args.swiglu),
              "--squared-relu and --swiglu are exclusive (one activation): pass one")
-    _positive(args, "norm_epsilon", "embedding_init_method_std")
+    _positive(args, "embedding_init_method_std")
+    _require(args.layernorm_epsilon > 0,
+             f"--norm-epsilon must be positive, got {args.layernorm_epsilon}")
     _require(args.attention_dropout == 0.0,
              f"--attention-dropout {args.attention_dropout}: our varlen attention kernels "
              f"apply no dropout; pass --attention-dropout 0")
@@ -379,7 +385,8 @@ def _check_training(args, cuda_available: bool) -> None:
              f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
     _require(not args.grad_reduce_in_bf16 or args.bf16,
              "--grad-reduce-in-bf16 reduces bf16 gradients: it needs --bf16")
-    _require(args.exit_signal in _SIGNALS,
+    _require(args.exit_signal in signal.Signals.__members__
+             and args.exit_signal not in ("SIGKILL", "SIGSTOP"),
              f"--exit-signal {args.exit_signal}: not a signal name (e.g. SIGTERM, SIGUSR1)")
 
 
@@ -407,6 +414,10 @@ def _check_device_flags(args, cuda_available: bool) -> None:
     args.params_dtype = (torch.bfloat16 if args.bf16 else
                          torch.float16 if args.fp16 else torch.float32)
     check_gpu_attention(args, cuda_available)
+    _require(not (args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te")
+             or has_transformer_engine(),
+             "--cross-entropy-fusion-impl te needs the transformer_engine package; pass "
+             "--cross-entropy-fusion-impl native or install it")
     if args.transformer_impl == "transformer_engine":
         _require(cuda_available, "--transformer-impl transformer_engine needs CUDA; pass "
                                  "--transformer-impl local on CPU")

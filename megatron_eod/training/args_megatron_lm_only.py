@@ -13,8 +13,10 @@ checks the whole parser) is one of:
   trainer that runs it (--trainer megatron-lm), or, where EoD attention cannot run it in
   either trainer, megatron_lm_args.REFUSED's reason.
 
-A flag that is neither the lean trainer's nor Megatron-LM's is refused with the nearest lean
-flag (`explain_unrecognized`).
+Flags Megatron-LM itself removed (REMOVED: its trainer refuses them too) name their
+replacement. A flag that is neither the lean trainer's nor Megatron-LM's is refused with the
+nearest lean flag (`explain_unrecognized`), also where it starts like a family
+(--ddp-bucket-sizes is --ddp-bucket-size's typo, not a DDP option the lean trainer lacks).
 
 What it does not do: no flag here changes a run. A flag that changes the model, the data or
 the optimizer's numbers never goes in NO_EFFECT: it is honoured or refused.
@@ -39,8 +41,8 @@ _REPORT = ("a report the lean trainer does not write (its log line, --metrics-fi
            "--tensorboard-dir hold loss, grad norm, LR, tokens/s, attention TFLOP/s, with "
            "--log-params-norm, --log-num-zeros-in-grad, --log-throughput)")
 _SERVICE = "a service of Megatron-LM's trainer the lean trainer does not start"
-_SYNC_SAVE = ("checkpoints are saved synchronously and loaded strictly here (a missing or "
-              "unexpected key is an error)")
+_CKPT_SPEED = ("it only tunes how a torch_dist checkpoint is written or read; saves here are "
+               "synchronous: a save has finished when training goes on")
 
 # flag -> (number of values: 0 a switch, 1 one value, "+" several; why it changes nothing)
 NO_EFFECT: Dict[str, Tuple[object, str]] = {
@@ -48,8 +50,9 @@ NO_EFFECT: Dict[str, Tuple[object, str]] = {
                               "deprecated in Megatron-LM too)"),
     "--calculate-per-token-loss": (0, "the loss is always per token here: one token-weighted "
                                       "mean over micro-batches, DP and CP ranks"),
-    "--accumulate-allreduce-grads-in-fp32": (0, "gradients are always accumulated and reduced "
-                                                "in float32 here"),
+    "--accumulate-allreduce-grads-in-fp32": (0, "gradients are accumulated and reduced in "
+                                                "float32 here unless --grad-reduce-in-bf16, "
+                                                "which wins, as in Megatron-LM"),
     "--attention-backend": (1, _EOD_KERNELS),
     "--attention-softmax-in-fp32": (0, _KERNEL),
     "--apply-query-key-layer-scaling": (0, _KERNEL + " (the scaling only guards fp16 "
@@ -65,18 +68,18 @@ NO_EFFECT: Dict[str, Tuple[object, str]] = {
     "--apply-residual-connection-post-layernorm": (0, "megatron-core 0.16's layers do not "
                                                       "read it: no effect in Megatron-LM's "
                                                       "GPT either"),
-    "--disable-jit-fuser": (0, "the lean trainer sets no jit fuser"),
+    "--disable-jit-fuser": (0, "megatron-core applies its jit fuser to its fused functions "
+                               "when they are imported, before any flag is read"),
     "--tokenizer-hf-use-fast": (0, "training reads token ids from the dataset; the tokenizer "
                                    "gives only EoD, pad and the vocabulary size, the same "
                                    "fast or slow"),
     "--tokenizer-hf-include-special-tokens": (0, "training never tokenizes text"),
-    "--async-save": (0, _SYNC_SAVE),
-    "--ckpt-fully-parallel-save": (0, _SYNC_SAVE),
-    "--no-ckpt-fully-parallel-save": (0, _SYNC_SAVE),
-    "--ckpt-fully-parallel-load": (0, _SYNC_SAVE),
-    "--ckpt-assume-constant-structure": (0, _SYNC_SAVE),
-    "--use-persistent-ckpt-worker": (0, _SYNC_SAVE),
-    "--dist-ckpt-strictness": (1, _SYNC_SAVE),
+    "--async-save": (0, _CKPT_SPEED),
+    "--ckpt-fully-parallel-save": (0, _CKPT_SPEED),
+    "--no-ckpt-fully-parallel-save": (0, _CKPT_SPEED),
+    "--ckpt-fully-parallel-load": (0, _CKPT_SPEED),
+    "--ckpt-assume-constant-structure": (0, _CKPT_SPEED),
+    "--use-persistent-ckpt-worker": (0, _CKPT_SPEED),
     "--timing-log-level": (1, _REPORT),
     "--timing-log-option": (1, _REPORT),
     "--no-barrier-with-level-1-timing": (0, _REPORT),
@@ -118,11 +121,21 @@ _ALIASES = {
 # Megatron-LM's values for the no-effect flags that take one: a typo is still an error.
 _CHOICES = {
     "--attention-backend": ("flash", "fused", "unfused", "local", "auto"),
-    "--dist-ckpt-strictness": ("assume_ok_unexpected", "log_unexpected", "log_all",
-                               "raise_unexpected", "raise_all", "return_unexpected",
-                               "return_all", "ignore_all"),
     "--timing-log-level": ("0", "1", "2"),
     "--timing-log-option": ("max", "minmax", "all"),
+}
+
+# Megatron-LM's value types for them.
+_TYPES = {flag: int for flag in (
+    "--local-rank", "--logging-level", "--tensorboard-log-interval", "--tensorboard-queue-size",
+    "--log-memory-interval", "--straggler-ctrlr-port", "--straggler-minmax-count")}
+
+# Flags Megatron-LM removed (its trainer refuses them too) -> what to pass instead.
+REMOVED = {
+    "--checkpoint-activations": "--recompute-activations (or --recompute-granularity)",
+    "--batch-size": "--micro-batch-size",
+    "--warmup": "--lr-warmup-fraction or --lr-warmup-iters",
+    "--model-parallel-size": "--tensor-model-parallel-size",
 }
 
 _MEGATRON_LM = ("Megatron-LM's own trainer runs it: --trainer megatron-lm where "
@@ -190,7 +203,7 @@ ABSENT: List[Tuple[str, Tuple[str, ...], Tuple[str, ...]]] = [
       "--overlap-p2p-communication-warmup-flush", "--no-overlap-p2p-communication",
       "--pipeline-model-parallel-comm-backend", "--use-ring-exchange-p2p",
       "--no-scatter-gather-tensors-in-pipeline", "--defer-embedding-wgrad-compute",
-      "--wgrad-deferral-limit", "--delay-wgrad-compute", "--model-parallel-size")),
+      "--wgrad-deferral-limit", "--delay-wgrad-compute")),
     ("optimizer and gradient-reduction options beyond megatron-core's Adam/SGD with float32 "
      "gradients and --use-distributed-optimizer",
      ("--muon-", "--ddp-"),
@@ -230,7 +243,7 @@ ABSENT: List[Tuple[str, Tuple[str, ...], Tuple[str, ...]]] = [
       "--sharp-enabled-group", "--create-all-gather-group", "--nccl-communicator-config-path",
       "--use-tp-pp-dp-mapping", "--fake-process-group", "--lazy-mpu-init",
       "--distributed-timeout-seconds-after-init", "--no-clone-scatter-output-in-embedding",
-      "--deterministic-mode", "--checkpoint-activations")),
+      "--deterministic-mode")),
     ("Megatron-LM's context-parallel spellings: the lean trainer's are --context-parallel-algo "
      "ring|ulysses|hybrid and --ulysses-degree-in-cp U",
      (), ("--cp-comm-type", "--hierarchical-context-parallel-sizes", "--hybrid-context-parallel",
@@ -239,7 +252,7 @@ ABSENT: List[Tuple[str, Tuple[str, ...], Tuple[str, ...]]] = [
      ("--fim-",),
      ("--fim-data", "--phase-transition-iterations", "--per-dataset-sequences-path",
       "--allow-ambiguous-pad-tokens", "--object-storage-cache-path", "--multiple-validation-sets",
-      "--full-validation", "--test-mode", "--batch-size", "--warmup")),
+      "--full-validation", "--test-mode")),
     ("tokenizer options beyond megatron-core's tokenizers as --tokenizer-type builds them",
      (), ("--legacy-tokenizer", "--tokenizer-sentencepiece-legacy", "--tokenizer-special-tokens",
           "--tokenizer-metadata", "--padded-vocab-size", "--trust-remote-code")),
@@ -259,7 +272,7 @@ def add_no_effect_args(parser) -> None:
             g.add_argument(*spellings, action="store_true", help=why)
         else:
             g.add_argument(*spellings, nargs=None if values == 1 else "+", default=None, help=why,
-                           choices=_CHOICES.get(flag))
+                           choices=_CHOICES.get(flag), type=_TYPES.get(flag))
 
 
 def check_no_effect_values(args) -> None:
@@ -287,23 +300,35 @@ def no_effect_notice(args) -> Optional[str]:
         f"{', '.join(flags)} ({why})" for why, flags in reasons.items())
 
 
+def _family(flag: str):
+    """(feature, matched by a prefix only) of the ABSENT family holding `flag`, or None."""
+    for feature, prefixes, flags in ABSENT:
+        if flag in flags:
+            return feature, False
+        if any(flag.startswith(p) for p in prefixes):
+            return feature, True
+    return None
+
+
 def why_absent(flag: str) -> Optional[str]:
     """Why the lean trainer refuses Megatron-LM's `flag`, or None when no family holds it."""
-    for feature, prefixes, flags in ABSENT:
-        if flag in flags or any(flag.startswith(p) for p in prefixes):
-            neither = _NEITHER.get(flag) or next(
-                (why for p, why in _NEITHER.items() if p.endswith("-") and flag.startswith(p)),
-                None)
-            name, _, note = feature.partition(": ")
-            if neither:
-                return (f"{flag}: Megatron-LM's {name}, refused by both trainers: {neither}")
-            return (f"{flag}: Megatron-LM's {name}, which the lean trainer does not have"
-                    + (f" ({note})" if note else "") + f"; {_MEGATRON_LM}")
-    if flag.startswith("--disable-"):  # Megatron-LM's second spelling of its --no-* flags
-        spelled = "--no-" + flag[len("--disable-"):]
-        why = why_absent(spelled)
-        return None if why is None else flag + why[len(spelled):]
-    return None
+    if flag in REMOVED:
+        return (f"{flag}: removed from Megatron-LM (its trainer refuses it too); pass "
+                f"{REMOVED[flag]}")
+    found = _family(flag)
+    if found is None:
+        if flag.startswith("--disable-"):  # Megatron-LM's second spelling of its --no-* flags
+            spelled = "--no-" + flag[len("--disable-"):]
+            why = why_absent(spelled)
+            return None if why is None else flag + why[len(spelled):]
+        return None
+    name, _, note = found[0].partition(": ")
+    neither = _NEITHER.get(flag) or next(
+        (why for p, why in _NEITHER.items() if p.endswith("-") and flag.startswith(p)), None)
+    if neither:
+        return f"{flag}: Megatron-LM's {name}, refused by both trainers: {neither}"
+    return (f"{flag}: Megatron-LM's {name}, which the lean trainer does not have"
+            + (f" ({note})" if note else "") + f"; {_MEGATRON_LM}")
 
 
 def explain_unrecognized(unknown: Sequence[str], known: Iterable[str]) -> str:
@@ -312,9 +337,13 @@ def explain_unrecognized(unknown: Sequence[str], known: Iterable[str]) -> str:
     if not flags:
         return f"unrecognized arguments: {' '.join(unknown)}"
     flag = flags[0]
+    near = difflib.get_close_matches(flag, sorted(known), n=1, cutoff=0.75)
     reason = why_absent(flag)
+    found = _family(flag)
+    if found and found[1] and near and \
+            difflib.SequenceMatcher(None, flag, near[0]).ratio() >= 0.9:
+        reason = None  # a family's prefix, but a lean flag's typo (--ddp-bucket-sizes)
     if reason is None:
-        near = difflib.get_close_matches(flag, sorted(known), n=1, cutoff=0.75)
         reason = (f"unrecognized flag {flag}" + (f"; did you mean {near[0]}?" if near else "")
                   + " (the lean trainer's flags: --help; Megatron-LM's own trainer takes all "
                     "of Megatron-LM's: --trainer megatron-lm where megatron.training is "

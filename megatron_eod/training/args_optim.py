@@ -91,6 +91,14 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
                    help="with --use-distributed-optimizer: save its state so that a --load at "
                         "another TP/PP size can read it (default: DP/CP changes only)")
+    g.add_argument("--dist-ckpt-strictness", default="assume_ok_unexpected",
+                   choices=("assume_ok_unexpected", "log_unexpected", "log_all",
+                            "raise_unexpected", "raise_all", "return_unexpected", "return_all",
+                            "ignore_all"),
+                   help="what a torch_dist --load does with keys missing from the checkpoint "
+                        "or unexpected in it (megatron-core's StrictHandling, as Megatron-LM; "
+                        "with log_all, return_all and ignore_all missing weights keep their "
+                        "initial values)")
     g.add_argument("--pretrained-checkpoint", default=None,
                    help="weights to start from when --load has no checkpoint (as --finetune)")
     for flag in ("--finetune", "--no-save-optim", "--no-save-rng", "--no-load-optim",

@@ -60,12 +60,26 @@ def _groups(ns):
     return heads
 
 
-# (how to read a value from args, its flag) for everything that shapes the weights.
+def _qkv_bias(ns):
+    """Whether the QKV projection has a bias (--add-qkv-bias, or biases everywhere); None
+    for args that do not say (a checkpoint of neither trainer)."""
+    if getattr(ns, "add_bias_linear", None) is None:
+        return None
+    return bool(ns.add_bias_linear or getattr(ns, "add_qkv_bias", False))
+
+
+# (how to read a value from args, its flag) for everything that shapes the weights or what
+# they mean (a norm weight stored as gamma - 1 read as gamma is another model). Older
+# checkpoints without a field are not compared on it.
 _SHAPE = [(lambda ns, name=name: getattr(ns, name, None), f"--{name.replace('_', '-')}")
           for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                       "kv_channels", "swiglu", "add_bias_linear", "qk_layernorm",
-                       "untie_embeddings_and_output_weights", "position_embedding_type")]
-_SHAPE.append((_groups, "--num-query-groups"))
+                       "kv_channels", "swiglu", "squared_relu", "add_bias_linear",
+                       "qk_layernorm", "normalization", "untie_embeddings_and_output_weights",
+                       "position_embedding_type")]
+_SHAPE += [(_groups, "--num-query-groups"), (_qkv_bias, "--add-qkv-bias"),
+           (lambda ns: getattr(ns, "layernorm_zero_centered_gamma", None),
+            "--apply-layernorm-1p"),
+           (lambda ns: getattr(ns, "layernorm_epsilon", None), "--norm-epsilon")]
 
 
 def _check_model_args(saved, args, where):
@@ -103,7 +117,20 @@ def _load_torch_dist(args, folder, finetune, model, optimizer, scheduler):
                 "nan": 0}
     request = _state(args, 0, model, optimizer, scheduler, counters, metadata, rng=load_rng,
                      with_optimizer=load_optim, loading=True)
-    loaded = dcp.load(request, folder)
+    try:
+        loaded = dcp.load(request, folder, strict=args.dist_ckpt_strictness)
+    except dcp.core.CheckpointingException as error:
+        if "keys" not in str(error):
+            raise
+        said = " ".join(str(error).split())  # one line; the key sets can be long
+        raise CheckpointError(f"--load {folder} (--dist-ckpt-strictness "
+                              f"{args.dist_ckpt_strictness}): "
+                              + (said if len(said) <= 800 else said[:800] + " ...")) from None
+    if isinstance(loaded, tuple):  # --dist-ckpt-strictness return_*: the keys come back
+        loaded, missing, unexpected = loaded
+        if dist.get_rank() == 0 and (missing or unexpected):
+            print(f" --load {folder} (--dist-ckpt-strictness {args.dist_ckpt_strictness}): "
+                  f"missing {sorted(missing)}, unexpected {sorted(unexpected)}", flush=True)
     _unwrap(model).load_state_dict(loaded["model"], strict=True)
     _finish(args, loaded, load_optim, load_rng, optimizer, scheduler)
     if dist.get_rank() == 0 and not same_tp_pp:

@@ -23,6 +23,7 @@ Everything else EoD attention cannot run is in REFUSED, with the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import torch
@@ -158,6 +159,7 @@ def eod_args_from_megatron(args) -> None:
     _resolve_context_parallel(args)
     check_context_parallel(args)
     _refuse(args)
+    _check_xavier(args)
     check_sequence_parallel_rows(args)
     _check_rampup(args)
     _check_cuda_graphs(args)
@@ -185,6 +187,21 @@ def _fetched_vocabularies(args) -> tuple:
             builder.__module__.startswith("megatron.training"):
         return ()
     return ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase")
+
+
+def _check_xavier(args) -> None:
+    """Megatron-LM 0.16's config mapping passes --init-method-xavier-uniform on as a
+    `scaled_init_method` its megatron-core's TransformerConfig lacks: a TypeError when it
+    builds the model. Named here, where that is so."""
+    if not getattr(args, "init_method_xavier_uniform", False):
+        return
+    core = importlib.import_module("megatron.core.transformer.transformer_config")
+    fields = {f.name for f in dataclasses.fields(core.TransformerConfig)}
+    if "scaled_init_method" not in fields:
+        raise FlagError("--init-method-xavier-uniform: this Megatron-LM passes megatron-core a "
+                        "`scaled_init_method` its TransformerConfig lacks (a TypeError when the "
+                        "model is built); drop the flag, or train with the lean trainer "
+                        "(--trainer lean), which applies it to every weight matrix")
 
 
 def _check_cuda_graphs(args) -> None:

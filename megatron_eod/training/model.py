@@ -41,8 +41,8 @@ def transformer_config(args):
         ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels,
         hidden_dropout=args.hidden_dropout, attention_dropout=0.0,
         init_method_std=args.init_method_std, normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon,
-        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        layernorm_epsilon=args.layernorm_epsilon,
+        layernorm_zero_centered_gamma=args.layernorm_zero_centered_gamma,
         gated_linear_unit=args.swiglu, qk_layernorm=args.qk_layernorm,
         rotary_interleaved=args.rotary_interleaved, activation_func=_activation(args),
         add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
@@ -83,8 +83,10 @@ def _activation(args):
 
 
 def _xavier_init(args) -> dict:
-    """--init-method-xavier-uniform: every weight matrix, the output projections included
-    (Megatron-LM's intent; its 0.16 config has no field for the scaled one it names)."""
+    """--init-method-xavier-uniform: every weight matrix, the output projections and (through
+    megatron-core's fallback to init_method) the word embeddings included. Megatron-LM 0.16
+    means the same but names a `scaled_init_method` its megatron-core lacks (a TypeError);
+    its trainer is refused the flag there (megatron_lm_args)."""
     if not args.init_method_xavier_uniform:
         return {}
     return {"init_method": torch.nn.init.xavier_uniform_,

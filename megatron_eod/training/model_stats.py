@@ -37,7 +37,7 @@ def params_norm(model) -> float:
         if not (module.param_is_not_shared(param)
                 and tp.param_is_not_tensor_parallel_duplicate(param)):
             continue
-        part = param.detach().float().pow(2).sum()
+        part = torch.linalg.vector_norm(param.detach(), dtype=torch.float32) ** 2
         squares = part if squares is None else squares + part
     if squares is None:
         squares = torch.zeros((), device=next(model.parameters()).device)

@@ -19,6 +19,7 @@ What it does not do: no virtual pipeline stages, no MoE.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -67,8 +68,9 @@ def pretrain(argv=None):
     notice = no_effect_notice(args)
     if notice and dist.get_rank() == 0:
         print(notice, flush=True)
+    controls = RunControls(args)  # the exit signal is heard from here on, as Megatron-LM's
     try:
-        return _Trainer(args, started).run()
+        return _Trainer(args, started, controls).run()
     except (NonFiniteError, DatasetError, CheckpointError) as error:
         exit_with_error(error, 1 if isinstance(error, NonFiniteError) else 2)
     except RuntimeError as error:
@@ -81,6 +83,7 @@ def pretrain(argv=None):
               file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     finally:
+        controls.close()
         shutdown()
 
 
@@ -96,7 +99,7 @@ def _now() -> float:
 
 
 class _Trainer:
-    def __init__(self, args, started=None):
+    def __init__(self, args, started=None, controls=None):
         self.args = a = args
         self.started = _now() if started is None else started
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -143,7 +146,7 @@ class _Trainer:
                                   getattr(tokenizer, "pad", None), a.plan_ahead)
         self.fwd_bwd = schedules.get_forward_backward_func()
         self.reporter = Reporter(a, dist.get_rank() == dist.get_world_size() - 1, vocab)
-        self.controls = None  # RunControls, while run() runs
+        self.controls = controls or RunControls(a)
 
     def _schedule(self, data_iterator, forward_only, num_micro_batches):
         a = self.args
@@ -184,6 +187,8 @@ class _Trainer:
             self.scheduler.step(increment=samples)
         else:
             self.counters["skipped"] += 1
+        if a.log_params_norm and self.gathers_params:  # this step's weights on every rank
+            self.model.start_param_sync(force_sync=True)
         logged = {"num_zeros": num_zeros if a.log_num_zeros_in_grad else None,
                   "params_norm": params_norm(self.model) if a.log_params_norm else None}
         pairs = torch.tensor([float(self.steps.pairs_seen)], dtype=torch.float64,
@@ -213,7 +218,8 @@ class _Trainer:
                 f"stopping. Lower --lr, check the data, or pass "
                 f"--no-check-for-nan-in-loss-and-grad to keep going")
 
-    def evaluate(self, label="validation"):
+    def evaluate(self, label="validation", in_loop=False):
+        """`in_loop`: an evaluation between iterations (--manual-gc collects around those)."""
         a = self.args
         if a.eval_iters == 0:
             return
@@ -230,7 +236,8 @@ class _Trainer:
         self.model.eval()
         outputs = []
         # the full --global-batch-size, as Megatron-LM evaluates
-        with torch.no_grad(), self.controls.around_evaluation():
+        with torch.no_grad(), (self.controls.around_evaluation() if in_loop
+                               else contextlib.nullcontext()):
             for _ in range(a.eval_iters):
                 outputs += self._schedule(iterator, True, a.num_micro_batches)
                 self.controls.after_forward_backward()
@@ -275,13 +282,6 @@ class _Trainer:
                         self.counters)
 
     def run(self):
-        self.controls = RunControls(self.args)
-        try:
-            return self._loop()
-        finally:
-            self.controls.close()
-
-    def _loop(self):
         a, counters = self.args, self.counters
         self.model.train()
         losses = []
@@ -295,6 +295,7 @@ class _Trainer:
             self.evaluate()
             self.evaluate("test")
             return self._finish(losses)
+        self.controls.begin_training()
         while self.iteration < a.train_iters:
             # Megatron-LM: a checkpoint whenever the batch ramp-up changes the micro-batch
             # count, so a restart resumes at a consistent batch size.
@@ -318,7 +319,7 @@ class _Trainer:
                                     samples, **logged)
             if a.eval_interval and self.iteration % a.eval_interval == 0 and \
                     self.iteration < a.train_iters:
-                self.evaluate()
+                self.evaluate(in_loop=True)
             saved = a.save and a.save_interval and self.iteration % a.save_interval == 0
             if saved:
                 self._save()

@@ -37,7 +37,7 @@ __all__ = ["Reporter"]
 class Reporter:
     def __init__(self, args, is_reporting_rank: bool, vocab_size: int = 0):
         self.args, self.active, self.vocab_size = args, is_reporting_rank, vocab_size
-        self.interval_seconds = self.interval_loss = 0.0
+        self.interval_seconds = self.interval_loss = self.interval_work = 0.0
         self.interval_iterations = self.interval_losses = 0
         self.metrics = open(args.metrics_file, "a") if (self.active and args.metrics_file) else None
         self.writer = None
@@ -67,11 +67,11 @@ class Reporter:
                   "tokens": tokens, "tokens_per_s": tokens / seconds,
                   "attention_tflops": flops / seconds / a.world_size / 1e12,
                   "iteration_ms": seconds * 1e3, "plan_wait_ms": plan_wait_s * 1e3}
-        throughput = None
-        if getattr(a, "log_throughput", False):
+        throughput = getattr(a, "log_throughput", False)
+        if throughput:
             work = model_flops(a, self.vocab_size, tokens, attention_pairs)
             record["model_tflops_per_gpu"] = work / seconds / a.world_size / 1e12
-            throughput = work / a.world_size / 1e12  # divided by the line's mean time
+            self.interval_work += work  # the line: the work since the last line / its time
         if params_norm is not None:
             record["params_norm"] = params_norm
         if num_zeros is not None:
@@ -88,16 +88,17 @@ class Reporter:
             mean_loss = self.interval_loss / self.interval_losses if self.interval_losses \
                 else loss
             per_iteration = self.interval_seconds / self.interval_iterations
-            self.interval_seconds = self.interval_loss = 0.0
+            work, spent = self.interval_work, self.interval_seconds
+            self.interval_seconds = self.interval_loss = self.interval_work = 0.0
             self.interval_iterations = self.interval_losses = 0
             print(f" [{stamp}] iteration {iteration:8d}/{a.train_iters:8d} | consumed samples: "
                   f"{consumed:12d} | elapsed time per iteration (ms): {per_iteration * 1e3:.1f} | "
-                  + ("" if throughput is None else f"throughput per GPU (TFLOP/s/GPU): "
-                                                   f"{throughput / per_iteration:.1f} | ") +
+                  + ("" if not throughput else f"throughput per GPU (TFLOP/s/GPU): "
+                     f"{work / spent / a.world_size / 1e12:.1f} | ") +
                   f"learning rate: {lr:.6E} | global batch size: {batch_size:5d} | "
                   f"lm loss: {mean_loss:.6E} | "
                   + ("" if grad_norm is None else f"grad norm: {grad_norm:.3f} | ")
-                  + ("" if num_zeros is None else f"num zeros: {num_zeros} | ")
+                  + ("" if num_zeros is None else f"num zeros: {num_zeros:.1f} | ")
                   + ("" if params_norm is None else f"params norm: {params_norm:.3f} | ") +
                   f"number of skipped iterations: {skipped:3d} | "
                   f"number of nan iterations: {nan:3d} |", flush=True)

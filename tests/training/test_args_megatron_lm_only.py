@@ -30,9 +30,16 @@ def _megatron_lm_actions():
 
 @needs_megatron_lm
 def test_every_megatron_lm_flag_is_honoured_accepted_or_refused_with_its_reason():
+    from megatron.core import package_info
+
+    actions = _megatron_lm_actions()
+    if not package_info.__version__.startswith("0.16."):
+        pytest.skip(f"the lean trainer runs where megatron.training is absent (megatron-core "
+                    f"0.16); this is {package_info.__version__}, whose own trainer runs")
     known = build_parser()._option_string_actions
-    loose = sorted(flag for flag in _megatron_lm_actions()
-                   if flag not in known and why_absent(flag) is None)
+    loose = sorted(flag for flag in actions if flag not in known and (
+        why_absent(flag) is None
+        or explain_unrecognized([flag], known).startswith("unrecognized flag")))
     assert not loose, f"Megatron-LM flags the lean trainer neither knows nor explains: {loose}"
 
 
@@ -42,14 +49,16 @@ def test_no_effect_flags_take_the_values_megatron_lm_gives_them():
     next word is never eaten or left over."""
     actions = _megatron_lm_actions()
     for flag, (values, _) in NO_EFFECT.items():
-        action = actions[flag]
+        action = actions.get(flag)
+        if action is None:  # another Megatron-LM than 0.16 may lack it
+            continue
         takes = 0 if action.nargs == 0 else "+" if action.nargs in ("+", "*") else 1
         assert takes == values, flag
 
 
 @pytest.mark.parametrize("flags", [
     ["--use-mcore-models", "--attention-backend", "fused", "--timing-log-level", "2",
-     "--log-timers-to-tensorboard", "--dist-ckpt-strictness", "log_all", "--async-save"],
+     "--log-timers-to-tensorboard", "--async-save"],
     ["--rerun-mode", "disabled", "--calculate-per-token-loss", "--local-rank=3"],
 ])
 def test_no_effect_flags_are_accepted_and_said(flags):
@@ -87,12 +96,26 @@ def test_megatron_lm_features_the_lean_trainer_lacks_are_named(flags, message):
 
 @pytest.mark.parametrize("word,near", [("--num-layer", "--num-layers"),
                                        ("--micro-batchsize", "--micro-batch-size"),
+                                       # a family's prefix (--ddp-), a lean flag's typo
+                                       ("--ddp-bucket-sizes", "--ddp-bucket-size"),
                                        ("--frobnicate", None)])
 def test_a_flag_of_neither_gets_the_nearest_lean_flag(word, near):
     with pytest.raises(FlagError, match=f"unrecognized flag {word}") as raised:
         lean(word, "3")
-    assert ("did you mean " + near if near else "did you mean") in str(raised.value) or \
-        (near is None and "did you mean" not in str(raised.value))
+    if near is None:
+        assert "did you mean" not in str(raised.value)
+    else:
+        assert f"did you mean {near}?" in str(raised.value)
+
+
+@pytest.mark.parametrize("flag,instead", [("--checkpoint-activations", "--recompute-activations"),
+                                          ("--batch-size", "--micro-batch-size"),
+                                          ("--model-parallel-size",
+                                           "--tensor-model-parallel-size")])
+def test_flags_megatron_lm_removed_name_their_replacement(flag, instead):
+    with pytest.raises(FlagError, match=f"{flag}: removed from Megatron-LM \\(its trainer "
+                                        f"refuses it too\\); pass {instead}"):
+        lean(flag, *(["2"] if flag != "--checkpoint-activations" else []))
 
 
 def test_words_that_are_not_flags():

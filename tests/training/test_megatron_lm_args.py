@@ -313,3 +313,19 @@ def test_full_validation_one_sequence_at_a_time():
                                         "--seq-length / --context-parallel-size = 33 tokens"):
         checked("--full-validation", "--tensor-model-parallel-size", "2", "--sequence-parallel",
                 "--seq-length", "66", "--context-parallel-size", "2", "--micro-batch-size", "2")
+
+
+def test_xavier_init_that_this_megatron_lm_cannot_build_is_named():
+    """core_v0.16.1's core_transformer_config_from_args gives TransformerConfig a
+    `scaled_init_method` that megatron-core 0.16 lacks: a TypeError at model build."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import_megatron_lm()
+    if "scaled_init_method" in {f.name for f in dataclasses.fields(TransformerConfig)}:
+        assert checked("--init-method-xavier-uniform").init_method_xavier_uniform
+        return
+    with pytest.raises(FlagError, match="--init-method-xavier-uniform: this Megatron-LM passes "
+                                        "megatron-core a `scaled_init_method`"):
+        checked("--init-method-xavier-uniform")

@@ -88,8 +88,13 @@ def test_model_flags_change_the_built_model(tiny_data):
 
 @pytest.mark.parametrize("flags,message", [
     (["--squared-relu", "--swiglu"], "--squared-relu and --swiglu are exclusive"),
-    (["--no-position-embedding"], "--no-position-embedding is deprecated .*pass "
-                                  "--position-embedding-type none"),
+    (["--no-position-embedding"], "--no-position-embedding is deprecated and, as in "
+                                  "Megatron-LM, refused with --position-embedding-type "
+                                  "learned_absolute: drop it"),
+    (["--no-position-embedding", "--position-embedding-type", "none"],
+     "drop it \\(--position-embedding-type none already adds no positions\\)"),
+    (["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"],
+     "--cross-entropy-fusion-impl te needs the transformer_engine package"),
     (["--recompute-activations", "--recompute-granularity", "full"],
      "--recompute-activations means --recompute-granularity selective, not full"),
     (["--encoder-seq-length", "64"], "--seq-length 128 and --encoder-seq-length 64 differ"),
@@ -124,9 +129,8 @@ def test_fusion_switches_turn_their_fusion_off(monkeypatch):
     swiglu = ("--swiglu", "--no-bias-swiglu-fusion")
     assert not transformer_config(lean(*swiglu)).bias_activation_fusion
     assert transformer_config(lean("--swiglu", "--no-bias-gelu-fusion")).bias_activation_fusion
-    fused = transformer_config(lean("--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl",
-                                    "te"))
-    assert (fused.cross_entropy_loss_fusion, fused.cross_entropy_fusion_impl) == (True, "te")
+    fused = transformer_config(lean("--cross-entropy-loss-fusion"))
+    assert (fused.cross_entropy_loss_fusion, fused.cross_entropy_fusion_impl) == (True, "native")
 
 
 def test_grad_reduce_in_bf16_reaches_ddp(monkeypatch):
@@ -153,3 +157,46 @@ def test_dataset_builder_flags_reach_megatron_cores_config(tiny_data, monkeypatc
     eod_wiring.datasets(args, build_tokenizer_from_args(args), [8, 8, 8])
     assert (built["num_dataset_builder_threads"], built["mid_level_dataset_surplus"],
             built["fast_cache_load"], built["mmap_bin_files"]) == (3, 0.01, True, True)
+
+
+@pytest.mark.parametrize("saved,loaded,named", [
+    (["--apply-layernorm-1p"], [], "--apply-layernorm-1p True (this run: False)"),
+    (["--disable-bias-linear", "--add-qkv-bias"], ["--disable-bias-linear"],
+     "--add-qkv-bias True (this run: False)"),
+    (["--squared-relu"], [], "--squared-relu True (this run: False)"),
+    (["--norm-epsilon", "1e-6"], [], "--norm-epsilon 1e-06 (this run: 1e-05)"),
+    (["--normalization", "RMSNorm"], [], "--normalization RMSNorm (this run: LayerNorm)"),
+], ids=["1p", "qkv-bias", "squared-relu", "epsilon", "normalization"])
+def test_a_checkpoint_of_other_model_flags_is_refused_by_name(tiny_data, tmp_path, saved, loaded,
+                                                               named):
+    """Without the check the load went through: 1p norm weights (gamma - 1, near 0) read as
+    gamma took a trained model's loss from 0.12 to 4.4; the QKV biases were dropped."""
+    from tests.training.test_checkpoint_formats import refused
+
+    save = str(tmp_path / "ckpt")
+    (result,) = run_ranks(_trained, 1, tiny_flags(tiny_data, "--train-iters", "3", "--save",
+                                                  save, *saved), daemon=False)
+    assert result == 0
+    assert named in refused(1, tiny_data, "--train-iters", "4", "--load", save, *loaded)
+
+
+def _trained(rank, world, argv):
+    from tests.training.test_nan_stop import _train
+
+    return _train(rank, world, argv)[0]
+
+
+def test_dist_ckpt_strictness_reaches_the_load(tiny_data, tmp_path):
+    """A --load without the optimizer leaves the checkpoint's optimizer keys unread: fine by
+    default (assume_ok_unexpected), refused naming them with raise_all, as megatron-core's
+    StrictHandling says (it was accepted and ignored)."""
+    from tests.training.test_checkpoint_formats import refused
+
+    save = str(tmp_path / "ckpt")
+    run_ranks(_trained, 1, tiny_flags(tiny_data, "--train-iters", "3", "--save", save),
+              daemon=False)
+    load = ("--train-iters", "4", "--load", save, "--no-load-optim")
+    assert run_ranks(_trained, 1, tiny_flags(tiny_data, *load), daemon=False) == [0]
+    line = refused(1, tiny_data, *load, "--dist-ckpt-strictness", "raise_all")
+    assert "(--dist-ckpt-strictness raise_all): Some keys found in the checkpoint are " \
+           "missing" in line and "optimizer.state.exp_avg" in line

@@ -56,7 +56,7 @@ class _Collections:
     def __init__(self):
         self.calls, self.enabled_during_run = 0, []
 
-    def collect(self):
+    def collect(self, generation=2):
         self.calls += 1
 
 
@@ -83,17 +83,20 @@ def _count_collections(rank, world, argv):
 
 
 @pytest.mark.parametrize("flags,collections", [
-    # one at the start, at iterations 2 and 4, before and after both final evaluations
-    (["--manual-gc", "--manual-gc-interval", "2"], 1 + 2 + 4),
-    (["--manual-gc", "--manual-gc-interval", "2", "--no-manual-gc-eval"], 1 + 2),
-    (["--manual-gc"], 1 + 4),
+    # one at the start, at iterations 2 and 4; none around the final evaluations
+    (["--manual-gc", "--manual-gc-interval", "2"], 1 + 2),
+    # and before and after the loop's evaluation at iteration 2
+    (["--manual-gc", "--manual-gc-interval", "2", "--eval-interval", "2"], 1 + 2 + 2),
+    (["--manual-gc", "--manual-gc-interval", "2", "--eval-interval", "2",
+      "--no-manual-gc-eval"], 1 + 2),
+    (["--manual-gc"], 1),
     ([], 0),
 ])
 def test_manual_gc_collects_where_megatron_lm_does(tiny_data, flags, collections):
     argv = tiny_flags(tiny_data, "--train-iters", "4", "--eval-interval", "1000", *flags)
     ((code, calls, enabled, after),) = run_ranks(_count_collections, 1, argv)
     assert code == 0 and calls == collections
-    assert enabled == [not flags] * 4 and after
+    assert enabled == ["--manual-gc" not in flags] * 4 and after
 
 
 @pytest.mark.parametrize("level,releases", [(0, 0), (1, 1), (2, 2)])
@@ -164,3 +167,48 @@ def _norm_and_direct(rank, world, argv):
         model, _ = build_model(args, EodContextRegistry(), 256)
         direct = sum(p.double().pow(2).sum() for p in model.parameters()).sqrt().item()
         return params_norm(model), direct
+
+
+def _orphan_signalled(pipe):
+    """A worker whose launcher died gets parent_watch's SIGTERM: it must die of it, not keep
+    training towards a save its dead peers never join."""
+    import os
+
+    args = parse_args(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1",
+                       "--seq-length", "8", "--train-iters", "1", "--lr", "1", "--mock-data",
+                       "--exit-signal-handler", "--exit-signal", "SIGUSR1"],
+                      world_size=1, cuda_available=False)
+    controls = run_controls.RunControls(args)
+    os.kill(os.getpid(), signal.SIGUSR1)  # the launcher is alive: remembered
+    pipe.send(controls.signal_received())
+    controls.parent = -1                  # as if re-parented: the launcher is gone
+    os.kill(os.getpid(), signal.SIGUSR1)
+    pipe.send("still alive")
+
+
+def test_the_exit_signal_of_an_orphan_still_ends_it():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=_orphan_signalled, args=(theirs,))
+    child.start()
+    child.join(60)
+    assert ours.poll(5) and ours.recv() is True
+    assert child.exitcode == -signal.SIGUSR1 and not ours.poll(0)
+
+
+def test_params_norm_sees_this_steps_weights_with_overlapped_gathers(tiny_data, tmp_path):
+    """--overlap-param-gather gathers the distributed optimizer's updated shards only at the
+    next forward: a norm taken right after the step mixed this step's shard with the other
+    ranks' previous ones (19.095 against 19.246)."""
+    norms = []
+    for name, flags in (("sync", []), ("overlap", ["--overlap-param-gather"])):
+        metrics = tmp_path / f"{name}.jsonl"
+        argv = tiny_flags(tiny_data, "--train-iters", "3", "--log-params-norm",
+                          "--use-distributed-optimizer", "--metrics-file", str(metrics),
+                          *flags)
+        assert all(code == 0 for code, _ in run_ranks(_logged, 2, argv))
+        norms.append([json.loads(line)["params_norm"] for line in
+                      metrics.read_text().splitlines() if "kind" not in json.loads(line)])
+    assert norms[1] == pytest.approx(norms[0], rel=1e-6)
