@@ -202,13 +202,16 @@ def test_params_norm_sees_this_steps_weights_with_overlapped_gathers(tiny_data, 
     """--overlap-param-gather gathers the distributed optimizer's updated shards only at the
     next forward: a norm taken right after the step mixed this step's shard with the other
     ranks' previous ones (19.095 against 19.246)."""
-    norms = []
-    for name, flags in (("sync", []), ("overlap", ["--overlap-param-gather"])):
+    norms, losses = [], []
+    for name, flags in (("sync", ["--log-params-norm"]),
+                        ("overlap", ["--log-params-norm", "--overlap-param-gather"]),
+                        ("unlogged", ["--overlap-param-gather"])):
         metrics = tmp_path / f"{name}.jsonl"
-        argv = tiny_flags(tiny_data, "--train-iters", "3", "--log-params-norm",
-                          "--use-distributed-optimizer", "--metrics-file", str(metrics),
-                          *flags)
+        argv = tiny_flags(tiny_data, "--train-iters", "3", "--use-distributed-optimizer",
+                          "--metrics-file", str(metrics), *flags)
         assert all(code == 0 for code, _ in run_ranks(_logged, 2, argv))
-        norms.append([json.loads(line)["params_norm"] for line in
-                      metrics.read_text().splitlines() if "kind" not in json.loads(line)])
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        norms.append([r.get("params_norm") for r in records if "kind" not in r])
+        losses.append([r["lm_loss"] for r in records])
     assert norms[1] == pytest.approx(norms[0], rel=1e-6)
+    assert losses[0] == losses[1] == losses[2]  # the extra gather changes no step
