@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 from megatron_eod.data.sidecar import sidecar_path, write_sidecar
 
-__all__ = ["TMP", "dataset_files", "temporary_files", "install", "discard"]
+__all__ = ["TMP", "dataset_files", "temporary_files", "scratch_files", "install", "discard"]
 
 TMP = ".tmp"
 
@@ -27,6 +27,14 @@ def dataset_files(base: str) -> Tuple[str, str, str]:
 def temporary_files(base: str) -> Tuple[str, str, str]:
     """Where a writer puts each of dataset_files(base) until `install`."""
     return tuple(path + TMP for path in dataset_files(base))
+
+
+def scratch_files(base: str) -> Tuple[str, ...]:
+    """The index writer's scratch files beside the `.idx` temporary (index_writer.py)."""
+    from megatron_eod.data.index_writer import SCRATCH_SUFFIXES
+
+    idx = temporary_files(base)[1]
+    return tuple(idx + suffix for suffix in SCRATCH_SUFFIXES)
 
 
 def install(base: str, metadata: Optional[dict]) -> None:
@@ -44,6 +52,6 @@ def install(base: str, metadata: Optional[dict]) -> None:
 
 def discard(base: str) -> None:
     """Remove the temporaries of `base` that exist (a failed or killed run's)."""
-    for path in temporary_files(base):
+    for path in (*temporary_files(base), *scratch_files(base)):
         if os.path.exists(path):
             os.remove(path)

@@ -1,7 +1,8 @@
 """Several indexed datasets -> one, as Megatron's `tools/merge_datasets.py`, checked, with metadata.
 
 One job: concatenate the documents of datasets preprocessed apart (shards made by separate
-jobs) into one `.bin/.idx` through megatron-core's `IndexedDatasetBuilder.add_index`, in the
+jobs) into one `.bin/.idx` (index_writer.py: the bytes of megatron-core's
+`IndexedDatasetBuilder.add_index`, in memory that does not grow with the parts), in the
 order given (a directory's datasets sorted by name, as Megatron's tool). Merging the outputs of
 shards gives the bytes preprocessing their concatenation gives, metadata file included.
 
@@ -23,7 +24,6 @@ What it does not do: no re-tokenizing, no multimodal datasets (sequence modes), 
 
 from __future__ import annotations
 
-import gc
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
@@ -32,6 +32,7 @@ import numpy
 
 from megatron_eod.data.checks import DatasetError, check_files
 from megatron_eod.data.dataset_files import discard, install, temporary_files
+from megatron_eod.data.index_writer import IndexWriter
 
 __all__ = ["MergeError", "MergeStats", "find_parts", "merge_datasets"]
 
@@ -109,10 +110,6 @@ def _tokenizer_difference(a: dict, b: dict) -> Optional[str]:
 
 def merge_datasets(inputs: Sequence[str], output_prefix: str, log=None) -> MergeStats:
     """Merge the datasets `inputs` names (find_parts) into `output_prefix`.bin/.idx/.json."""
-    from megatron_eod.megatron.imports import import_megatron
-
-    IndexedDatasetBuilder = import_megatron(
-        "megatron.core.datasets.indexed_dataset").IndexedDatasetBuilder
     log = log or (lambda msg: None)
     parts = find_parts(list(inputs))
     _check_output(inputs, parts, output_prefix)
@@ -142,15 +139,12 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str, log=None) -> Merge
     temps = temporary_files(output_prefix)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     builder = None
-    # megatron-core's add_index runs a full garbage collection after each part: 0.2 s a part
-    # in a process holding torch. Objects made before the merge are left out of it meanwhile.
-    gc.freeze()
     try:
-        builder = IndexedDatasetBuilder(temps[0], dtype=dtype)
+        builder = IndexWriter(temps[0], temps[1], dtype)
         for i, part in enumerate(parts):
             builder.add_index(part)
             log(f"merged {part} ({i + 1} of {len(parts)})")
-        builder.finalize(temps[1])
+        builder.finalize()
         metadata = None if stats.without_metadata else {
             "tokenizer": metas[0][1].get("tokenizer"), "dtype": numpy.dtype(dtype).name,
             "max_token_id": max(m.get("max_token_id", -1) for _, m in metas),
@@ -160,9 +154,7 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str, log=None) -> Merge
         install(output_prefix, metadata)
     except BaseException:
         if builder is not None:
-            builder.data_file.close()
+            builder.close()
         discard(output_prefix)
         raise
-    finally:
-        gc.unfreeze()
     return stats

@@ -2,8 +2,9 @@
 
 One job: read jsonl (one document a line) from one or more sources, tokenize the
 `--json-keys` fields, optionally append the EoD id, and write one indexed dataset per key
-through megatron-core's `IndexedDatasetBuilder`, so that `IndexedDataset` / `GPTDataset` read
-it back unchanged. The sources (files in the order given, glob patterns, gzip/bzip2/xz/zstd
+in megatron-core's format (index_writer.py: the bytes of its `IndexedDatasetBuilder`, in
+memory that does not grow with the corpus), so that `IndexedDataset` / `GPTDataset` read it
+back unchanged. The sources (files in the order given, glob patterns, gzip/bzip2/xz/zstd
 files, stdin) and their chunking are jsonl_inputs.py's; their documents are written in that
 order, as one dataset.
 
@@ -42,8 +43,9 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy
 
-from megatron_eod.data.dataset_files import (dataset_files, discard, install,
+from megatron_eod.data.dataset_files import (dataset_files, discard, install, scratch_files,
                                               temporary_files)
+from megatron_eod.data.index_writer import IndexWriter
 from megatron_eod.data.jsonl_inputs import (InputError, bounded_ordered_map, resolve_inputs,
                                              source_chunks, source_name)
 from megatron_eod.data.sidecar import tokenizer_identity
@@ -202,15 +204,15 @@ def preprocess_jsonl(input_path: Union[str, Sequence[str]], output_prefix: str, 
 def _own_files(output_prefix: str, json_keys: Sequence[str]) -> List[str]:
     """Every file a run writes (and its .tmp), which no input may be."""
     bases = [_base(output_prefix, key) for key in json_keys]
-    return [path for base in bases for path in (*dataset_files(base), *temporary_files(base))]
+    return [path for base in bases
+            for path in (*dataset_files(base), *temporary_files(base), *scratch_files(base))]
 
 
 def _preprocess(sources, output_prefix, tokenizer, json_keys, append_eod, workers, log_interval,
                 skip_bad_lines, log) -> PreprocessStats:
     from megatron_eod.megatron.imports import import_megatron
 
-    indexed = import_megatron("megatron.core.datasets.indexed_dataset")
-    DType, IndexedDatasetBuilder = indexed.DType, indexed.IndexedDatasetBuilder
+    DType = import_megatron("megatron.core.datasets.indexed_dataset").DType
     global _ENCODER
     _check_args(json_keys, workers, log_interval)
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -222,7 +224,7 @@ def _preprocess(sources, output_prefix, tokenizer, json_keys, append_eod, worker
     for base in bases.values():
         discard(base)  # a killed run's leftovers
     temps = {key: temporary_files(base) for key, base in bases.items()}
-    builders = {key: IndexedDatasetBuilder(temps[key][0], dtype=dtype) for key in json_keys}
+    builders = {key: IndexWriter(temps[key][0], temps[key][1], dtype) for key in json_keys}
     counts = {key: [0, 0, -1] for key in json_keys}  # tokens, EoD tokens, largest id
     eod = getattr(tokenizer, "eod", None)
     pool = None
@@ -275,8 +277,8 @@ def _preprocess(sources, output_prefix, tokenizer, json_keys, append_eod, worker
                     log(f"processed {stats.documents} documents "
                         f"({d:.0f} docs/s, {t:.0f} tokens/s, {mb:.2f} MB/s)")
             first_line += n_lines
-        for key, builder in builders.items():
-            builder.finalize(temps[key][1])
+        for builder in builders.values():
+            builder.finalize()
         for key, base in bases.items():  # only now replace what was there
             tokens, eods, largest = counts[key]
             install(base, {
@@ -287,7 +289,7 @@ def _preprocess(sources, output_prefix, tokenizer, json_keys, append_eod, worker
             stats.outputs[key] = base
     except BaseException:
         for builder in builders.values():
-            builder.data_file.close()
+            builder.close()
         for base in bases.values():
             discard(base)
         raise
