@@ -3,20 +3,23 @@
 One job: write what megatron-core's `IndexedDatasetBuilder` writes, byte for byte (tests check
 it), without its index in Python lists. megatron-core's builder keeps every sequence length
 and document boundary as a Python int until `finalize` (measured: about 90 bytes a document
-preprocessing, 120 merging, so 100 GB for a dataset of a billion documents); here they go to
-two scratch files beside the output as they come, in blocks of `_BLOCK` entries, and
-`finalize` streams them into the `.idx` with the sequence pointers computed block by block.
-Memory stays a few tens of MB whatever the dataset's size.
+preprocessing, 120 merging, so 100 GB for a dataset of a billion documents). Here the
+sequence lengths go straight into the `.idx` (after room for its header), the document
+boundaries into one scratch file beside it, both in blocks of `_BLOCK` entries; `finalize`
+appends the sequence pointers, computed block by block from the lengths written, and the
+boundaries, then fills in the header. Memory stays a few MB whatever the dataset's size; the
+scratch file takes 8 bytes a document of disk until `finalize`.
 
     writer = IndexWriter(bin_tmp, idx_tmp, numpy.uint16)
     writer.add_document(tokens, [len(tokens)])    # megatron-core's add_document
+    writer.add_documents(tokens, [[3], [2, 4]])   # several, their tokens in one array
     writer.add_index("other_prefix")              # megatron-core's add_index (a whole dataset)
-    writer.finalize()                             # the .idx; scratch files removed
+    writer.finalize()                             # the .idx complete; scratch removed
     writer.close()                                # on failure: files closed, scratch removed
 
 The `.idx` layout (megatron-core's MMapIndexedDataset, version 1): the header
 b"MMIDIDX\\x00\\x00", version 1 (<Q), the token dtype's code (<B), the sequence count (<Q),
-the document count (<Q; document boundaries, including the leading 0), then the sequence
+the document count (<Q; document boundaries, the leading 0 included), then the sequence
 lengths (int32), the sequences' byte offsets in the `.bin` (int64) and the document
 boundaries (int64, as sequence indices).
 
@@ -37,123 +40,146 @@ from megatron_eod.megatron.imports import import_megatron
 __all__ = ["IndexWriter", "SCRATCH_SUFFIXES"]
 
 _HEADER = b"MMIDIDX\x00\x00"
-_BLOCK = 1 << 20  # entries a scratch buffer holds before it is written out
-SCRATCH_SUFFIXES = (".lengths", ".documents")  # after the .idx path
+_COUNTS_AT = len(_HEADER) + 8 + 1  # the sequence and document counts' place
+_LENGTHS_AT = _COUNTS_AT + 16      # where the sequence lengths start
+_BLOCK = 1 << 16  # entries a buffer holds before it is written out
+SCRATCH_SUFFIXES = (".documents",)  # after the .idx path
 
 
 class _Column:
-    """A growing column of one dtype: a buffer of _BLOCK entries, spilled to a file."""
+    """Integers of one dtype appended to a file: a Python list of up to _BLOCK entries (cheap
+    to append to), written out as one array when full."""
 
-    def __init__(self, path: str, dtype):
-        self.path, self.dtype = path, numpy.dtype(dtype)
-        self.file = open(path, "wb")
-        self.buffer = numpy.empty(_BLOCK, dtype=self.dtype)
-        self.used = 0
+    def __init__(self, file, dtype):
+        self.file, self.dtype = file, numpy.dtype(dtype)
+        self.pending = []
         self.count = 0
 
     def extend(self, values) -> None:
-        values = numpy.asarray(values, dtype=self.dtype).reshape(-1)
-        while values.size:
-            take = min(values.size, _BLOCK - self.used)
-            self.buffer[self.used:self.used + take] = values[:take]
-            self.used += take
-            self.count += take
-            values = values[take:]
-            if self.used == _BLOCK:
-                self.flush()
+        self.pending.extend(values)
+        if len(self.pending) >= _BLOCK:
+            self.flush()
 
     def append(self, value: int) -> None:
-        if self.used == _BLOCK:
+        self.pending.append(value)
+        if len(self.pending) >= _BLOCK:
             self.flush()
-        self.buffer[self.used] = value
-        self.used += 1
-        self.count += 1
+
+    def extend_array(self, values: numpy.ndarray) -> None:
+        """Many at once (a block of another dataset's index): written as they are."""
+        self.flush()
+        self.file.write(numpy.ascontiguousarray(values, dtype=self.dtype).tobytes())
+        self.count += values.size
 
     def flush(self) -> None:
-        self.file.write(self.buffer[:self.used].tobytes())
-        self.used = 0
+        if self.pending:
+            self.file.write(numpy.array(self.pending, dtype=self.dtype).tobytes())
+            self.count += len(self.pending)
+            self.pending = []
 
-    def blocks(self):
-        """The whole column, block by block (after the last flush)."""
-        self.flush()
-        self.file.close()
-        with open(self.path, "rb") as f:
-            while True:
-                raw = f.read(_BLOCK * self.dtype.itemsize)
-                if not raw:
-                    return
-                yield numpy.frombuffer(raw, dtype=self.dtype)
-
-    def discard(self) -> None:
-        self.file.close()
-        if os.path.exists(self.path):
-            os.remove(self.path)
+    def total(self) -> int:
+        return self.count + len(self.pending)
 
 
 class IndexWriter:
     def __init__(self, bin_path: str, idx_path: str, dtype):
-        indexed = import_megatron("megatron.core.datasets.indexed_dataset")
+        self.indexed = import_megatron("megatron.core.datasets.indexed_dataset")
         self.dtype = numpy.dtype(dtype)
-        self.code = indexed.DType.code_from_dtype(self.dtype.type)
-        self.idx_path = idx_path
-        self.data = open(bin_path, "wb")
-        self.lengths = _Column(idx_path + SCRATCH_SUFFIXES[0], numpy.int32)
-        self.documents = _Column(idx_path + SCRATCH_SUFFIXES[1], numpy.int64)
+        self.code = self.indexed.DType.code_from_dtype(self.dtype.type)
+        self.idx_path, self.scratch_path = idx_path, idx_path + SCRATCH_SUFFIXES[0]
+        self.files = []  # closed by close(), whatever happened
+        self.finished = False
+        self.data = self._open(bin_path, "wb")
+        self.idx = self._open(idx_path, "w+b")
+        self.idx.write(bytes(_LENGTHS_AT))  # the header, filled in by finalize
+        self.lengths = _Column(self.idx, numpy.int32)
+        self.documents = _Column(self._open(self.scratch_path, "w+b"), numpy.int64)
         self.documents.append(0)
+
+    def _open(self, path, mode):
+        try:
+            self.files.append(open(path, mode))
+        except BaseException:
+            self.close()
+            raise
+        return self.files[-1]
 
     def add_document(self, tokens, lengths: Sequence[int]) -> None:
         """One document of `len(lengths)` sequences whose tokens, in order, are `tokens`."""
         self.data.write(numpy.asarray(tokens, dtype=self.dtype).tobytes(order="C"))
         self.lengths.extend(lengths)
-        self.documents.append(self.lengths.count)
+        self.documents.append(self.lengths.total())
+
+    def add_documents(self, tokens, lengths: Sequence[Sequence[int]]) -> None:
+        """Several documents, `lengths[i]` the sequence lengths of the i-th; `tokens` all their
+        tokens in order (as many as the lengths add up to)."""
+        tokens = numpy.asarray(tokens, dtype=self.dtype)
+        if sum(map(sum, lengths)) != tokens.size:
+            raise ValueError(f"{tokens.size} tokens for documents of "
+                             f"{sum(map(sum, lengths))}")
+        self.data.write(tokens.tobytes(order="C"))
+        for one in lengths:
+            self.lengths.extend(one)
+            self.documents.append(self.lengths.total())
 
     def add_index(self, prefix: str) -> None:
         """Every document of the dataset `prefix` (its `.bin` copied, its index appended)."""
-        indexed = import_megatron("megatron.core.datasets.indexed_dataset")
         # its .idx memory-mapped; its .bin not opened as one (an empty part has an empty .bin)
-        part = indexed.IndexedDataset(prefix, multimodal=False, mmap=False)
+        part = self.indexed.IndexedDataset(prefix, multimodal=False, mmap=False)
         if numpy.dtype(part.index.dtype) != self.dtype:
             raise ValueError(f"{prefix} holds {numpy.dtype(part.index.dtype).name} tokens, "
                              f"this dataset {self.dtype.name}")
-        offset = self.lengths.count
+        offset = self.lengths.total()
         lengths, boundaries = part.sequence_lengths, part.document_indices
         for start in range(0, len(lengths), _BLOCK):
-            self.lengths.extend(lengths[start:start + _BLOCK])
+            self.lengths.extend_array(lengths[start:start + _BLOCK])
         for start in range(1, len(boundaries), _BLOCK):
-            self.documents.extend(boundaries[start:start + _BLOCK] + offset)
+            self.documents.extend_array(boundaries[start:start + _BLOCK] + offset)
         del part, lengths, boundaries
         with open(prefix + ".bin", "rb") as source:
             shutil.copyfileobj(source, self.data, 16 << 20)
 
     def finalize(self) -> None:
-        """Write the `.idx` and close everything; the scratch files are removed."""
-        self.data.close()
-        with open(self.idx_path, "wb") as idx:
-            idx.write(_HEADER)
-            idx.write(struct.pack("<Q", 1))
-            idx.write(struct.pack("<B", self.code))
-            idx.write(struct.pack("<Q", self.lengths.count))
-            idx.write(struct.pack("<Q", self.documents.count))
-            lengths_path = self.lengths.path
-            for block in self.lengths.blocks():
-                idx.write(block.tobytes())
-            pointer = 0  # the byte offset of the next sequence in the .bin
-            with open(lengths_path, "rb") as f:
-                while True:
-                    raw = f.read(_BLOCK * 4)
-                    if not raw:
-                        break
-                    sizes = numpy.frombuffer(raw, dtype=numpy.int32).astype(numpy.int64)
-                    sizes *= self.dtype.itemsize
-                    ends = numpy.cumsum(sizes) + pointer
-                    idx.write((ends - sizes).tobytes())
-                    pointer = int(ends[-1])
-            for block in self.documents.blocks():
-                idx.write(block.tobytes())
+        """Complete the `.idx` and close everything; the scratch file is removed. Once."""
+        if self.finished:
+            raise ValueError(f"{self.idx_path} is already finalized")
+        self.data.flush()
+        self.lengths.flush()
+        self.documents.flush()
+        sequences, documents = self.lengths.count, self.documents.count
+        # the pointers, after the lengths: read back a block, write its pointers at the end
+        read_at, write_at, pointer = _LENGTHS_AT, _LENGTHS_AT + 4 * sequences, 0
+        while read_at < _LENGTHS_AT + 4 * sequences:
+            self.idx.seek(read_at)
+            sizes = numpy.frombuffer(self.idx.read(min(_BLOCK * 4, _LENGTHS_AT + 4 * sequences
+                                                       - read_at)), dtype=numpy.int32)
+            read_at += 4 * sizes.size
+            sizes = sizes.astype(numpy.int64) * self.dtype.itemsize
+            ends = numpy.cumsum(sizes) + pointer
+            self.idx.seek(write_at)
+            write_at += self.idx.write((ends - sizes).tobytes())
+            pointer = int(ends[-1])
+        self.idx.seek(write_at)
+        scratch = self.documents.file
+        scratch.seek(0)
+        shutil.copyfileobj(scratch, self.idx, _BLOCK * 8)
+        self.idx.seek(0)
+        self.idx.write(_HEADER + struct.pack("<Q", 1) + struct.pack("<B", self.code)
+                       + struct.pack("<Q", sequences) + struct.pack("<Q", documents))
+        self.finished = True
         self.close()
 
     def close(self) -> None:
-        """Close the files and remove the scratch ones (after finalize, or on failure)."""
-        self.data.close()
-        self.lengths.discard()
-        self.documents.discard()
+        """Close the files and remove the scratch one, whatever fails on the way (after
+        finalize, or on failure: the caller then removes the .bin and .idx)."""
+        files, self.files = self.files, []
+        error = None
+        for f in files:
+            try:
+                f.close()  # a full disk fails here too, as the buffer is written out
+            except OSError as failed:
+                error = error or failed
+        if os.path.exists(self.scratch_path):
+            os.remove(self.scratch_path)
+        if error is not None and self.finished:
+            raise error

@@ -113,6 +113,7 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str, log=None) -> Merge
     log = log or (lambda msg: None)
     parts = find_parts(list(inputs))
     _check_output(inputs, parts, output_prefix)
+    discard(output_prefix)  # a killed run's leftovers, whatever happens next
     facts = []
     for part in parts:
         try:

@@ -224,12 +224,14 @@ def _preprocess(sources, output_prefix, tokenizer, json_keys, append_eod, worker
     for base in bases.values():
         discard(base)  # a killed run's leftovers
     temps = {key: temporary_files(base) for key, base in bases.items()}
-    builders = {key: IndexWriter(temps[key][0], temps[key][1], dtype) for key in json_keys}
+    builders = {}
     counts = {key: [0, 0, -1] for key in json_keys}  # tokens, EoD tokens, largest id
     eod = getattr(tokenizer, "eod", None)
     pool = None
     start = time.perf_counter()
     try:
+        for key in json_keys:
+            builders[key] = IndexWriter(temps[key][0], temps[key][1], dtype)
         if workers > 1:
             pool = multiprocessing.get_context("fork").Pool(workers)
         # A few chunks a worker in flight: enough to keep them busy, and a stream read in the
@@ -243,7 +245,7 @@ def _preprocess(sources, output_prefix, tokenizer, json_keys, append_eod, worker
                 name = source_name(sources[index])
                 if len(sources) > 1:
                     log(f"reading {name} ({index + 1} of {len(sources)} inputs)")
-            offsets = dict.fromkeys(json_keys, 0)
+            documents = {key: [] for key in json_keys}  # each good line's sequence lengths
             for key, ids in packed.items():
                 counts[key][0] += int(ids.size)
                 counts[key][1] += int(numpy.count_nonzero(ids == eod)) if eod is not None else 0
@@ -263,11 +265,8 @@ def _preprocess(sources, output_prefix, tokenizer, json_keys, append_eod, worker
                     continue
                 doc_tokens = 0
                 for key, lengths in payload.items():
-                    n = sum(lengths)
-                    builders[key].add_document(packed[key][offsets[key]:offsets[key] + n],
-                                               lengths)
-                    offsets[key] += n
-                    doc_tokens += n
+                    documents[key].append(lengths)
+                    doc_tokens += sum(lengths)
                 stats.tokens += doc_tokens
                 stats.documents += 1
                 stats.empty_documents += int(doc_tokens == 0)
@@ -276,6 +275,8 @@ def _preprocess(sources, output_prefix, tokenizer, json_keys, append_eod, worker
                     d, t, mb = stats.rates()
                     log(f"processed {stats.documents} documents "
                         f"({d:.0f} docs/s, {t:.0f} tokens/s, {mb:.2f} MB/s)")
+            for key in json_keys:  # the chunk's tokens: its good lines', in order
+                builders[key].add_documents(packed[key], documents[key])
             first_line += n_lines
         for builder in builders.values():
             builder.finalize()
@@ -289,7 +290,7 @@ def _preprocess(sources, output_prefix, tokenizer, json_keys, append_eod, worker
             stats.outputs[key] = base
     except BaseException:
         for builder in builders.values():
-            builder.close()
+            builder.close()  # (errors closing a failed run's files are not news)
         for base in bases.values():
             discard(base)
         raise

@@ -94,9 +94,62 @@ def test_memory_does_not_grow_with_the_documents(tmp_path, monkeypatch):
 
 
 def test_a_failed_write_leaves_no_scratch_files(tmp_path):
-    writer = IndexWriter(str(tmp_path / "d.bin"), str(tmp_path / "d.idx"), numpy.uint16)
+    """close() after a failure: files closed, the scratch file removed (the .bin and .idx are
+    the caller's .tmp files, which dataset_files.discard removes with any scratch left by a
+    killed run)."""
+    from megatron_eod.data.dataset_files import discard, scratch_files, temporary_files
+
+    base = str(tmp_path / "d")
+    bin_, idx, _ = temporary_files(base)
+    writer = IndexWriter(bin_, idx, numpy.uint16)
     writer.add_document(numpy.arange(4), [4])
-    scratch = [str(tmp_path / "d.idx") + suffix for suffix in SCRATCH_SUFFIXES]
-    assert all(os.path.exists(path) for path in scratch)
+    assert [os.path.exists(p) for p in scratch_files(base)] == [True] * len(SCRATCH_SUFFIXES)
     writer.close()
-    assert os.listdir(tmp_path) == ["d.bin"]
+    assert sorted(os.listdir(tmp_path)) == ["d.bin.tmp", "d.idx.tmp"]
+    leftover = IndexWriter(bin_, idx, numpy.uint16)  # as a killed run leaves them
+    for f in leftover.files:
+        f.close()
+    discard(base)
+    assert os.listdir(tmp_path) == []
+
+
+class _FullDisk:
+    """A file whose buffered bytes cannot be written out: closing it fails (ENOSPC)."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def close(self):
+        self.f.close()
+        raise OSError(28, "No space left on device")
+
+
+def test_a_full_disk_still_removes_the_scratch_file(tmp_path):
+    """On a full disk closing the .bin fails too: the scratch file must go all the same, and
+    the error of a finished write is not swallowed."""
+    writer = IndexWriter(str(tmp_path / "d.bin"), str(tmp_path / "d.idx"), numpy.uint16)
+    writer.files[0] = _FullDisk(writer.files[0])
+    writer.close()  # a failed run's clean-up: the run's own error is the news
+    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx"]
+    writer = IndexWriter(str(tmp_path / "e.bin"), str(tmp_path / "e.idx"), numpy.uint16)
+    writer.files[1] = _FullDisk(writer.files[1])
+    with pytest.raises(OSError, match="No space left"):
+        writer.finalize()
+    assert not os.path.exists(writer.scratch_path)
+
+
+def test_finalize_is_once_and_several_documents_at_a_time(tmp_path):
+    docs = _documents(5, 30, 1000)
+    writer = IndexWriter(str(tmp_path / "d.bin"), str(tmp_path / "d.idx"), numpy.uint16)
+    writer.add_documents(numpy.concatenate([t for t, _ in docs]), [lengths for _, lengths in docs])
+    writer.finalize()
+    with pytest.raises(ValueError, match="already finalized"):
+        writer.finalize()
+    ours = [open(str(tmp_path / "d") + s, "rb").read() for s in (".bin", ".idx")]
+    assert ours == _write("megatron", str(tmp_path / "theirs"), numpy.uint16, docs)
+    with pytest.raises(ValueError, match="3 tokens for documents of 4"):
+        IndexWriter(str(tmp_path / "e.bin"), str(tmp_path / "e.idx"),
+                    numpy.uint16).add_documents(numpy.arange(3), [[1], [3]])

@@ -99,7 +99,25 @@ def test_a_damaged_part_is_named_and_the_previous_merge_kept(tmp_path, shards):
                                          r"_document\.bin: \d+ bytes, but .* points at"):
         merge_datasets(parts, out)
     assert files(out) == before
-    assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path / "merged"))
+    assert sorted(os.listdir(tmp_path / "merged")) == ["all.bin", "all.idx", "all.json"]
+
+
+def test_a_killed_merges_leftovers_are_removed_by_the_next(tmp_path, shards):
+    """What a merge killed mid-write leaves (its .tmp files and the index writer's scratch
+    file, which for short documents outgrows the .bin) goes with the next merge to that
+    prefix, also one that then fails."""
+    from megatron_eod.data.dataset_files import scratch_files, temporary_files
+
+    parts, _ = shards
+    out = str(tmp_path / "merged" / "all")
+    os.makedirs(tmp_path / "merged")
+    for path in (*temporary_files(out), *scratch_files(out)):
+        open(path, "wb").write(b"left by a killed run")
+    with open(parts[3] + ".bin", "r+b") as f:  # this run then fails on a damaged part
+        f.truncate(2)
+    with pytest.raises(MergeError, match="cannot merge .*part-3"):
+        merge_datasets(parts, out)
+    assert os.listdir(tmp_path / "merged") == []
 
 
 def test_a_part_with_foreign_or_damaged_metadata_or_multimodal_is_named(tmp_path, shards):
