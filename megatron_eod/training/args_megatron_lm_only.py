@@ -30,9 +30,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from megatron_eod.training.cp_flags import FlagError
 from megatron_eod.training.megatron_lm_args import REFUSED
 
-__all__ = ["ABSENT", "NO_EFFECT", "add_no_effect_args", "check_no_effect_values",
-           "explain_unrecognized",
-           "no_effect_notice", "why_absent"]
+__all__ = ["ABSENT", "NO_EFFECT", "REMOVED", "add_no_effect_args", "check_no_effect_values",
+           "explain_unrecognized", "no_effect_notice", "why_absent"]
 
 _KERNEL = "the attention kernels here compute the softmax in float32 always"
 _EOD_KERNELS = ("attention runs in megatron-eod's kernels (varlen flash attention on GPUs, "
