@@ -34,6 +34,10 @@ def _rank_main(fn, rank, world_size, store_path, conn, args, kwargs):
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        # Every rank's connections made before any goes on: a rank whose function ends at
+        # once (a refused input) closed its side while a peer was still connecting ("Gloo
+        # connectFullMesh failed ... Connection closed by peer", seen once in 1200 tests).
+        dist.barrier()
         try:
             result = fn(rank, world_size, *args, **kwargs)
         finally:
