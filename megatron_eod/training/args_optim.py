@@ -99,6 +99,9 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "or unexpected in it (megatron-core's StrictHandling, as Megatron-LM; "
                         "with log_all, return_all and ignore_all missing weights keep their "
                         "initial values)")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="stop (exit 2) when --load holds no checkpoint, instead of training "
+                        "from scratch (Megatron-LM's exits with status 0)")
     g.add_argument("--pretrained-checkpoint", default=None,
                    help="weights to start from when --load has no checkpoint (as --finetune)")
     for flag in ("--finetune", "--no-save-optim", "--no-save-rng", "--no-load-optim",
@@ -309,3 +312,6 @@ def check_checkpoint(args) -> None:
              "written only in torch_dist here; pass --ckpt-format torch_dist")
     _require(not (args.finetune and args.load is None and args.pretrained_checkpoint is None),
              "--finetune needs --load DIR or --pretrained-checkpoint DIR")
+    _require(not args.exit_on_missing_checkpoint or args.load is not None
+             or args.pretrained_checkpoint is not None,
+             "--exit-on-missing-checkpoint needs --load DIR (or --pretrained-checkpoint DIR)")

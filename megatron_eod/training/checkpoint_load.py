@@ -302,6 +302,11 @@ def load_checkpoint(args, model, optimizer, scheduler):
     --pretrained-checkpoint), or (0, {}) when there is none. Collective."""
     root, finetune = _choose_root(args)
     if root is None:
+        if getattr(args, "exit_on_missing_checkpoint", False):
+            raise CheckpointError(
+                f"--load {args.load or args.pretrained_checkpoint} holds no checkpoint "
+                f"(no {TRACKER}) and --exit-on-missing-checkpoint is set: stopping instead of "
+                f"training from scratch")
         if dist.get_rank() == 0 and args.load:
             print(f" no checkpoint under --load {args.load}; starting from scratch", flush=True)
         return 0, {}

@@ -215,3 +215,21 @@ def test_params_norm_sees_this_steps_weights_with_overlapped_gathers(tiny_data, 
         losses.append([r["lm_loss"] for r in records])
     assert norms[1] == pytest.approx(norms[0], rel=1e-6)
     assert losses[0] == losses[1] == losses[2]  # the extra gather changes no step
+
+
+def test_exit_on_missing_checkpoint_stops_instead_of_training_from_scratch(tiny_data, tmp_path):
+    """A continuation job whose --load is empty (a wrong path, a lost checkpoint) would train a
+    new model from scratch under the old run's name."""
+    from megatron_eod.training.args import FlagError
+    from tests.training.test_checkpoint_formats import refused
+
+    empty = tmp_path / "ckpt"
+    empty.mkdir()
+    line = refused(2, tiny_data, "--context-parallel-size", "2", "--load", str(empty),
+                   "--exit-on-missing-checkpoint")
+    assert line == (f"pretrain_gpt.py: error: --load {empty} holds no checkpoint (no "
+                    f"latest_checkpointed_iteration.txt) and --exit-on-missing-checkpoint is "
+                    f"set: stopping instead of training from scratch")
+    with pytest.raises(FlagError, match="--exit-on-missing-checkpoint needs --load DIR"):
+        parse_args(tiny_flags(tiny_data, "--exit-on-missing-checkpoint"), world_size=1,
+                   cuda_available=False)
