@@ -114,9 +114,9 @@ class IndexWriter:
         """Several documents, `lengths[i]` the sequence lengths of the i-th; `tokens` all their
         tokens in order (as many as the lengths add up to)."""
         tokens = numpy.asarray(tokens, dtype=self.dtype)
-        if sum(map(sum, lengths)) != tokens.size:
-            raise ValueError(f"{tokens.size} tokens for documents of "
-                             f"{sum(map(sum, lengths))}")
+        total = sum(map(sum, lengths))
+        if total != tokens.size:
+            raise ValueError(f"{tokens.size} tokens for documents of {total}")
         self.data.write(tokens.tobytes(order="C"))
         for one in lengths:
             self.lengths.extend(one)

@@ -4,7 +4,8 @@ One job: parse Megatron's flag spellings (dest names as in Megatron-LM: `--num-l
 `args.num_layers`, `--disable-bias-linear` -> `args.add_bias_linear = False`, mirrored as
 `args.disable_bias_linear`), fill the derived fields (`world_size`, `data_parallel_size`,
 `ulysses_degree`, `params_dtype`, batch and LR defaults, ...) and reject every invalid
-combination with a `FlagError` that names the flags. The CP rules (and FlagError) live in
+combination with a `FlagError` that names the flags. The model flags are args_model.py's,
+the optimizer/schedule/checkpoint ones args_optim.py's. The CP rules (and FlagError) live in
 cp_flags.py, shared with Megatron-LM's args; `--context-parallel-algo` also takes the Ascend
 spellings (`megatron_cp_algo` -> ring, ...) and stores the short name.
 
@@ -28,11 +29,11 @@ from megatron_eod.training import args_optim as optim
 from megatron_eod.training.args_megatron_lm_only import (add_no_effect_args,
                                                          check_no_effect_values,
                                                          explain_unrecognized)
+from megatron_eod.training.args_model import add_model_args, check_model, switches, typed
 from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIASES,
                                             RING_EXCHANGE_HELP, RING_EXCHANGES, FlagError,
                                             check_context_parallel, check_gloo_on_cuda,
-                                            check_gpu_attention, check_query_groups,
-                                            check_sequence_parallel_rows)
+                                            check_gpu_attention, check_sequence_parallel_rows)
 from megatron_eod.training.flag_rules import check_positive as _positive
 from megatron_eod.training.flag_rules import check_split, check_tokenizer_files
 
@@ -46,66 +47,12 @@ class _Parser(argparse.ArgumentParser):
         raise FlagError(message)
 
 
-def _switches(g, *flags: str) -> None:
-    for flag in flags:
-        g.add_argument(flag, action="store_true")
-
-
-def _typed(g, kind, *specs) -> None:
-    """(flag, default[, help]) specs of one type; a None default is derived or means 'off'."""
-    for flag, default, *help_text in specs:
-        g.add_argument(flag, type=kind, default=default, help=(help_text or [None])[0])
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads"):
-        g.add_argument(flag, type=int, required=True)
-    _typed(g, int, ("--seq-length", None, "required (or Megatron-LM's --encoder-seq-length)"),
-           ("--encoder-seq-length", None, "Megatron-LM's other name of --seq-length"))
-    _typed(g, int, ("--num-query-groups", None, "key/value heads with --group-query-attention "
-                                                "(default there: 1); without it, multi-head "
-                                                "attention, as Megatron-LM"),
-           ("--ffn-hidden-size", None, "default: 4 x --hidden-size; with --swiglu, 2/3 of "
-                                       "that rounded down to a multiple of 64 (Megatron-LM's)"),
-           ("--kv-channels", None, "default: --hidden-size / --num-attention-heads"),
-           ("--max-position-embeddings", None, "default: --seq-length"),
-           ("--rotary-base", 10000), ("--make-vocab-size-divisible-by", 128))
-    _typed(g, float, ("--rotary-percent", 1.0), ("--init-method-std", 0.02),
-           ("--hidden-dropout", 0.1),
-           ("--attention-dropout", 0.0, "must be 0: the varlen attention kernels apply none"))
-    _switches(g, "--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights",
-              "--qk-layernorm", "--rotary-interleaved", "--use-rope-scaling")
-    _typed(g, float, ("--rope-scaling-factor", 8.0, "Llama-3 RoPE scaling factor"),
-           ("--rotary-seq-len-interpolation-factor", None,
-            "divide positions by this factor (linear RoPE interpolation)"),
-           ("--embedding-init-method-std", None, "default: --init-method-std"))
-    # Megatron-LM's dests (its checkpoints' args carry these names)
-    g.add_argument("--norm-epsilon", type=float, default=1e-5, dest="layernorm_epsilon",
-                   help="the layer norms' epsilon")
-    g.add_argument("--apply-layernorm-1p", action="store_true",
-                   dest="layernorm_zero_centered_gamma",
-                   help="norm weights stored as gamma - 1 (initialised to 0)")
-    _switches(g, "--add-qkv-bias", "--squared-relu", "--init-method-xavier-uniform",
-              "--use-rotary-position-embeddings")
-    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
-                   help="Megatron-LM's deprecated spelling; only with RoPE")
-    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
-    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
-    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default=None,
-                   help="default: transformer_engine where it is installed and CUDA is "
-                        "present (Megatron-LM's default), else local")
-    g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute", "none"),
-                   default="learned_absolute",
-                   help="all at the reset position ids (default: learned_absolute, Megatron-LM's)")
-
-
 def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
-    _typed(g, int, ("--micro-batch-size", 1),
+    typed(g, int, ("--micro-batch-size", 1),
            ("--global-batch-size", None, "default: --micro-batch-size x data-parallel size"),
            ("--seed", 1234), ("--recompute-num-layers", None, "default with full: 1"))
-    _switches(g, "--bf16", "--fp16", "--use-cpu-initialization")
+    switches(g, "--bf16", "--fp16", "--use-cpu-initialization")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                    dest="check_for_nan_in_loss_and_grad",
                    help="keep training when the loss or the grad norm is NaN/Inf (default: "
@@ -151,7 +98,7 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None,
                    help="PREFIX ... or WEIGHT PREFIX ... (required unless --mock-data)")
-    _switches(g, "--mock-data")
+    switches(g, "--mock-data")
     g.add_argument("--data-args-path", default=None,
                    help="a file holding --data-path's words (for long blends)")
     for split in ("train", "valid", "test"):
@@ -162,9 +109,9 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--split", default=None,
                    help="train,valid,test shares of one blend (default 969,30,1)")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="ByteTokenizer")
-    _typed(g, str, ("--tokenizer-model", None), ("--vocab-file", None), ("--merge-file", None),
+    typed(g, str, ("--tokenizer-model", None), ("--vocab-file", None), ("--merge-file", None),
            ("--data-cache-path", None))
-    _typed(g, int, ("--vocab-size", None), ("--num-workers", 0),
+    typed(g, int, ("--vocab-size", None), ("--num-workers", 0),
            ("--tiktoken-num-special-tokens", 1000))
     g.add_argument("--tiktoken-pattern", choices=("v1", "v2"), default=None,
                    help="TikTokenizer's split pattern (required with it)")
@@ -177,18 +124,18 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
                    dest="create_attention_mask_in_dataloader",
                    help="accepted for Megatron-LM scripts: no dense mask is ever made here")
-    _typed(g, int, ("--num-dataset-builder-threads", 1))
-    _typed(g, float, ("--mid-level-dataset-surplus", 0.005))
-    _switches(g, "--dataloader-fast-cache-load", "--dataloader-defer-npy-index-mmap")
+    typed(g, int, ("--num-dataset-builder-threads", 1))
+    typed(g, float, ("--mid-level-dataset-surplus", 0.005))
+    switches(g, "--dataloader-fast-cache-load", "--dataloader-defer-npy-index-mmap")
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging and checkpoints")
-    _typed(g, str, ("--save", None), ("--load", None), ("--tensorboard-dir", None),
+    typed(g, str, ("--save", None), ("--load", None), ("--tensorboard-dir", None),
            ("--metrics-file", None))
-    _switches(g, "--skip-train", "--log-params-norm", "--log-num-zeros-in-grad",
+    switches(g, "--skip-train", "--log-params-norm", "--log-num-zeros-in-grad",
               "--log-throughput", "--log-validation-ppl-to-tensorboard")
-    _typed(g, int, ("--save-interval", None), ("--eval-interval", 1000), ("--eval-iters", 100),
+    typed(g, int, ("--save-interval", None), ("--eval-interval", 1000), ("--eval-iters", 100),
            ("--log-interval", 100), ("--exit-interval", None),
            ("--exit-duration-in-mins", None, "save (with --save) and exit after this many "
                                              "minutes since start-up, checked every iteration "
@@ -199,7 +146,7 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism and EoD")
-    _typed(g, int, ("--tensor-model-parallel-size", 1), ("--pipeline-model-parallel-size", 1),
+    typed(g, int, ("--tensor-model-parallel-size", 1), ("--pipeline-model-parallel-size", 1),
            ("--context-parallel-size", 1),
            ("--ulysses-degree-in-cp", None, "Ulysses group size for --context-parallel-algo "
                                             "hybrid"))
@@ -208,7 +155,7 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cp-ring-exchange", choices=RING_EXCHANGES, default="batched",
                    help=RING_EXCHANGE_HELP)
     g.add_argument("--cp-concurrent-calls", action="store_true", help=CONCURRENT_CALLS_HELP)
-    _switches(g, "--sequence-parallel", "--use-flash-attn", "--reset-attention-mask",
+    switches(g, "--sequence-parallel", "--use-flash-attn", "--reset-attention-mask",
               "--reset-position-ids", "--eod-mask-loss")
     g.add_argument("--attention-mask-type", choices=("causal", "general"), default=None,
                    help="general = EoD document mask (default with --reset-attention-mask)")
@@ -223,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The flags of `pretrain_gpt.py`; usage errors raise FlagError."""
     parser = _Parser(description="GPT pretraining with EoD reset under context parallelism",
                      allow_abbrev=False)
-    for add in (_add_model_args, _add_training_args, optim.add_optimizer_args,
+    for add in (add_model_args, _add_training_args, optim.add_optimizer_args,
                 optim.add_schedule_args, _add_data_args, _add_logging_args,
                 optim.add_checkpoint_args, _add_parallel_args, add_no_effect_args):
         add(parser)
@@ -264,7 +211,7 @@ def validate_args(args: argparse.Namespace, world_size: int,
              f"WORLD_SIZE must be a positive integer, got {world_size!r}")
     args.world_size = world_size
     _check_parallel_sizes(args)
-    _check_model(args)
+    check_model(args)
     check_context_parallel(args)
     _check_training(args, bool(cuda_available))
     _check_sequence_parallel(args)
@@ -286,86 +233,6 @@ def _check_parallel_sizes(args) -> None:
              f"--pipeline-model-parallel-size x --context-parallel-size = {tp} x {pp} x {cp} = "
              f"{tp * pp * cp}")
     args.data_parallel_size = args.world_size // (tp * pp * cp)
-
-
-def _check_megatron_lm_spellings(args) -> None:
-    """Megatron-LM's other names: --encoder-seq-length, --use-rotary-position-embeddings,
-    --recompute-activations; --no-position-embedding only with RoPE (as Megatron-LM)."""
-    if args.seq_length is None:
-        _require(args.encoder_seq_length is not None, "--seq-length is required")
-        args.seq_length = args.encoder_seq_length
-    _require(args.encoder_seq_length in (None, args.seq_length),
-             f"--seq-length {args.seq_length} and --encoder-seq-length "
-             f"{args.encoder_seq_length} differ: pass one")
-    args.encoder_seq_length = args.seq_length
-    if args.use_rotary_position_embeddings:
-        args.position_embedding_type = "rope"
-    _require(args.add_position_embedding or args.position_embedding_type == "rope",
-             f"--no-position-embedding is deprecated and, as in Megatron-LM, refused with "
-             f"--position-embedding-type {args.position_embedding_type}: drop it ("
-             + ("--position-embedding-type none already adds no positions)"
-                if args.position_embedding_type == "none" else
-                "--position-embedding-type none adds no positions)"))
-    if args.recompute_activations:
-        _require(args.recompute_granularity in (None, "selective"),
-                 f"--recompute-activations means --recompute-granularity selective, not "
-                 f"{args.recompute_granularity}: pass one")
-        args.recompute_granularity = "selective"
-
-
-def _check_model(args) -> None:
-    _check_megatron_lm_spellings(args)
-    _positive(args, "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-              "ffn_hidden_size", "kv_channels", "seq_length", "max_position_embeddings",
-              "make_vocab_size_divisible_by", "rotary_base", "init_method_std")
-    heads, tp = args.num_attention_heads, args.tensor_model_parallel_size
-    check_query_groups(args)  # Megatron-LM's meaning: one launch script, one model
-    if args.num_query_groups is None:  # Megatron: --group-query-attention alone means 1 group
-        args.num_query_groups = 1 if args.group_query_attention else heads
-    groups = args.num_query_groups
-    _require(heads % groups == 0, f"--num-attention-heads {heads} must be divisible by "
-                                  f"--num-query-groups {groups}")
-    _require(heads % tp == 0, f"--num-attention-heads {heads} must be divisible by "
-                              f"--tensor-model-parallel-size {tp}")
-    _require(groups % tp == 0, f"--num-query-groups {groups} must be divisible by "
-                               f"--tensor-model-parallel-size {tp}")
-    args.group_query_attention = groups < heads
-    args.disable_bias_linear = not args.add_bias_linear  # the flag's name, for readers of args
-    if args.kv_channels is None:
-        _require(args.hidden_size % heads == 0,
-                 f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads "
-                 f"{heads} (or pass --kv-channels)")
-        args.kv_channels = args.hidden_size // heads
-    if args.ffn_hidden_size is None:  # Megatron-LM's defaults (the same expression)
-        if args.swiglu:
-            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
-            _require(args.ffn_hidden_size > 0,
-                     f"--swiglu with --hidden-size {args.hidden_size}: the default "
-                     f"--ffn-hidden-size (2/3 of 4 x hidden, rounded down to a multiple of 64, "
-                     f"as Megatron-LM) is 0; pass --ffn-hidden-size")
-        else:
-            args.ffn_hidden_size = 4 * args.hidden_size
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
-    _require(args.seq_length <= args.max_position_embeddings,
-             f"--seq-length {args.seq_length} must be <= --max-position-embeddings "
-             f"{args.max_position_embeddings}")
-    pp = args.pipeline_model_parallel_size
-    _require(args.num_layers % pp == 0, f"--num-layers {args.num_layers} must be divisible by "
-                                        f"--pipeline-model-parallel-size {pp}")
-    _positive(args, "rope_scaling_factor", "rotary_seq_len_interpolation_factor")
-    _require(0.0 < args.rotary_percent <= 1.0,
-             f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
-    _require(0.0 <= args.hidden_dropout < 1.0,
-             f"--hidden-dropout must be in [0, 1), got {args.hidden_dropout}")
-    _require(not (args.squared_relu and args.swiglu),
-             "--squared-relu and --swiglu are exclusive (one activation): pass one")
-    _positive(args, "embedding_init_method_std")
-    _require(args.layernorm_epsilon > 0,
-             f"--norm-epsilon must be positive, got {args.layernorm_epsilon}")
-    _require(args.attention_dropout == 0.0,
-             f"--attention-dropout {args.attention_dropout}: our varlen attention kernels "
-             f"apply no dropout; pass --attention-dropout 0")
 
 
 def _check_sequence_parallel(args) -> None:

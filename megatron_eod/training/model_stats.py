@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_eod.megatron.imports import import_megatron
 
-__all__ = ["params_norm", "model_flops", "matmul_weights"]
+__all__ = ["params_norm", "model_flops", "matmul_weights", "attention_flops"]
 
 
 def params_norm(model) -> float:
@@ -55,9 +55,15 @@ def matmul_weights(args, vocab_size: int) -> int:
     return args.num_layers * (attention + mlp) + h * vocab_size
 
 
+def attention_flops(args, attention_pairs: float) -> float:
+    """FLOPs of the attention of `attention_pairs` query-key pairs, forward and backward:
+    4 x heads x head size a pair forward, twice that backward, per layer."""
+    return attention_pairs * 4 * args.num_attention_heads * args.kv_channels * 3 \
+        * args.num_layers
+
+
 def model_flops(args, vocab_size: int, tokens: int, attention_pairs: float) -> float:
     """FLOPs of one training iteration over `tokens` tokens whose document masks hold
     `attention_pairs` query-key pairs in all."""
-    attention = attention_pairs * 4 * args.num_attention_heads * args.kv_channels * 3 \
-        * args.num_layers
-    return 6.0 * matmul_weights(args, vocab_size) * tokens + attention
+    return 6.0 * matmul_weights(args, vocab_size) * tokens + attention_flops(args,
+                                                                             attention_pairs)

@@ -99,9 +99,9 @@ def _now() -> float:
 
 
 class _Trainer:
-    def __init__(self, args, started=None, controls=None):
+    def __init__(self, args, started, controls):
         self.args = a = args
-        self.started = _now() if started is None else started
+        self.started = started
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         ps = self.ps = import_megatron("megatron.core.parallel_state")
         schedules = import_megatron("megatron.core.pipeline_parallel")
@@ -146,7 +146,7 @@ class _Trainer:
                                   getattr(tokenizer, "pad", None), a.plan_ahead)
         self.fwd_bwd = schedules.get_forward_backward_func()
         self.reporter = Reporter(a, dist.get_rank() == dist.get_world_size() - 1, vocab)
-        self.controls = controls or RunControls(a)
+        self.controls = controls
 
     def _schedule(self, data_iterator, forward_only, num_micro_batches):
         a = self.args

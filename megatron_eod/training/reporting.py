@@ -29,7 +29,7 @@ import json
 import math
 import time
 
-from megatron_eod.training.model_stats import model_flops
+from megatron_eod.training.model_stats import attention_flops, model_flops
 
 __all__ = ["Reporter"]
 
@@ -61,8 +61,7 @@ class Reporter:
         a = self.args
         batch_size = batch_size or a.global_batch_size
         tokens = batch_size * a.seq_length
-        # 4*H*D flops per pair forward, twice that backward, per layer; per rank.
-        flops = attention_pairs * 4 * a.num_attention_heads * a.kv_channels * 3 * a.num_layers
+        flops = attention_flops(a, attention_pairs)
         record = {"iteration": iteration, "lm_loss": loss, "grad_norm": grad_norm, "lr": lr,
                   "tokens": tokens, "tokens_per_s": tokens / seconds,
                   "attention_tflops": flops / seconds / a.world_size / 1e12,
