@@ -85,6 +85,11 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
                    help="megatron-core's fused vocab-parallel cross entropy")
     g.add_argument("--cross-entropy-fusion-impl", choices=("native", "te"), default="native")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="bitwise reproducible runs, as Megatron-LM's: torch's deterministic "
+                        "algorithms (deterministic flash-attention backward too) and "
+                        "megatron-core's deterministic embedding; on CUDA needs "
+                        "CUBLAS_WORKSPACE_CONFIG and, with NCCL, NCCL_ALGO (slower)")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="with --bf16: reduce gradients in bf16 (default float32)")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
@@ -296,6 +301,35 @@ def _check_device_flags(args, cuda_available: bool) -> None:
     _require(args.distributed_backend != "nccl" or cuda_available,
              "--distributed-backend nccl needs CUDA; use --distributed-backend gloo on CPU")
     check_gloo_on_cuda(args, cuda_available)
+    _check_deterministic(args, cuda_available)
+
+
+# What torch's cuBLAS calls and Megatron-LM's --deterministic-mode check accept.
+CUBLAS_WORKSPACE_CONFIGS = (":4096:8", ":16:8")
+NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+
+
+def _check_deterministic(args, cuda_available: bool) -> None:
+    """--deterministic-mode's rules, checked at start-up: Megatron-LM's (no fused cross
+    entropy; NCCL_ALGO pinned), and the CUBLAS_WORKSPACE_CONFIG that torch would otherwise
+    ask for only at the first matmul, after the model and the data were built."""
+    if not args.deterministic_mode:
+        return
+    _require(not args.cross_entropy_loss_fusion,
+             "--deterministic-mode with --cross-entropy-loss-fusion: the fused cross entropy "
+             "is not deterministic (Megatron-LM refuses it too); drop one")
+    if not cuda_available:
+        return
+    cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    _require(cublas in CUBLAS_WORKSPACE_CONFIGS,
+             f"--deterministic-mode on CUDA needs the environment variable "
+             f"CUBLAS_WORKSPACE_CONFIG set to {' or '.join(CUBLAS_WORKSPACE_CONFIGS)} (torch's "
+             f"rule for deterministic cuBLAS), got {cublas!r}")
+    algo = os.environ.get("NCCL_ALGO")
+    _require(args.distributed_backend != "nccl" or algo in NCCL_ALGOS,
+             f"--deterministic-mode with NCCL needs the environment variable NCCL_ALGO set to "
+             f"one of {', '.join(NCCL_ALGOS)} (Megatron-LM's rule: one reduction order), got "
+             f"{algo!r}")
 
 
 def _check_data(args) -> None:

@@ -6,7 +6,8 @@ of Megatron-LM's own parser (core_v0.16.1; tests/training/test_args_megatron_lm_
 checks the whole parser) is one of:
 
 - a lean trainer flag (args.py, args_optim.py): honoured;
-- in NO_EFFECT: accepted, because what it asks is already so here or it only tunes a kernel,
+- in NO_EFFECT (or NO_EFFECT_HERE, for the runs where a lean flag changes nothing):
+  accepted, because what it asks is already so here or it only tunes a kernel,
   a report or a service the lean trainer does not have; the run says once, on rank 0, which
   of them it was given and why they change nothing (`no_effect_notice`);
 - in a family of ABSENT: refused, naming the flag and the feature, and Megatron-LM's own
@@ -30,7 +31,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from megatron_eod.training.cp_flags import FlagError
 from megatron_eod.training.megatron_lm_args import REFUSED
 
-__all__ = ["ABSENT", "NO_EFFECT", "REMOVED", "add_no_effect_args", "check_no_effect_values",
+__all__ = ["ABSENT", "NO_EFFECT", "NO_EFFECT_HERE", "REMOVED", "add_no_effect_args", "check_no_effect_values",
            "explain_unrecognized", "no_effect_notice", "why_absent"]
 
 _KERNEL = "the attention kernels here compute the softmax in float32 always"
@@ -241,8 +242,7 @@ ABSENT: List[Tuple[str, Tuple[str, ...], Tuple[str, ...]]] = [
       "--use-nccl-ub", "--disable-symmetric-registration", "--use-sharp",
       "--sharp-enabled-group", "--create-all-gather-group", "--nccl-communicator-config-path",
       "--use-tp-pp-dp-mapping", "--fake-process-group", "--lazy-mpu-init",
-      "--distributed-timeout-seconds-after-init", "--no-clone-scatter-output-in-embedding",
-      "--deterministic-mode")),
+      "--distributed-timeout-seconds-after-init", "--no-clone-scatter-output-in-embedding")),
     ("Megatron-LM's context-parallel spellings: the lean trainer's are --context-parallel-algo "
      "ring|ulysses|hybrid and --ulysses-degree-in-cp U",
      (), ("--cp-comm-type", "--hierarchical-context-parallel-sizes", "--hybrid-context-parallel",
@@ -286,15 +286,27 @@ def _dest(flag: str) -> str:
     return flag[2:].replace("-", "_")
 
 
+# Lean flags that change nothing in some runs, as in Megatron-LM's, which accepts them there:
+# flag -> (whether it changes nothing in this run, why).
+NO_EFFECT_HERE = {
+    "--dist-ckpt-optim-fully-reshardable": (
+        lambda args: not args.use_distributed_optimizer,
+        "it shapes the distributed optimizer's checkpoint; without --use-distributed-optimizer "
+        "the optimizer's state reshards always"),
+}
+
+
 def no_effect_notice(args) -> Optional[str]:
     """The line rank 0 prints: each no-effect flag given, and why; None when none was."""
-    given = [flag for flag in NO_EFFECT
+    given = [(flag, why) for flag, (_, why) in NO_EFFECT.items()
              if getattr(args, _dest(flag), None) not in (None, False)]
+    given += [(flag, why) for flag, (idle, why) in NO_EFFECT_HERE.items()
+              if getattr(args, _dest(flag), None) not in (None, False) and idle(args)]
     if not given:
         return None
     reasons: Dict[str, List[str]] = {}
-    for flag in given:
-        reasons.setdefault(NO_EFFECT[flag][1], []).append(flag)
+    for flag, why in given:
+        reasons.setdefault(why, []).append(flag)
     return "megatron-eod: accepted, with no effect in the lean trainer: " + "; ".join(
         f"{', '.join(flags)} ({why})" for why, flags in reasons.items())
 

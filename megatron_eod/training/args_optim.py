@@ -304,9 +304,6 @@ def rampup_as_step_schedule(start: int, increment: int, samples: int,
 
 
 def check_checkpoint(args) -> None:
-    _require(not args.dist_ckpt_optim_fully_reshardable or args.use_distributed_optimizer,
-             "--dist-ckpt-optim-fully-reshardable needs --use-distributed-optimizer (the "
-             "regular optimizer's state always reshards)")
     _require(args.ckpt_format == "torch_dist" or not args.use_distributed_optimizer,
              "--ckpt-format torch with --use-distributed-optimizer: its per-DP-rank state is "
              "written only in torch_dist here; pass --ckpt-format torch_dist")

@@ -7,8 +7,8 @@ stand-ins (gloo_on_cuda). For Hybrid CP, parallel_state
 builds the Ulysses (consecutive) and Ring (strided) sub-groups as its hierarchical CP groups
 and they are handed to the attention (`register_hybrid_groups`). megatron-core's
 micro-batch calculator is set up for --global-batch-size / --rampup-batch-size (as a step
-schedule where megatron-core >= 0.18 ignores the ramp). Seeds follow
-Megatron:
+schedule where megatron-core >= 0.18 ignores the ramp). --deterministic-mode turns
+torch's deterministic algorithms on for the run. Seeds follow Megatron:
 seed + 100 * pipeline rank for the default generators, and megatron-core's model-parallel
 RNG tracker (`model_parallel_cuda_manual_seed`).
 
@@ -34,10 +34,11 @@ from megatron_eod.training.parent_watch import exit_with_parent, launched_by_tor
 __all__ = ["initialize", "shutdown"]
 
 _OWNS_PROCESS_GROUP = False
+_DETERMINISTIC_BEFORE = None  # (mode, warn_only) to give back, set by --deterministic-mode
 
 
 def initialize(args):
-    global _OWNS_PROCESS_GROUP
+    global _OWNS_PROCESS_GROUP, _DETERMINISTIC_BEFORE
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         cpu_compat.apply_torch_adamw_fixes()  # only where megatron-core uses torch's AdamW
@@ -45,6 +46,10 @@ def initialize(args):
             gloo_on_cuda.apply()
     else:
         cpu_compat.apply()
+    if args.deterministic_mode:  # as Megatron-LM's; given back by shutdown
+        _DETERMINISTIC_BEFORE = (torch.are_deterministic_algorithms_enabled(),
+                                 torch.is_deterministic_algorithms_warn_only_enabled())
+        torch.use_deterministic_algorithms(True)
     if launched_by_torchrun():
         exit_with_parent()  # no orphans training on when torchrun's agent dies
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
@@ -82,7 +87,7 @@ def _step_schedule(schedule) -> dict:
 
 
 def shutdown():
-    global _OWNS_PROCESS_GROUP
+    global _OWNS_PROCESS_GROUP, _DETERMINISTIC_BEFORE
     import_megatron("megatron.core.parallel_state").destroy_model_parallel()
     import_megatron("megatron.core.num_microbatches_calculator").unset_num_microbatches_calculator()
     if _OWNS_PROCESS_GROUP and dist.is_initialized():
@@ -90,3 +95,7 @@ def shutdown():
         _OWNS_PROCESS_GROUP = False
     cpu_compat.remove()
     gloo_on_cuda.remove()
+    if _DETERMINISTIC_BEFORE is not None:
+        mode, warn_only = _DETERMINISTIC_BEFORE
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+        _DETERMINISTIC_BEFORE = None

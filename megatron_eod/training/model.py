@@ -58,7 +58,7 @@ def transformer_config(args):
         recompute_granularity=recompute,
         recompute_method=args.recompute_method if recompute == "full" else None,
         recompute_num_layers=args.recompute_num_layers if recompute == "full" else None,
-        calculate_per_token_loss=True,
+        calculate_per_token_loss=True, deterministic_mode=args.deterministic_mode,
         # Megatron-LM's defaults on GPUs (each --no-*-fusion turns its one off); its gelu
         # fusion needs the bias it fuses.
         bias_activation_fusion=gpu and (

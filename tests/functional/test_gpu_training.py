@@ -152,3 +152,20 @@ def test_megatron_lm_trainer_cp_processes_sharing_one_gpu_match_cp1(tiny_data, t
                         "--cp-comm-type", "p2p", trainer="megatron-lm")
     assert_close(cp2, cp1, CP_TOL, "Megatron-LM trainer, bf16 CP=2 ring, 2 processes sharing "
                                    "one GPU, vs CP=1")
+
+
+def test_deterministic_mode_runs_are_bitwise_equal_on_gpu(gpu_cp1, tiny_data, tmp_path):
+    """--deterministic-mode on the GPU kernels (torch's deterministic flash backward, or
+    flash-attn's deterministic=True): CP=2 ring as two processes sharing the GPU, twice,
+    bitwise equal, and within CP_TOL of the default CP=1 run. Not yet run on a GPU (written in
+    a session without one); last here, so a short lease spends its time on the others first."""
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    flags = ("--context-parallel-size", "2", "--distributed-backend", "gloo",
+             "--deterministic-mode")
+    runs = [tmp_path / "first", tmp_path / "second"]
+    for run in runs:
+        run.mkdir()
+    first, second = (train_on_gpus(2, tiny_data, run, *flags, env=env) for run in runs)
+    assert first == second, f"two --deterministic-mode runs differ: {first} vs {second}"
+    assert_close(first, gpu_cp1, CP_TOL, "bf16 CP=2 ring --deterministic-mode, 2 processes "
+                                         "sharing one GPU, vs CP=1")

@@ -120,3 +120,13 @@ def test_flags_megatron_lm_removed_name_their_replacement(flag, instead):
 
 def test_words_that_are_not_flags():
     assert explain_unrecognized(["stray"], []) == "unrecognized arguments: stray"
+
+
+def test_fully_reshardable_without_the_distributed_optimizer_is_said_to_change_nothing():
+    """Megatron-LM accepts it there (24 of its GPT functional-test configs pass it without
+    --use-distributed-optimizer); the lean trainer refused it."""
+    notice = no_effect_notice(lean("--dist-ckpt-optim-fully-reshardable"))
+    assert notice and "--dist-ckpt-optim-fully-reshardable (it shapes the distributed " \
+                      "optimizer's checkpoint; without --use-distributed-optimizer" in notice
+    used = lean("--dist-ckpt-optim-fully-reshardable", "--use-distributed-optimizer")
+    assert used.dist_ckpt_optim_fully_reshardable and no_effect_notice(used) is None

@@ -38,8 +38,6 @@ BAD = [
     (["--ddp-num-buckets", 0], 1, False, r"--ddp-num-buckets must be positive"),
     (["--overlap-param-gather"], 1, False,
      r"--overlap-param-gather needs --use-distributed-optimizer"),
-    (["--dist-ckpt-optim-fully-reshardable"], 1, False,
-     r"--dist-ckpt-optim-fully-reshardable needs --use-distributed-optimizer"),
     (["--ckpt-format", "torch", "--use-distributed-optimizer"], 1, False,
      r"--ckpt-format torch with --use-distributed-optimizer: .* pass --ckpt-format torch_dist"),
     (["--finetune"], 1, False, r"--finetune needs --load DIR or --pretrained-checkpoint DIR"),
