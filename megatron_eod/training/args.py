@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 from typing import Optional, Sequence
 
 import torch
@@ -26,6 +27,7 @@ from megatron_eod.attention.backends import has_transformer_engine
 from megatron_eod.data.tokenizers import TOKENIZER_TYPES
 from megatron_eod.megatron.dataset import NO_DATA, PER_SPLIT_SOURCES, data_sources_given
 from megatron_eod.training import args_optim as optim
+from megatron_eod.training import checkpoint_args
 from megatron_eod.training.args_megatron_lm_only import (add_no_effect_args,
                                                          check_no_effect_values,
                                                          explain_unrecognized)
@@ -186,9 +188,19 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
                cuda_available: Optional[bool] = None) -> argparse.Namespace:
     """Parse `argv` (default sys.argv[1:]) and `validate_args`; unknown flags are a FlagError."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--use-checkpoint-args" in argv:  # the checkpoint may give them
+        for action in parser._actions:
+            if action.dest in checkpoint_args.REQUIRED:
+                action.required = False
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         raise FlagError(explain_unrecognized(unknown, parser._option_string_actions))
+    spelled = parser._option_string_actions
+    given = {spelled[word.split("=", 1)[0]].dest: None for word in argv
+             if word.split("=", 1)[0] in spelled}  # the dests the flags set
+    given = {dest: getattr(args, dest) for dest in given}
+    checkpoint_args.apply_checkpoint_args(args, given, parser)
     if world_size is None:
         try:
             world_size = int(os.environ.get("WORLD_SIZE", 1))

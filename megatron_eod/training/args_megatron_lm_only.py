@@ -220,8 +220,6 @@ ABSENT: List[Tuple[str, Tuple[str, ...], Tuple[str, ...]]] = [
      ("--non-persistent-", "--ckpt-convert-", "--replication", "--dist-ckpt-"),
      ("--persistent-save-interval", "--save-wgrads-interval", "--save-dgrads-interval",
       "--save-retain-interval", "--load-main-params-from-ckpt", "--ckpt-step",
-      "--use-checkpoint-args", "--use-mp-args-from-checkpoint-args",
-      "--no-use-tokenizer-model-from-checkpoint-args",
       "--distrib-optim-fully-reshardable-mem-efficient")),
     ("report of the largest attention logits", (), ("--log-max-attention-logit",)),
     ("fault tolerance, restarts and result checking",

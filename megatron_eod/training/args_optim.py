@@ -107,6 +107,16 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     for flag in ("--finetune", "--no-save-optim", "--no-save-rng", "--no-load-optim",
                  "--no-load-rng"):
         g.add_argument(flag, action="store_true")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="the model's flags from the checkpoint's saved args (--load's, else "
+                        "--pretrained-checkpoint's): sizes the flags leave out, architecture "
+                        "switches always, as Megatron-LM")
+    g.add_argument("--use-mp-args-from-checkpoint-args", action="store_true",
+                   help="with --use-checkpoint-args: the TP/PP sizes too")
+    g.add_argument("--no-use-tokenizer-model-from-checkpoint-args",
+                   "--disable-use-tokenizer-model-from-checkpoint-args", action="store_false",
+                   dest="use_tokenizer_model_from_checkpoint_args",
+                   help="with --use-checkpoint-args: keep the flags' --tokenizer-type/-model")
 
 
 def check_optimizer(args) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 
 import torch
 
@@ -141,6 +142,7 @@ def check_before_megatron(args) -> None:
     trainer (Megatron-LM asserts an interval)."""
     if getattr(args, "ulysses_degree", None) is None:
         _resolve_context_parallel(args)
+    _keep_the_flags_attention_dropout(args)
     check_split(args)
     check_positive(args, "log_interval")
     if not (getattr(args, "skip_train", False) or getattr(args, "full_validation", False)):
@@ -150,6 +152,33 @@ def check_before_megatron(args) -> None:
         if getattr(args, "save_interval", 0) is None and \
                 getattr(args, "save_retain_interval", None) is None:  # else: its assertion
             args.save_interval = SAVE_AT_THE_END
+
+
+def _flag_value(argv, flag: str):
+    """The last value `argv` gives `flag` (`--flag V` or `--flag=V`), or None."""
+    value = None
+    for i, word in enumerate(argv):
+        if word == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif word.startswith(flag + "="):
+            value = word[len(flag) + 1:]
+    return value
+
+
+def _keep_the_flags_attention_dropout(args) -> None:
+    """--use-checkpoint-args: Megatron-LM sets --attention-dropout from the checkpoint's args
+    whatever the flags say, and a checkpoint trained without EoD attention has its default,
+    0.1, which EoD attention cannot run: the flags' value is kept over it (said on rank 0)."""
+    if not getattr(args, "use_checkpoint_args", False):
+        return
+    given = _flag_value(sys.argv[1:], "--attention-dropout")
+    if given is None or float(given) == args.attention_dropout:
+        return
+    if getattr(args, "rank", 0) == 0:
+        print(f" megatron-eod: --attention-dropout {given} kept over the checkpoint's "
+              f"{args.attention_dropout} (--use-checkpoint-args): EoD attention has no dropout",
+              flush=True)
+    args.attention_dropout = float(given)
 
 
 def eod_args_from_megatron(args) -> None:
@@ -338,8 +367,10 @@ def _refuse(args) -> None:
             shown = "" if value is True else f" {value}"
             raise FlagError(f"--{dest.replace('_', '-')}{shown}: {why}")
     if args.attention_dropout:
-        raise FlagError(f"--attention-dropout {args.attention_dropout} (Megatron-LM's default "
-                        f"is 0.1): the varlen attention kernels apply no dropout; pass "
+        source = (" taken from the checkpoint's args (--use-checkpoint-args), where the flags "
+                  "give none" if getattr(args, "use_checkpoint_args", False) else "")
+        raise FlagError(f"--attention-dropout {args.attention_dropout}{source} (Megatron-LM's "
+                        f"default is 0.1): the varlen attention kernels apply no dropout; pass "
                         f"--attention-dropout 0")
     if isinstance(args.num_query_groups, _DefaultGroups):  # not passed: nothing to check
         args.num_query_groups = int(args.num_query_groups)

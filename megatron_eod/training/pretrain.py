@@ -38,6 +38,7 @@ from megatron_eod.megatron.batch_context import EodContextRegistry
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.megatron.steps import is_dataset_built_on_rank
 from megatron_eod.training import eod_wiring as wiring
+from megatron_eod.training.checkpoint_args import checkpoint_args_notice
 from megatron_eod.training.checkpoint_load import CheckpointError, load_checkpoint
 from megatron_eod.training.checkpointing import save_checkpoint
 from megatron_eod.training.data import MicroBatches, build_datasets, build_tokenizer_from_args
@@ -65,9 +66,9 @@ def pretrain(argv=None):
     except FlagError as error:
         exit_with_error(error, 2)
     initialize(args)
-    notice = no_effect_notice(args)
-    if notice and dist.get_rank() == 0:
-        print(notice, flush=True)
+    for notice in (checkpoint_args_notice(args), no_effect_notice(args)):
+        if notice and dist.get_rank() == 0:
+            print(notice, flush=True)
     controls = RunControls(args)  # the exit signal is heard from here on, as Megatron-LM's
     try:
         return _Trainer(args, started, controls).run()

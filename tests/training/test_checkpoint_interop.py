@@ -10,8 +10,10 @@ the Megatron-LM-only fusion and logging switches the lean trainer does not take)
 """
 
 import json
+import shutil
 
 import pytest
+import torch
 
 from tests.functional.tiny_gpt import train_rank
 from tests.harness import run_ranks
@@ -26,10 +28,26 @@ _MEGATRON_LM_ONLY = {"--log-throughput", "--no-gradient-accumulation-fusion",
                      "--no-masked-softmax-fusion", "--no-rope-fusion", "--no-persist-layer-norm"}
 
 
-def lean_train(tmp_path, name, data, *extra):
-    """The lean trainer on 4 gloo ranks with the Megatron-LM test's flags -> {iteration: loss}."""
+_MODEL = {"--num-layers": 1, "--hidden-size": 1, "--num-attention-heads": 1,
+          "--num-query-groups": 1, "--group-query-attention": 0, "--max-position-embeddings": 1,
+          "--position-embedding-type": 1}  # flag -> its number of values
+
+
+def lean_train(tmp_path, name, data, *extra, model_flags=True):
+    """The lean trainer on 4 gloo ranks with the Megatron-LM test's flags -> {iteration: loss};
+    without `model_flags`, none of the flags that shape the model (--use-checkpoint-args)."""
     metrics = tmp_path / f"{name}.jsonl"
     argv = [f for f in flags(data, str(metrics), *extra) if f not in _MEGATRON_LM_ONLY]
+    if not model_flags:
+        kept, skip = [], 0
+        for word in argv:
+            if skip:
+                skip -= 1
+            elif word in _MODEL:
+                skip = _MODEL[word]
+            else:
+                kept.append(word)
+        argv = kept
     run_ranks(train_rank, 4, argv, timeout=240, daemon=False)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return {r["iteration"]: r["lm_loss"] for r in records if "kind" not in r}
@@ -41,21 +59,61 @@ def test_lean_checkpoint_continues_in_megatron_lm(short_docs_data, tmp_path):
     first = lean_train(tmp_path, "save", short_docs_data, "--context-parallel-size", "4", "--save",
                        ckpt, "--exit-interval", "2")
     assert sorted(first) == [1, 2]
-    resumed, log = megatron_lm_train(tmp_path, "load", short_docs_data, "--context-parallel-size",
+    resumed, _ = megatron_lm_train(tmp_path, "load", short_docs_data, "--context-parallel-size",
                                      "2", "--load", ckpt, "--ckpt-format", "torch_dist")
     assert sorted(resumed) == [3, 4]
     for iteration in (3, 4):
         assert resumed[iteration] == pytest.approx(reference[iteration], rel=1e-5), iteration
 
 
-def test_megatron_lm_checkpoint_continues_in_lean(baseline, short_docs_data, tmp_path):  # noqa: F811
-    reference, _ = baseline
-    ckpt = str(tmp_path / "ckpt")
-    megatron_lm_train(tmp_path, "save", short_docs_data, "--context-parallel-size", "4", "--save",
+@pytest.fixture(scope="module")
+def megatron_lm_ckpt(short_docs_data, tmp_path_factory):
+    """Megatron-LM's trainer's torch_dist checkpoint at iteration 2 (CP=4)."""
+    root = tmp_path_factory.mktemp("megatron_lm_ckpt")
+    ckpt = str(root / "ckpt")
+    megatron_lm_train(root, "save", short_docs_data, "--context-parallel-size", "4", "--save",
                       ckpt, "--save-interval", "2", "--exit-interval", "2", "--ckpt-format",
                       "torch_dist")
+    return ckpt
+
+
+def test_megatron_lm_checkpoint_continues_in_lean(baseline, megatron_lm_ckpt, short_docs_data,  # noqa: F811
+                                                  tmp_path):
+    reference, _ = baseline
+    ckpt = megatron_lm_ckpt
     resumed = lean_train(tmp_path, "load", short_docs_data, "--context-parallel-size", "2",
                          "--load", ckpt)
+    # The same, the model's shape read from Megatron-LM's saved args (--use-checkpoint-args).
+    taken = lean_train(tmp_path, "load_args", short_docs_data, "--context-parallel-size", "2",
+                       "--load", ckpt, "--use-checkpoint-args", model_flags=False)
+    assert sorted(resumed) == sorted(taken) == [3, 4]
+    for iteration in (3, 4):
+        assert resumed[iteration] == pytest.approx(reference[iteration], rel=1e-5), iteration
+        assert taken[iteration] == resumed[iteration], iteration
+
+
+def test_use_checkpoint_args_keeps_the_flags_attention_dropout(baseline, megatron_lm_ckpt,  # noqa: F811
+                                                              short_docs_data, tmp_path):
+    """A checkpoint trained without EoD attention has Megatron-LM's attention dropout, 0.1;
+    --use-checkpoint-args makes it Megatron-LM's value whatever the flags say, and EoD
+    attention has none: --attention-dropout 0 is kept over it (Megatron-LM's trainer refused
+    the run, asking for the --attention-dropout 0 it had been given; the lean trainer never
+    takes the dropouts from a checkpoint)."""
+    reference, _ = baseline
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(megatron_lm_ckpt, ckpt)
+    common = ckpt / "iter_0000002" / "common.pt"
+    state = torch.load(common, weights_only=False)
+    state["args"].attention_dropout = 0.1
+    torch.save(state, common)
+    resumed, _ = megatron_lm_train(tmp_path, "load", short_docs_data,
+                                   "--context-parallel-size", "2", "--load", str(ckpt),
+                                   "--ckpt-format", "torch_dist", "--use-checkpoint-args")
+    setup = (tmp_path / "load.log.rank0").read_text()  # rank 0 says it
+    assert "--attention-dropout 0 kept over the checkpoint's 0.1 (--use-checkpoint-args)" in setup
     assert sorted(resumed) == [3, 4]
     for iteration in (3, 4):
         assert resumed[iteration] == pytest.approx(reference[iteration], rel=1e-5), iteration
+    taken = lean_train(tmp_path, "lean", short_docs_data, "--context-parallel-size", "2",
+                       "--load", str(ckpt), "--use-checkpoint-args", model_flags=False)
+    assert taken == pytest.approx(resumed, rel=1e-5)
