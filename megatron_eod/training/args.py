@@ -157,6 +157,16 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
            ("--context-parallel-size", 1),
            ("--ulysses-degree-in-cp", None, "Ulysses group size for --context-parallel-algo "
                                             "hybrid"))
+    typed(g, int, ("--num-layers-per-virtual-pipeline-stage", None,
+                   "interleaved pipeline: this many layers a model chunk (Megatron-LM's)"),
+          ("--num-virtual-stages-per-pipeline-rank", None,
+           "interleaved pipeline: this many model chunks a pipeline rank"),
+          ("--microbatch-group-size-per-virtual-pipeline-stage", None,
+           "consecutive micro-batches a chunk runs (default: --pipeline-model-parallel-size)"))
+    g.add_argument("--no-overlap-p2p-communication", action="store_false",
+                   dest="overlap_p2p_comm",
+                   help="interleaved pipeline: batched, not overlapped, p2p (needs "
+                        "--pipeline-model-parallel-size > 2, as Megatron-LM)")
     g.add_argument("--context-parallel-algo", default="ring",
                    help=f"one of {', '.join(CP_ALGO_ALIASES)}")
     g.add_argument("--cp-ring-exchange", choices=RING_EXCHANGES, default="batched",
@@ -231,6 +241,7 @@ def validate_args(args: argparse.Namespace, world_size: int,
     check_model(args)
     check_context_parallel(args)
     _check_training(args, bool(cuda_available))
+    _check_interleaved_micro_batches(args)
     _check_sequence_parallel(args)
     _check_data(args)
     _check_eod(args)
@@ -250,6 +261,78 @@ def _check_parallel_sizes(args) -> None:
              f"--pipeline-model-parallel-size x --context-parallel-size = {tp} x {pp} x {cp} = "
              f"{tp * pp * cp}")
     args.data_parallel_size = args.world_size // (tp * pp * cp)
+    _check_virtual_pipeline(args)
+
+
+def _check_virtual_pipeline(args) -> None:
+    """Megatron-LM's rules: one of the two VP flags, layers divisible, PP > 1 (> 2 without
+    overlapped p2p); sets `virtual_pipeline_model_parallel_size` (None without chunks) and
+    `microbatch_group_size_per_vp_stage` (default PP)."""
+    args.microbatch_group_size_per_vp_stage = getattr(
+        args, "microbatch_group_size_per_virtual_pipeline_stage", None)
+    per_layer, per_rank = (args.num_layers_per_virtual_pipeline_stage,
+                           args.num_virtual_stages_per_pipeline_rank)
+    pp = args.pipeline_model_parallel_size
+    _require(per_layer is None or per_rank is None,
+             "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
+             "are exclusive; pass one")
+    chunks = None
+    if per_layer is not None:
+        _positive(args, "num_layers_per_virtual_pipeline_stage")
+        per_stage = args.num_layers // pp if args.num_layers % pp == 0 else None
+        _require(per_stage is not None and per_stage % per_layer == 0,
+                 f"--num-layers {args.num_layers} / --pipeline-model-parallel-size {pp} must be "
+                 f"a multiple of --num-layers-per-virtual-pipeline-stage {per_layer}")
+        chunks = per_stage // per_layer
+    elif per_rank is not None:
+        _positive(args, "num_virtual_stages_per_pipeline_rank")
+        _require(args.num_layers % (pp * per_rank) == 0,
+                 f"--num-layers {args.num_layers} must be divisible by "
+                 f"--pipeline-model-parallel-size x --num-virtual-stages-per-pipeline-rank = "
+                 f"{pp} x {per_rank}")
+        chunks = per_rank
+    args.virtual_pipeline_model_parallel_size = chunks if chunks and chunks > 1 else None
+    if args.virtual_pipeline_model_parallel_size is None:
+        _require(args.microbatch_group_size_per_vp_stage is None,
+                 "--microbatch-group-size-per-virtual-pipeline-stage needs virtual pipeline "
+                 "stages (--num-layers-per-virtual-pipeline-stage or "
+                 "--num-virtual-stages-per-pipeline-rank giving more than one a rank)")
+        args.overlap_p2p_comm = False  # as Megatron-LM, outside the interleaved schedule
+        return
+    _require(pp > (1 if args.overlap_p2p_comm else 2),
+             f"virtual pipeline stages need --pipeline-model-parallel-size > 1, and > 2 with "
+             f"--no-overlap-p2p-communication (two batched p2p calls between the same two "
+             f"ranks), got {pp}")
+    if args.microbatch_group_size_per_vp_stage is None:
+        args.microbatch_group_size_per_vp_stage = pp
+    _require(args.microbatch_group_size_per_vp_stage >= pp,
+             f"--microbatch-group-size-per-virtual-pipeline-stage "
+             f"{args.microbatch_group_size_per_vp_stage} must be >= "
+             f"--pipeline-model-parallel-size {pp} (megatron-core's interleaved schedule)")
+
+
+def _check_interleaved_micro_batches(args) -> None:
+    """megatron-core's interleaved schedule, for every micro-batch count of the run (each
+    step of a --rampup-batch-size ramp too), at start-up instead of a ValueError mid-run: a
+    chunk runs G = --microbatch-group-size-per-virtual-pipeline-stage micro-batches in a
+    row, so a count M needs M >= G, and M % G either 0 or >= the pipeline size."""
+    if args.virtual_pipeline_model_parallel_size is None:
+        return
+    group, pp = args.microbatch_group_size_per_vp_stage, args.pipeline_model_parallel_size
+    unit = args.micro_batch_size * args.data_parallel_size
+    batches = [args.global_batch_size]
+    if args.rampup_batch_size is not None:
+        start, increment, _ = map(int, args.rampup_batch_size)
+        batches += list(range(start, args.global_batch_size, increment))
+    for batch in sorted(set(batches)):
+        count = max(1, batch // unit)
+        _require(count >= group and (count % group == 0 or count % group >= pp),
+                 f"virtual pipeline stages: {count} micro-batches a step (batch {batch} / "
+                 f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
+                 f"{args.data_parallel_size}) do not fit "
+                 f"--microbatch-group-size-per-virtual-pipeline-stage {group} (the count must "
+                 f"be >= it, and leave 0 or >= --pipeline-model-parallel-size {pp} over); "
+                 f"raise --global-batch-size or lower the group size")
 
 
 def _check_sequence_parallel(args) -> None:
@@ -283,10 +366,12 @@ def _check_recompute(args) -> None:
     args.recompute_method = args.recompute_method or "uniform"
     if args.recompute_num_layers is None:
         args.recompute_num_layers = 1
-    per_stage = args.num_layers // args.pipeline_model_parallel_size
+    chunks = args.virtual_pipeline_model_parallel_size or 1
+    per_stage = args.num_layers // args.pipeline_model_parallel_size // chunks
     _require(1 <= args.recompute_num_layers <= per_stage,
              f"--recompute-num-layers {args.recompute_num_layers} must be in [1, --num-layers / "
-             f"--pipeline-model-parallel-size = {per_stage}]")
+             f"--pipeline-model-parallel-size" + (" / virtual stages" if chunks > 1 else "")
+             + f" = {per_stage}]")
 
 
 def _check_device_flags(args, cuda_available: bool) -> None:

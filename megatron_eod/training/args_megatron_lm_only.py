@@ -193,14 +193,11 @@ ABSENT: List[Tuple[str, Tuple[str, ...], Tuple[str, ...]]] = [
       "--outer-dp-sharding-strategy", "--suggested-communication-unit-size",
       "--enable-full-sharding-in-hsdp", "--num-distributed-optimizer-instances",
       "--no-strict-fsdp-dtensor-load")),
-    ("uneven or virtual pipeline stages and pipeline communication options: the lean trainer "
-     "splits --num-layers evenly over the stages",
+    ("uneven pipeline stages and pipeline communication options: the lean trainer "
+     "splits --num-layers evenly over the stages (and their virtual stages)",
      ("--account-for-",),
      ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
-      "--pipeline-model-parallel-layout", "--num-layers-per-virtual-pipeline-stage",
-      "--num-virtual-stages-per-pipeline-rank",
-      "--microbatch-group-size-per-virtual-pipeline-stage",
-      "--overlap-p2p-communication-warmup-flush", "--no-overlap-p2p-communication",
+      "--pipeline-model-parallel-layout", "--overlap-p2p-communication-warmup-flush",
       "--pipeline-model-parallel-comm-backend", "--use-ring-exchange-p2p",
       "--no-scatter-gather-tensors-in-pipeline", "--defer-embedding-wgrad-compute",
       "--wgrad-deferral-limit", "--delay-wgrad-compute")),

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.training.checkpointing import (TRACKER, _content_metadata, _iter_dir,
                                                  _legacy_file, _ps, _read_tracker,
-                                                 _set_rng_state, _state, _unwrap)
+                                                 _set_rng_state, _state, _unwrap, model_keys)
 
 __all__ = ["CheckpointError", "apply_schedule_choice", "group_lrs", "load_checkpoint",
            "schedule_mismatch", "schedule_values_to_flags"]
@@ -93,7 +93,22 @@ def _check_model_args(saved, args, where):
                               + "; ".join(differ))
 
 
-def _load_torch_dist(args, folder, finetune, model, optimizer, scheduler):
+def _load_chunks(chunks, state, where):
+    """Each model chunk's weights from its key ("model", or "model0", ... with virtual
+    pipeline stages); a --ckpt-format torch checkpoint of other virtual stages names them."""
+    keys = model_keys(chunks)
+    if not all(key in state for key in keys):
+        saved = sorted(key for key in state if key == "model" or key[5:].isdigit()
+                       and key.startswith("model"))
+        raise CheckpointError(f"--load {where} holds the model chunks {saved}, this run has "
+                              f"{keys}: a --ckpt-format torch checkpoint loads only at the "
+                              f"virtual pipeline stages it was saved with (save with "
+                              f"--ckpt-format torch_dist to reshard)")
+    for key, chunk in zip(keys, chunks):
+        _unwrap(chunk).load_state_dict(state[key], strict=True)
+
+
+def _load_torch_dist(args, folder, finetune, chunks, optimizer, scheduler):
     dcp = import_megatron("megatron.core.dist_checkpointing")
     ps = _ps()
     common = dcp.load_common_state_dict(folder)
@@ -104,9 +119,11 @@ def _load_torch_dist(args, folder, finetune, model, optimizer, scheduler):
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     content = dcp.load_content_metadata(preloaded_state_dict=common) or {}
     load_optim = (not finetune and not args.no_load_optim and "opt_param_scheduler" in common)
+    same_vp = getattr(saved, "virtual_pipeline_model_parallel_size", None) == \
+        args.virtual_pipeline_model_parallel_size
     if load_optim:
-        _check_optimizer_state(args, content.get("distrib_optim_sharding_type"), same_tp_pp,
-                               folder)
+        _check_optimizer_state(args, content.get("distrib_optim_sharding_type"),
+                               same_tp_pp and same_vp, folder)
         metadata = dict(content)
     else:
         metadata = _content_metadata(args)
@@ -115,7 +132,7 @@ def _load_torch_dist(args, folder, finetune, model, optimizer, scheduler):
                 and not getattr(saved, "no_save_rng", False))
     counters = {"consumed_train_samples": 0, "consumed_valid_samples": 0, "skipped": 0,
                 "nan": 0}
-    request = _state(args, 0, model, optimizer, scheduler, counters, metadata, rng=load_rng,
+    request = _state(args, 0, chunks, optimizer, scheduler, counters, metadata, rng=load_rng,
                      with_optimizer=load_optim, loading=True)
     try:
         loaded = dcp.load(request, folder, strict=args.dist_ckpt_strictness)
@@ -131,7 +148,7 @@ def _load_torch_dist(args, folder, finetune, model, optimizer, scheduler):
         if dist.get_rank() == 0 and (missing or unexpected):
             print(f" --load {folder} (--dist-ckpt-strictness {args.dist_ckpt_strictness}): "
                   f"missing {sorted(missing)}, unexpected {sorted(unexpected)}", flush=True)
-    _unwrap(model).load_state_dict(loaded["model"], strict=True)
+    _load_chunks(chunks, loaded, folder)
     _finish(args, loaded, load_optim, load_rng, optimizer, scheduler)
     if dist.get_rank() == 0 and not same_tp_pp:
         print(f" --load {folder}: TP/PP changed, RNG states not loaded", flush=True)
@@ -149,7 +166,8 @@ def _check_optimizer_state(args, sharding, same_tp_pp, folder):
     if sharding is not None and not same_tp_pp and sharding not in _FULLY_RESHARDABLE:
         raise CheckpointError(f"--load {folder}: the distributed optimizer's state was saved "
                               f"{sharding!r}, which reshards over DP/CP only, and this run changes "
-                              f"TP/PP: save with --dist-ckpt-optim-fully-reshardable, {hint}")
+                              f"TP/PP or the virtual pipeline stages: save with "
+                              f"--dist-ckpt-optim-fully-reshardable, {hint}")
 
 
 def _finish(args, loaded, load_optim, load_rng, optimizer, scheduler):
@@ -265,7 +283,7 @@ def _saved_param_groups(state):
             yield from _saved_param_groups(item)
 
 
-def _load_torch(args, root, folder, finetune, model, optimizer, scheduler):
+def _load_torch(args, root, folder, finetune, chunks, optimizer, scheduler):
     path = _legacy_file(folder)
     if not os.path.isfile(path):
         raise CheckpointError(f"--load {root}: {path} is missing; a --ckpt-format torch checkpoint "
@@ -291,13 +309,13 @@ def _load_torch(args, root, folder, finetune, model, optimizer, scheduler):
     if load_optim and args.use_distributed_optimizer:
         raise CheckpointError(f"--load {root}: a --ckpt-format torch checkpoint has no distributed "
                               f"optimizer state here; pass --no-load-optim")
-    _unwrap(model).load_state_dict(state["model"], strict=True)
+    _load_chunks(chunks, state, path)
     load_rng = not finetune and not args.no_load_rng and "rng_state" in state
     _finish(args, state, load_optim, load_rng, optimizer, scheduler)
     return state, saved
 
 
-def load_checkpoint(args, model, optimizer, scheduler):
+def load_checkpoint(args, chunks, optimizer, scheduler):
     """-> (iteration, counters) of the latest checkpoint under --load (or
     --pretrained-checkpoint), or (0, {}) when there is none. Collective."""
     root, finetune = _choose_root(args)
@@ -315,9 +333,9 @@ def load_checkpoint(args, model, optimizer, scheduler):
     folder = os.path.join(root, "release") if iteration == "release" else _iter_dir(
         root, iteration)
     if os.path.isfile(os.path.join(folder, "metadata.json")):
-        loaded, saved = _load_torch_dist(args, folder, finetune, model, optimizer, scheduler)
+        loaded, saved = _load_torch_dist(args, folder, finetune, chunks, optimizer, scheduler)
     elif os.path.isdir(folder) and any(n.startswith("mp_rank_") for n in os.listdir(folder)):
-        loaded, saved = _load_torch(args, root, folder, finetune, model, optimizer, scheduler)
+        loaded, saved = _load_torch(args, root, folder, finetune, chunks, optimizer, scheduler)
     else:
         raise CheckpointError(f"--load {root}: {TRACKER} names iteration {iteration} but {folder} "
                               f"holds no complete checkpoint (no metadata.json, no mp_rank_*)")

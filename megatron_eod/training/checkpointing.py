@@ -12,7 +12,8 @@ reads it back), so that a checkpoint of either trainer continues in the other:
                                                one file per TP/PP rank, same sizes to load
 
 The state: `args` (with consumed_train/valid_samples, as Megatron-LM reads them),
-`checkpoint_version` 3.0, `iteration`, `model` (GPTModel's sharded state), `optimizer`
+`checkpoint_version` 3.0, `iteration`, `model` (GPTModel's sharded state; `model0`,
+`model1`, ... one per virtual pipeline stage, as Megatron-LM), `optimizer`
 (megatron-core optimizer's sharded state; the distributed optimizer's "dp_reshardable", or
 "fully_reshardable" with --dist-ckpt-optim-fully-reshardable), `opt_param_scheduler`,
 `rng_state` (per TP/PP rank, replicated over DP x CP) and `num_floating_point_operations_so_far`.
@@ -37,7 +38,7 @@ import torch.distributed as dist
 
 from megatron_eod.megatron.imports import import_megatron
 
-__all__ = ["save_checkpoint", "TRACKER"]
+__all__ = ["model_keys", "save_checkpoint", "TRACKER"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _LEGACY_FILE = "model_optim_rng.pt"
@@ -119,19 +120,27 @@ def _saved_args(args, counters):
     return saved
 
 
-def _state(args, iteration, model, optimizer, scheduler, counters, metadata, rng,
+def model_keys(chunks):
+    """Megatron-LM's keys of the model chunks' states: "model", or "model0", "model1", ...
+    with virtual pipeline stages."""
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
+def _state(args, iteration, chunks, optimizer, scheduler, counters, metadata, rng,
            with_optimizer=True, loading=False):
     """Megatron-LM's checkpoint state dict (sharded for torch_dist; to save, or to load into
-    with `loading`)."""
+    with `loading`) of the model chunks (one per virtual pipeline stage)."""
     sharded = loading or args.ckpt_format == "torch_dist"
-    core = _unwrap(model)
     state = {"args": _saved_args(args, counters), "checkpoint_version": 3.0,
              "iteration": iteration, "num_floating_point_operations_so_far": 0,
              "eod_counters": {"skipped": counters["skipped"], "nan": counters["nan"]}}
-    state["model"] = (core.sharded_state_dict(metadata=metadata) if sharded
+    for key, chunk in zip(model_keys(chunks), chunks):
+        core = _unwrap(chunk)
+        state[key] = (core.sharded_state_dict(metadata=metadata) if sharded
                       else core.state_dict_for_save_checkpoint())
     if with_optimizer:
-        state["optimizer"] = (optimizer.sharded_state_dict(state["model"], is_loading=loading,
+        models = {key: state[key] for key in model_keys(chunks)}  # as Megatron-LM passes them
+        state["optimizer"] = (optimizer.sharded_state_dict(models, is_loading=loading,
                                                            metadata=metadata)
                               if sharded else optimizer.state_dict())
         state["opt_param_scheduler"] = scheduler.state_dict()
@@ -175,7 +184,7 @@ def _prune(root, keep: int, newest: int) -> None:
             shutil.rmtree(_iter_dir(root, iteration), ignore_errors=True)
 
 
-def save_checkpoint(args, iteration, model, optimizer, scheduler, counters):
+def save_checkpoint(args, iteration, chunks, optimizer, scheduler, counters):
     """Collective: every rank calls it. (The trainer does not call it for the iteration it
     just loaded from this very directory: that checkpoint is already there.)"""
     dcp = import_megatron("megatron.core.dist_checkpointing")
@@ -185,7 +194,7 @@ def save_checkpoint(args, iteration, model, optimizer, scheduler, counters):
         _clear_partial(root, iteration)
     dist.barrier()  # nobody writes before rank 0 cleared the folder
     metadata = _content_metadata(args)
-    state = _state(args, iteration, model, optimizer, scheduler, counters,
+    state = _state(args, iteration, chunks, optimizer, scheduler, counters,
                    {**metadata, "dp_cp_group": ps.get_data_parallel_group(
                        with_context_parallel=True)},
                    rng=not args.no_save_rng, with_optimizer=not args.no_save_optim)

@@ -22,7 +22,7 @@ from megatron_eod.megatron.layer_spec import get_gpt_eod_block_spec
 from megatron_eod.megatron.steps import EodGPTSteps, is_dataset_built_on_rank
 from megatron_eod.training import megatron_lm_data
 
-__all__ = ["block_spec", "gpt_position_embedding_type", "datasets", "megatron_lm_datasets",
+__all__ = ["block_spec", "contexts_in_flight", "gpt_position_embedding_type", "datasets", "megatron_lm_datasets",
            "check_datasets", "steps", "hybrid_groups"]
 
 
@@ -40,6 +40,18 @@ def block_spec(registry, config, args, use_transformer_engine: bool, vp_stage=No
         kernel="flash_attn" if getattr(args, "use_flash_attn", False) else "auto",
         ring_exchange=getattr(args, "cp_ring_exchange", "batched"),
         concurrent_calls=getattr(args, "cp_concurrent_calls", False))
+
+
+def contexts_in_flight(args) -> int:
+    """The most batch contexts a rank needs at once under megatron-core's schedules (both
+    trainers): one per (model chunk, micro-batch) forward not yet run backward (on pipeline rank 0 the
+    interleaved schedule warms up 2 (pp - 1) + (chunks - 1) x group of them, the group being
+    megatron-core's `microbatch_group_size_per_vp_stage`, pp unless set; 1F1B pp - 1), the
+    one running, and one for an evaluation in between."""
+    pp = args.pipeline_model_parallel_size
+    chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    group = getattr(args, "microbatch_group_size_per_vp_stage", None) or pp
+    return 2 * (pp - 1) + (chunks - 1) * group + 2
 
 
 def gpt_position_embedding_type(args) -> str:

@@ -66,6 +66,7 @@ def initialize(args):
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=cp,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         hierarchical_context_parallel_sizes=[u, cp // u] if hybrid else None,
         create_gloo_process_groups=False,
         distributed_timeout_minutes=args.distributed_timeout_minutes)

@@ -37,23 +37,12 @@ from megatron_eod.megatron.batch_context import EodContextRegistry
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.megatron.steps import EodGPTSteps
 from megatron_eod.training import eod_wiring as wiring
+from megatron_eod.training.eod_wiring import contexts_in_flight
 from megatron_eod.training.megatron_lm_args import add_eod_args, eod_args_from_megatron
 
 __all__ = ["EodProviders", "add_eod_args", "checked_loss", "contexts_in_flight",
            "pack_stage_shapes",
            "plans_ahead"]
-
-
-def contexts_in_flight(args) -> int:
-    """The most batch contexts a rank needs at once under Megatron-LM's schedules: one per
-    (model chunk, micro-batch) forward not yet run backward (on pipeline rank 0 the
-    interleaved schedule warms up 2 (pp - 1) + (chunks - 1) x group of them, the group being
-    megatron-core's `microbatch_group_size_per_vp_stage`, pp unless set; 1F1B pp - 1), the
-    one running, and one for an evaluation in between."""
-    pp = args.pipeline_model_parallel_size
-    chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-    group = getattr(args, "microbatch_group_size_per_vp_stage", None) or pp
-    return 2 * (pp - 1) + (chunks - 1) * group + 2
 
 
 def pack_stage_shapes(training) -> None:

@@ -1,7 +1,9 @@
 """The GPT model the trainer runs: megatron-core's GPTModel with the EoD attention spec.
 
 One job: turn validated flags into a `TransformerConfig`, build this pipeline stage's
-`GPTModel` with `get_gpt_layer_eod_spec` (--transformer-impl: local modules, or
+`GPTModel` (one per virtual pipeline stage, a "model chunk", with
+--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank) with
+`get_gpt_layer_eod_spec` (--transformer-impl: local modules, or
 TransformerEngine's; default TransformerEngine where it is installed and a GPU is present) and
 wrap it in megatron-core's DistributedDataParallel as Megatron-LM configures it (gradients
 accumulate in float32 buffers, bf16 ones with --grad-reduce-in-bf16, and are summed over
@@ -71,6 +73,9 @@ def transformer_config(args):
         apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=gpu and args.gradient_accumulation_fusion and _has_module(
             "fused_weight_gradient_mlp_cuda"),
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
+        overlap_p2p_comm=args.overlap_p2p_comm, batch_p2p_comm=not args.overlap_p2p_comm,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
         batch_p2p_sync=gpu)  # the sync after batched p2p is torch.cuda.synchronize()
@@ -98,24 +103,37 @@ def _has_module(name: str) -> bool:
 
 
 def build_model(args, registry, vocab_size: int):
-    """-> (DDP-wrapped GPTModel of this pipeline stage, its TransformerConfig)."""
+    """-> (this pipeline stage's model chunks: DDP-wrapped GPTModels, one per virtual stage
+    (one without them), their TransformerConfig)."""
     ps = import_megatron("megatron.core.parallel_state")
     gpt = import_megatron("megatron.core.models.gpt")
     ddp = import_megatron("megatron.core.distributed")
     config = transformer_config(args)
-    spec = wiring.block_spec(registry, config, args, uses_transformer_engine(args))
-    model = gpt.GPTModel(
-        config, spec, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=wiring.gpt_position_embedding_type(args))
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    if args.fp16 or args.bf16:
-        model = import_megatron("megatron.core.transformer.module").Float16Module(config, model)
-    parameters = sum(p.numel() for p in model.parameters())
-    model = ddp.DistributedDataParallel(config, ddp_config(args, parameters), model)
-    return model, config
+    chunks = args.virtual_pipeline_model_parallel_size
+    stages = [None] if chunks is None else list(range(chunks))
+    modules = []
+    for vp_stage in stages:
+        spec = wiring.block_spec(registry, config, args, uses_transformer_engine(args), vp_stage)
+        model = gpt.GPTModel(
+            config, spec, vocab_size=vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=wiring.gpt_position_embedding_type(args),
+            **({} if vp_stage is None else {"vp_stage": vp_stage}))
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        if args.fp16 or args.bf16:
+            model = import_megatron("megatron.core.transformer.module").Float16Module(config,
+                                                                                     model)
+        modules.append(model)
+    parameters = sum(p.numel() for module in modules for p in module.parameters())
+    # As Megatron-LM: one bucket for the chunks after the first (their reductions overlap
+    # the first chunk's backward anyway).
+    return [ddp.DistributedDataParallel(config, ddp_config(args, parameters), module,
+                                        disable_bucketing=index > 0)
+            for index, module in enumerate(modules)], config
 
 
 def uses_transformer_engine(args) -> bool:

@@ -5,7 +5,7 @@ One job: the L2 norm of all parameters, each counted once over TP and PP (as Meg
 and the shared embedding's copy on the last pipeline stage, are left out, the rest summed over
 the model-parallel group), and the model FLOPs of one training iteration.
 
-    norm = params_norm(ddp_model)                       # collective over TP x PP
+    norm = params_norm(ddp_model_chunks)                # collective over TP x PP
     flops = model_flops(args, vocab_size, tokens, attention_pairs)
 
 FLOPs: 6 per matmul weight per token (forward and backward) for the QKV, projection, MLP and
@@ -28,19 +28,19 @@ from megatron_eod.megatron.imports import import_megatron
 __all__ = ["params_norm", "model_flops", "matmul_weights", "attention_flops"]
 
 
-def params_norm(model) -> float:
+def params_norm(chunks) -> float:
     tp = import_megatron("megatron.core.tensor_parallel")
     module = import_megatron("megatron.core.transformer.module")
     ps = import_megatron("megatron.core.parallel_state")
     squares = None
-    for param in model.parameters():
+    for param in (p for chunk in chunks for p in chunk.parameters()):
         if not (module.param_is_not_shared(param)
                 and tp.param_is_not_tensor_parallel_duplicate(param)):
             continue
         part = torch.linalg.vector_norm(param.detach(), dtype=torch.float32) ** 2
         squares = part if squares is None else squares + part
     if squares is None:
-        squares = torch.zeros((), device=next(model.parameters()).device)
+        squares = torch.zeros((), device=next(chunks[0].parameters()).device)
     squares = squares.reshape(1)
     dist.all_reduce(squares, group=ps.get_model_parallel_group())
     return squares.sqrt().item()

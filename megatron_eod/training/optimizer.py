@@ -8,7 +8,7 @@ weight decay skipped for biases and 1-D parameters as Megatron-LM does) and the
 `OptimizerParamScheduler` counted in samples, as Megatron-LM counts it, so that its state in a
 checkpoint means the same thing to both trainers.
 
-    optimizer, scheduler = build_optimizer(ddp_model, args)
+    optimizer, scheduler = build_optimizer(ddp_model_chunks, args)
     updated, grad_norm, _ = optimizer.step()   # grad_norm None when --clip-grad 0
     scheduler.step(increment=global_batch_size)
 
@@ -67,11 +67,11 @@ def build_scheduler(optimizer, args):
         wsd_decay_steps=wsd, lr_wsd_decay_style=args.lr_wsd_decay_style)
 
 
-def build_optimizer(model, args):
-    """-> (megatron-core MegatronOptimizer, OptimizerParamScheduler) for the DDP model."""
+def build_optimizer(chunks, args):
+    """-> (megatron-core MegatronOptimizer, OptimizerParamScheduler) for the DDP model chunks."""
     opt = import_megatron("megatron.core.optimizer")
     config = optimizer_config(args)
     optimizer = opt.get_megatron_optimizer(
-        config, [model], config_overrides=opt.get_standard_config_overrides(config),
+        config, list(chunks), config_overrides=opt.get_standard_config_overrides(config),
         use_gloo_process_groups=False)
     return optimizer, build_scheduler(optimizer, args)

@@ -88,6 +88,11 @@ def pretrain(argv=None):
         shutdown()
 
 
+def _one_or_list(functions):
+    """megatron-core's schedules take one sync function, or one per model chunk."""
+    return functions[0] if len(functions) == 1 else functions
+
+
 def _where(error) -> str:
     """The innermost megatron/megatron_eod frame of an exception: which collective waited."""
     frames = [f for f in traceback.extract_tb(error.__traceback__)
@@ -104,18 +109,19 @@ class _Trainer:
         self.args = a = args
         self.started = started
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        ps = self.ps = import_megatron("megatron.core.parallel_state")
+        self.ps = import_megatron("megatron.core.parallel_state")
         schedules = import_megatron("megatron.core.pipeline_parallel")
         finalize = import_megatron("megatron.core.distributed").finalize_model_grads
         tokenizer = build_tokenizer_from_args(a)
         vocab = padded_vocab_size(tokenizer.vocab_size, a.make_vocab_size_divisible_by,
                                   a.tensor_model_parallel_size)
         self.registry = EodContextRegistry()
-        self.model, config = build_model(a, self.registry, vocab)
-        self.optimizer, self.scheduler = build_optimizer(self.model, a)
-        config.no_sync_func = self.model.no_sync
+        self.registry.capacity = max(self.registry.capacity, wiring.contexts_in_flight(a))
+        self.chunks, config = build_model(a, self.registry, vocab)  # one per virtual stage
+        self.optimizer, self.scheduler = build_optimizer(self.chunks, a)
+        config.no_sync_func = _one_or_list([chunk.no_sync for chunk in self.chunks])
         if a.overlap_grad_reduce and a.align_grad_reduce:  # as Megatron-LM
-            config.grad_sync_func = self.model.start_grad_sync
+            config.grad_sync_func = _one_or_list([c.start_grad_sync for c in self.chunks])
         config.finalize_model_grads_func = finalize
         config.grad_scale_func = self.optimizer.scale_loss
         self.calculator = import_megatron("megatron.core.num_microbatches_calculator")
@@ -123,7 +129,7 @@ class _Trainer:
         self.hooks_on = self.gathers_params  # DDP registers them when it is built
         self.iteration, counters = 0, {}
         if a.load or a.pretrained_checkpoint:
-            self.iteration, counters = load_checkpoint(a, self.model, self.optimizer,
+            self.iteration, counters = load_checkpoint(a, self.chunks, self.optimizer,
                                                        self.scheduler)
         # A checkpoint this run would write again unchanged: the one it resumed from, when
         # --load and --save are one directory and no step was made since.
@@ -134,13 +140,10 @@ class _Trainer:
                          "skipped": 0, "nan": 0, **counters}
         # Collective (megatron-core's builder has barriers); None where no data is read.
         train, valid, test = build_datasets(a, tokenizer)
-        dp_rank, dp = ps.get_data_parallel_rank(), a.data_parallel_size
-        make = lambda ds, consumed, name: None if ds is None else MicroBatches(  # noqa: E731
-            ds, a.micro_batch_size, dp_rank, dp, consumed, name, cyclic=name != "train",
-            num_workers=a.num_workers)
-        self.train_iter = make(train, self.counters["consumed_train_samples"], "train")
+        self.train_iter = self._micro_batches(train, self.counters["consumed_train_samples"],
+                                              "train")
         # --skip-train reads validation from its first sample, as Megatron-LM's loaders do.
-        self.valid_iter = make(valid, 0 if a.skip_train else self.counters[
+        self.valid_iter = self._micro_batches(valid, 0 if a.skip_train else self.counters[
             "consumed_valid_samples"], "valid")
         self.test_ds = test
         self.steps = wiring.steps(a, self.registry, tokenizer.eod,
@@ -149,10 +152,28 @@ class _Trainer:
         self.reporter = Reporter(a, dist.get_rank() == dist.get_world_size() - 1, vocab)
         self.controls = controls
 
+    def _micro_batches(self, dataset, consumed, name):
+        """This DP rank's micro-batches of `dataset` from sample `consumed` (None where no data
+        is read); with virtual pipeline stages one stream per model chunk, as Megatron-LM's:
+        each chunk's attention needs every micro-batch's plan."""
+        if dataset is None:
+            return None
+        streams = [MicroBatches(dataset, self.args.micro_batch_size,
+                                self.ps.get_data_parallel_rank(), self.args.data_parallel_size,
+                                consumed, name, cyclic=name != "train",
+                                num_workers=self.args.num_workers)
+                   for _ in self.chunks]
+        return streams[0] if len(streams) == 1 else streams
+
+    def _each(self, method, *args, **kwargs):
+        """Call `method` on every model chunk."""
+        for chunk in self.chunks:
+            getattr(chunk, method)(*args, **kwargs)
+
     def _schedule(self, data_iterator, forward_only, num_micro_batches):
         a = self.args
         return self.fwd_bwd(forward_step_func=self.steps.forward_step,
-                            data_iterator=data_iterator, model=[self.model],
+                            data_iterator=data_iterator, model=self.chunks,
                             num_microbatches=num_micro_batches,
                             seq_length=a.micro_batch_size * a.seq_length, micro_batch_size=1,
                             forward_only=forward_only)
@@ -176,7 +197,7 @@ class _Trainer:
                                                 consistency_check=True)
         micro_batches = self.calculator.get_num_microbatches()
         samples = micro_batches * a.micro_batch_size * a.data_parallel_size
-        self.model.zero_grad_buffer()
+        self._each("zero_grad_buffer")
         self.optimizer.zero_grad()
         self.steps.pairs_seen = 0
         waited = self.steps.plan_wait_s
@@ -189,9 +210,9 @@ class _Trainer:
         else:
             self.counters["skipped"] += 1
         if a.log_params_norm and self.gathers_params:  # this step's weights on every rank
-            self.model.start_param_sync(force_sync=True)
+            self._each("start_param_sync", force_sync=True)
         logged = {"num_zeros": num_zeros if a.log_num_zeros_in_grad else None,
-                  "params_norm": params_norm(self.model) if a.log_params_norm else None}
+                  "params_norm": params_norm(self.chunks) if a.log_params_norm else None}
         pairs = torch.tensor([float(self.steps.pairs_seen)], dtype=torch.float64,
                              device=self.device)
         dist.all_reduce(pairs, group=self.ps.get_data_parallel_group())
@@ -227,14 +248,12 @@ class _Trainer:
         if label == "validation":
             iterator = self.valid_iter
         else:
-            iterator = None if self.test_ds is None else MicroBatches(
-                self.test_ds, a.micro_batch_size, self.ps.get_data_parallel_rank(),
-                a.data_parallel_size, 0, "test", cyclic=True)
+            iterator = self._micro_batches(self.test_ds, 0, "test")
         if not self._split_has_samples(iterator):
             return  # the split has no samples (e.g. --split 100,0,0)
         hooks_were_on = self.hooks_on
         self._param_hooks(False)
-        self.model.eval()
+        self._each("eval")
         outputs = []
         # the full --global-batch-size, as Megatron-LM evaluates
         with torch.no_grad(), (self.controls.around_evaluation() if in_loop
@@ -242,7 +261,7 @@ class _Trainer:
             for _ in range(a.eval_iters):
                 outputs += self._schedule(iterator, True, a.num_micro_batches)
                 self.controls.after_forward_backward()
-        self.model.train()
+        self._each("train")
         self._param_hooks(hooks_were_on)
         if label == "validation":
             self.counters["consumed_valid_samples"] += a.eval_iters * a.global_batch_size
@@ -266,11 +285,11 @@ class _Trainer:
         if not self.gathers_params:
             return
         if enable and not self.hooks_on:
-            self.model.enable_forward_pre_hook()
+            self._each("enable_forward_pre_hook")
         elif not enable and self.hooks_on:
-            self.model.disable_forward_pre_hook(param_sync=False)
+            self._each("disable_forward_pre_hook", param_sync=False)
         if not enable and sync:
-            self.model.start_param_sync(force_sync=True)
+            self._each("start_param_sync", force_sync=True)
         self.hooks_on = enable
 
     def _save(self):
@@ -278,13 +297,13 @@ class _Trainer:
             return
         self.last_saved = self.iteration
         if self.gathers_params:  # the saved weights must be this step's
-            self.model.start_param_sync(force_sync=True)
-        save_checkpoint(self.args, self.iteration, self.model, self.optimizer, self.scheduler,
+            self._each("start_param_sync", force_sync=True)
+        save_checkpoint(self.args, self.iteration, self.chunks, self.optimizer, self.scheduler,
                         self.counters)
 
     def run(self):
         a, counters = self.args, self.counters
-        self.model.train()
+        self._each("train")
         losses = []
         # Megatron-LM: the first iteration runs without the gather hooks, so that a bad load
         # or init does not spread through the first all-gather.
