@@ -6,7 +6,8 @@ values win), in either format, and set the model's shape from them, as Megatron-
 `load_args_from_checkpoint` does: the sizes where the launch script leaves them out, the
 architecture switches always (the checkpoint's value wins over the script's, and the start-up
 line says so), the tokenizer's type and model unless --no-use-tokenizer-model-from-checkpoint-args,
-the TP/PP sizes with --use-mp-args-from-checkpoint-args. Beyond Megatron-LM 0.16.1's list it
+the TP/PP sizes (and the virtual pipeline stages, where the script sets none) with
+--use-mp-args-from-checkpoint-args. Beyond Megatron-LM 0.16.1's list it
 also takes --qk-layernorm, --apply-layernorm-1p and --norm-epsilon, which the resume check
 (checkpoint_load.py) compares: Megatron-LM then fails its load on missing keys. The dropouts
 stay the launch script's (Megatron-LM takes them too): they do not shape the weights, a
@@ -44,6 +45,8 @@ _ARCHITECTURE = ("num_query_groups", "group_query_attention", "position_embeddin
                  "layernorm_epsilon")
 _TOKENIZER = ("tokenizer_type", "tokenizer_model")
 _PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+# Taken with the TP/PP sizes where the script gives neither (they are exclusive).
+_VIRTUAL = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
 
 
 def _saved_args(root: str) -> Optional[Tuple[str, argparse.Namespace]]:
@@ -123,6 +126,8 @@ def apply_checkpoint_args(args: argparse.Namespace, given: Dict[str, object],
         dests += _TOKENIZER
     if args.use_mp_args_from_checkpoint_args:
         dests += _PARALLEL
+        if not any(dest in given for dest in _VIRTUAL):
+            dests += _VIRTUAL
     for where, saved in found:  # --load's last: its values win
         for dest in dests:
             value = _saved_value(saved, dest)

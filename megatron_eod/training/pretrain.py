@@ -10,11 +10,13 @@ global count of loss tokens), one step of megatron-core's optimizer, one LR sche
 of as many samples. The reported lm loss is the global token-weighted mean over all
 micro-batches, DP and CP ranks, so it is the same number at any CP size. With
 --overlap-param-gather the forward pre-hooks gather the parameters (off for the first
-iteration, around evaluation and before saving, as Megatron-LM does).
+iteration, around evaluation and before saving, as Megatron-LM does). With virtual pipeline
+stages the rank holds several model chunks, each with its own stream of the same
+micro-batches, and megatron-core's interleaved schedule runs them.
 
     pretrain(argv)   # parse, run, tear down; raises SystemExit(2) on a flag error
 
-What it does not do: no virtual pipeline stages, no MoE.
+What it does not do: no uneven pipeline stages, no MoE.
 """
 
 from __future__ import annotations
