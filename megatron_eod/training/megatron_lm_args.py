@@ -192,6 +192,7 @@ def eod_args_from_megatron(args) -> None:
     check_sequence_parallel_rows(args)
     _check_rampup(args)
     _check_cuda_graphs(args)
+    _check_persistent_ckpt_worker(args, torch.cuda.is_available())
     check_gloo_on_cuda(args, torch.cuda.is_available())
     check_gpu_attention(args, torch.cuda.is_available())
     _check_validation_data(args)
@@ -231,6 +232,19 @@ def _check_xavier(args) -> None:
                         "`scaled_init_method` its TransformerConfig lacks (a TypeError when the "
                         "model is built); drop the flag, or train with the lean trainer "
                         "(--trainer lean), which applies it to every weight matrix")
+
+
+def _check_persistent_ckpt_worker(args, cuda_available: bool) -> None:
+    """Megatron-LM's persistent checkpoint worker (--async-save --use-persistent-ckpt-worker)
+    sets a CUDA device unconditionally: without CUDA the worker dies at the first save
+    (ZeroDivisionError in its process) and the run waits for that save forever."""
+    if cuda_available or not (getattr(args, "async_save", False)
+                              and getattr(args, "use_persistent_ckpt_worker", False)):
+        return
+    raise FlagError("--use-persistent-ckpt-worker needs CUDA: Megatron-LM's worker sets a CUDA "
+                    "device and, without one, dies at the first save while the run waits for "
+                    "it; drop --use-persistent-ckpt-worker (Megatron-LM then saves "
+                    "synchronously) or run on GPUs")
 
 
 def _check_cuda_graphs(args) -> None:

@@ -117,3 +117,20 @@ def test_use_checkpoint_args_keeps_the_flags_attention_dropout(baseline, megatro
     taken = lean_train(tmp_path, "lean", short_docs_data, "--context-parallel-size", "2",
                        "--load", str(ckpt), "--use-checkpoint-args", model_flags=False)
     assert taken == pytest.approx(resumed, rel=1e-5)
+
+
+def test_lean_virtual_pipeline_checkpoint_continues_in_megatron_lm(short_docs_data, tmp_path):
+    """Virtual pipeline stages (the state's "model0", "model1", with the distributed
+    optimizer's state over both chunks): the lean trainer's checkpoint continues in
+    Megatron-LM's trainer at the same layout as in the lean trainer itself."""
+    layout = ("--num-layers", "4", "--pipeline-model-parallel-size", "2",
+              "--num-layers-per-virtual-pipeline-stage", "1", "--ckpt-format", "torch_dist")
+    ckpt = str(tmp_path / "ckpt")
+    first = lean_train(tmp_path, "save", short_docs_data, *layout, "--save", ckpt,
+                       "--exit-interval", "2")
+    assert sorted(first) == [1, 2]
+    lean = lean_train(tmp_path, "lean", short_docs_data, *layout, "--load", ckpt)
+    resumed, _ = megatron_lm_train(tmp_path, "load", short_docs_data, *layout, "--load", ckpt)
+    assert sorted(resumed) == sorted(lean) == [3, 4]
+    for iteration in (3, 4):
+        assert resumed[iteration] == pytest.approx(lean[iteration], rel=1e-5), iteration

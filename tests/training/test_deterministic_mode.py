@@ -23,7 +23,7 @@ def _train_and_look(rank, world, argv):
 
     def train_step(self):
         seen.append((torch.are_deterministic_algorithms_enabled(),
-                     self.model.config.deterministic_mode))
+                     self.chunks[0].config.deterministic_mode))
         return step(self)
 
     module._Trainer._train_step = train_step

@@ -253,6 +253,15 @@ def test_cuda_graphs_capture_only_what_holds_no_attention():
         checked("--cuda-graph-impl", "transformer_engine", scope, "attn", "mlp")
 
 
+def test_the_persistent_checkpoint_worker_needs_cuda():
+    """Megatron-LM's worker sets a CUDA device: on CPU it died at the first save and the run
+    waited for that save forever (a helper's sweep: 400 s, killed). Plain --async-save, which
+    Megatron-LM turns off without the worker, still passes."""
+    checked("--async-save", "--ckpt-format", "torch_dist")
+    with pytest.raises(FlagError, match=r"--use-persistent-ckpt-worker needs CUDA: "):
+        checked("--async-save", "--use-persistent-ckpt-worker", "--ckpt-format", "torch_dist")
+
+
 @pytest.mark.parametrize("flag", ["--overlap-grad-reduce", "--overlap-param-gather"])
 def test_gloo_on_cuda_refuses_overlapped_gradient_collectives(monkeypatch, flag):
     """gloo on CUDA reduces gradients bucket by bucket, synchronously (gloo_on_cuda): the
