@@ -193,6 +193,7 @@ def eod_args_from_megatron(args) -> None:
     _check_rampup(args)
     _check_cuda_graphs(args)
     _check_persistent_ckpt_worker(args, torch.cuda.is_available())
+    _check_decoupled_lr_checkpoints(args)
     check_gloo_on_cuda(args, torch.cuda.is_available())
     check_gpu_attention(args, torch.cuda.is_available())
     _check_validation_data(args)
@@ -245,6 +246,28 @@ def _check_persistent_ckpt_worker(args, cuda_available: bool) -> None:
                     "device and, without one, dies at the first save while the run waits for "
                     "it; drop --use-persistent-ckpt-worker (Megatron-LM then saves "
                     "synchronously) or run on GPUs")
+
+
+def _check_decoupled_lr_checkpoints(args) -> None:
+    """megatron-core 0.16's regular optimizer matches saved parameter groups to its own by
+    (wd_mult, lr_mult, expert, decoupled) only: --decoupled-lr's group (the embedding and
+    output layer) differs from the default group in its learning rate alone, one overwrites
+    the other, and every --load of the run's own checkpoints stops with "loaded state dict
+    contains a parameter group that doesn't match" (measured on CPU, both formats). Later
+    megatron-cores (0.19.2) match by the learning rates too; the distributed optimizer loads
+    by another path and resumes."""
+    if getattr(args, "decoupled_lr", None) is None or args.use_distributed_optimizer or not (
+            getattr(args, "save", None) or getattr(args, "load", None)):
+        return
+    keys = getattr(importlib.import_module("megatron.core.optimizer.optimizer"),
+                   "param_group_identifier_keys", ())
+    if "max_lr" in keys:
+        return
+    raise FlagError(f"--decoupled-lr {args.decoupled_lr} without --use-distributed-optimizer: "
+                    f"this megatron-core's optimizer cannot load the checkpoints this run would "
+                    f"write (its decoupled and default parameter groups differ only in their "
+                    f"learning rate, which it does not compare: a ValueError at every --load); "
+                    f"add --use-distributed-optimizer, or use megatron-core >= 0.19")
 
 
 def _check_cuda_graphs(args) -> None:

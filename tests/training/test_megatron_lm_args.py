@@ -262,6 +262,23 @@ def test_the_persistent_checkpoint_worker_needs_cuda():
         checked("--async-save", "--use-persistent-ckpt-worker", "--ckpt-format", "torch_dist")
 
 
+def test_decoupled_lr_checkpoints_that_megatron_core_cannot_load_are_refused(tmp_path):
+    """megatron-core 0.16.1's regular optimizer cannot load a --decoupled-lr run's own
+    checkpoint (its groups differ only in max_lr, which it does not compare; measured: a
+    ValueError at the resume, torch and torch_dist); the distributed optimizer resumes."""
+    from megatron.core.optimizer import optimizer
+
+    save = ("--save", str(tmp_path))
+    assert checked("--decoupled-lr", "2e-4").decoupled_lr == 2e-4  # saves nothing: nothing lost
+    assert checked("--decoupled-lr", "2e-4", *save, "--use-distributed-optimizer").decoupled_lr
+    if "max_lr" in optimizer.param_group_identifier_keys:  # a megatron-core that compares it
+        assert checked("--decoupled-lr", "2e-4", *save).decoupled_lr
+        return
+    with pytest.raises(FlagError, match=r"--decoupled-lr 0.0002 without "
+                                        r"--use-distributed-optimizer: this megatron-core's"):
+        checked("--decoupled-lr", "2e-4", *save)
+
+
 @pytest.mark.parametrize("flag", ["--overlap-grad-reduce", "--overlap-param-gather"])
 def test_gloo_on_cuda_refuses_overlapped_gradient_collectives(monkeypatch, flag):
     """gloo on CUDA reduces gradients bucket by bucket, synchronously (gloo_on_cuda): the

@@ -53,7 +53,7 @@ def _built(rank, world, argv):
     args = parse_args(argv, world_size=1, cuda_available=False)
     with cp_setup(1):
         torch.manual_seed(0)
-        model, _ = build_model(args, EodContextRegistry(), 256)
+        (model,), _ = build_model(args, EodContextRegistry(), 256)
     layer = model.module.decoder.layers[0]
     norm = layer.input_layernorm
     fc1 = layer.mlp.linear_fc1.weight

@@ -164,9 +164,9 @@ def _norm_and_direct(rank, world, argv):
 
     args = parse_args(argv, world_size=1, cuda_available=False)
     with cp_setup(1):
-        model, _ = build_model(args, EodContextRegistry(), 256)
+        (model,), _ = build_model(args, EodContextRegistry(), 256)
         direct = sum(p.double().pow(2).sum() for p in model.parameters()).sqrt().item()
-        return params_norm(model), direct
+        return params_norm([model]), direct
 
 
 def _orphan_signalled(pipe):
