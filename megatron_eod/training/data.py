@@ -64,10 +64,15 @@ class MicroBatches:
         if self._batches is None:
             indices = _MicroBatchIndices(len(self.dataset), self.mbs, self.dp_rank,
                                          self.dp_size, self.consumed_samples, self.cyclic)
+            # A generator of its own: the loader draws its workers' base seed when its
+            # iterator is made, here at the first read, which in a resumed run comes after
+            # the checkpoint's RNG state was restored; from torch's global generator that
+            # draw would shift every later dropout mask against the uninterrupted run.
             self._batches = iter(torch.utils.data.DataLoader(
                 self.dataset, batch_sampler=indices, num_workers=self.num_workers,
                 collate_fn=_stack, pin_memory=torch.cuda.is_available(),
-                persistent_workers=self.num_workers > 0))
+                persistent_workers=self.num_workers > 0,
+                generator=torch.Generator().manual_seed(0)))
         try:
             batch = next(self._batches)
         except StopIteration:
