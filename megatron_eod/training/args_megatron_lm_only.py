@@ -297,13 +297,17 @@ def no_effect_notice(args) -> Optional[str]:
              if getattr(args, _dest(flag), None) not in (None, False)]
     given += [(flag, why) for flag, (idle, why) in NO_EFFECT_HERE.items()
               if getattr(args, _dest(flag), None) not in (None, False) and idle(args)]
+    unlike = ("; --attention-dropout not given: 0 here, where Megatron-LM's default is 0.1 "
+              "(the varlen attention kernels apply no dropout; Megatron-LM's trainer stops "
+              "without --attention-dropout 0)"
+              if getattr(args, "attention_dropout_defaulted", False) else "")
     if not given:
-        return None
+        return ("megatron-eod: " + unlike[2:]) if unlike else None
     reasons: Dict[str, List[str]] = {}
     for flag, why in given:
         reasons.setdefault(why, []).append(flag)
     return "megatron-eod: accepted, with no effect in the lean trainer: " + "; ".join(
-        f"{', '.join(flags)} ({why})" for why, flags in reasons.items())
+        f"{', '.join(flags)} ({why})" for why, flags in reasons.items()) + unlike
 
 
 def _family(flag: str):

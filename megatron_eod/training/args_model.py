@@ -50,7 +50,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
            ("--rotary-base", 10000), ("--make-vocab-size-divisible-by", 128))
     typed(g, float, ("--rotary-percent", 1.0), ("--init-method-std", 0.02),
            ("--hidden-dropout", 0.1),
-           ("--attention-dropout", 0.0, "must be 0: the varlen attention kernels apply none"))
+           ("--attention-dropout", None, "must be 0: the varlen attention kernels apply none "
+                                         "(default here 0, said at start-up; Megatron-LM's "
+                                         "0.1)"))
     switches(g, "--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights",
               "--qk-layernorm", "--rotary-interleaved", "--use-rope-scaling")
     typed(g, float, ("--rope-scaling-factor", 8.0, "Llama-3 RoPE scaling factor"),
@@ -152,6 +154,10 @@ def check_model(args) -> None:
     _positive(args, "embedding_init_method_std")
     _require(args.layernorm_epsilon > 0,
              f"--norm-epsilon must be positive, got {args.layernorm_epsilon}")
+    args.attention_dropout_defaulted = args.attention_dropout is None or getattr(
+        args, "attention_dropout_defaulted", False)  # (validating again keeps the answer)
+    if args.attention_dropout is None:  # Megatron-LM's default, 0.1, cannot run: said
+        args.attention_dropout = 0.0
     _require(args.attention_dropout == 0.0,
              f"--attention-dropout {args.attention_dropout}: our varlen attention kernels "
              f"apply no dropout; pass --attention-dropout 0")
