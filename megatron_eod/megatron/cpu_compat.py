@@ -355,6 +355,7 @@ def remove() -> None:
         _set(name, attr, original)
     _originals.clear()
     _scopes.clear()
+    stand_ins.forget_pending_sends()
     from megatron.core.tensor_parallel import random as mc_random
 
     mc_random.initialize_rng_tracker(force_reset=True)

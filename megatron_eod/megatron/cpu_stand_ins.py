@@ -16,7 +16,8 @@ import types
 import torch
 
 __all__ = ["TorchOnCpu", "cpu_rng_tracker_class", "clip_grad_by_total_norm_fp32",
-           "parameter_type", "batch_invariant_kernels_module", "deallocate_output_after_send"]
+           "parameter_type", "batch_invariant_kernels_module", "deallocate_output_after_send",
+           "forget_pending_sends"]
 
 
 def _on_cpu(device):
@@ -97,10 +98,53 @@ class _CudaOnCpu:
         return getattr(torch.cuda, name)
 
 
+_PENDING_SENDS: list = []  # gloo sends still unmatched whose handle the caller may drop
+
+
+def _kept(work):
+    """Hold an asynchronous send's handle until the send is done. megatron-core's schedules
+    drop some unwaited (the last forward send of a forward-only pass with
+    --overlap-p2p-communication-warmup-flush, the last of a steady state): NCCL finishes them
+    anyway, gloo holds an unmatched send only through its handle and cancels it with the
+    handle, and the receiving stage waits forever."""
+    _PENDING_SENDS[:] = [w for w in _PENDING_SENDS if not w.is_completed()]
+    _PENDING_SENDS.append(work)
+    return work
+
+
+def forget_pending_sends() -> None:
+    """Drop the held send handles (when the CPU patches are removed)."""
+    _PENDING_SENDS.clear()
+
+
+class _DistributedKeepingSends:
+    """`torch.distributed` whose `isend` keeps its handle until the send is done (`_kept`)."""
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def isend(*args, **kwargs):
+        return _kept(torch.distributed.isend(*args, **kwargs))
+
+    @staticmethod
+    def P2POp(op, *args, **kwargs):  # torch accepts its own isend only
+        if op is _DistributedKeepingSends.isend:
+            op = torch.distributed.isend
+        return torch.distributed.P2POp(op, *args, **kwargs)
+
+    @staticmethod
+    def batch_isend_irecv(ops):
+        return [_kept(work) for work in torch.distributed.batch_isend_irecv(ops)]
+
+
 class TorchOnCpu:
     """`torch` for one module's global name `torch`: tensor factories asked for a CUDA
     device allocate on the CPU (random ones drawing from DEVICE_GENERATOR, as a GPU draws from
-    its own) and `torch.cuda` is `_CudaOnCpu`. Everything else is torch."""
+    its own), `torch.cuda` is `_CudaOnCpu` and `torch.distributed.isend` keeps its handle
+    until the send is done (`_kept`). Everything else is torch."""
+
+    distributed = _DistributedKeepingSends()
 
     def __init__(self, claims_device: bool = False):
         self.cuda = _CudaOnCpu(claims_device)
@@ -192,6 +236,8 @@ def deallocate_output_after_send(out, deallocate_pipeline_outputs=False):
         return
     if not isinstance(out, torch.Tensor) or out._base is not None:
         raise AssertionError("expected a Tensor that is not a view, the schedule's output")
+    if hasattr(out, "_eod_sent_data"):  # again (the warmup flush's last output is freed by
+        return                          # two calls): keep the memory the send still reads
     out._eod_sent_data = out.data  # same memory as the send reads
     out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
 

@@ -167,6 +167,9 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                    dest="overlap_p2p_comm",
                    help="interleaved pipeline: batched, not overlapped, p2p (needs "
                         "--pipeline-model-parallel-size > 2, as Megatron-LM)")
+    g.add_argument("--overlap-p2p-communication-warmup-flush", action="store_true",
+                   dest="overlap_p2p_comm_warmup_flush",
+                   help="interleaved pipeline: overlap the warmup's and flush's p2p too")
     g.add_argument("--context-parallel-algo", default="ring",
                    help=f"one of {', '.join(CP_ALGO_ALIASES)}")
     g.add_argument("--cp-ring-exchange", choices=RING_EXCHANGES, default="batched",
@@ -297,8 +300,13 @@ def _check_virtual_pipeline(args) -> None:
                  "--microbatch-group-size-per-virtual-pipeline-stage needs virtual pipeline "
                  "stages (--num-layers-per-virtual-pipeline-stage or "
                  "--num-virtual-stages-per-pipeline-rank giving more than one a rank)")
+        _require(not args.overlap_p2p_comm_warmup_flush,
+                 "--overlap-p2p-communication-warmup-flush needs virtual pipeline stages")
         args.overlap_p2p_comm = False  # as Megatron-LM, outside the interleaved schedule
         return
+    _require(args.overlap_p2p_comm or not args.overlap_p2p_comm_warmup_flush,
+             "--overlap-p2p-communication-warmup-flush overlaps p2p: drop "
+             "--no-overlap-p2p-communication or it")
     _require(pp > (1 if args.overlap_p2p_comm else 2),
              f"virtual pipeline stages need --pipeline-model-parallel-size > 1, and > 2 with "
              f"--no-overlap-p2p-communication (two batched p2p calls between the same two "

@@ -197,7 +197,7 @@ ABSENT: List[Tuple[str, Tuple[str, ...], Tuple[str, ...]]] = [
      "splits --num-layers evenly over the stages (and their virtual stages)",
      ("--account-for-",),
      ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
-      "--pipeline-model-parallel-layout", "--overlap-p2p-communication-warmup-flush",
+      "--pipeline-model-parallel-layout",
       "--pipeline-model-parallel-comm-backend", "--use-ring-exchange-p2p",
       "--no-scatter-gather-tensors-in-pipeline", "--defer-embedding-wgrad-compute",
       "--wgrad-deferral-limit", "--delay-wgrad-compute")),

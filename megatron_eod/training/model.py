@@ -76,6 +76,7 @@ def transformer_config(args):
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
         overlap_p2p_comm=args.overlap_p2p_comm, batch_p2p_comm=not args.overlap_p2p_comm,
+        overlap_p2p_comm_warmup_flush=args.overlap_p2p_comm_warmup_flush,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
         batch_p2p_sync=gpu)  # the sync after batched p2p is torch.cuda.synchronize()

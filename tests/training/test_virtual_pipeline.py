@@ -11,6 +11,8 @@ runs them (16 of its 142 GPT functional-test configs):
 (Initial weights depend on the layer placement, as in Megatron-LM: runs are compared from a
 common checkpoint.)"""
 
+import json
+
 import pytest
 
 from megatron_eod.training.args import parse_args
@@ -47,6 +49,29 @@ def test_chunks_continue_a_checkpoint_as_the_unchunked_run(tiny_data, tmp_path):
     _close(losses, reference[:3])
     back, _ = _run(1, tiny_data, "--load", chunked)
     _close(back, reference[3:])
+
+
+def test_the_overlapped_warmup_and_flush_train_as_the_default_schedule(tiny_data, tmp_path):
+    """--overlap-p2p-communication-warmup-flush (a Megatron-LM functional-test config: PP=4,
+    two chunks, groups of 5 of 10 micro-batches) on gloo: megatron-core frees the warmup's
+    last output twice while its send is pending, and drops the last forward send of a
+    forward-only pass unwaited. The CPU stand-ins freed the memory the send still read (NaN
+    losses, different each run) and let gloo cancel the dropped send (the next stage waited
+    forever at the first evaluation); both trainers ran into them."""
+    layout = ("--num-layers", "8", "--pipeline-model-parallel-size", "4",
+              "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "1",
+              "--global-batch-size", "10", "--microbatch-group-size-per-virtual-pipeline-stage",
+              "5", "--train-iters", "4", "--eval-interval", "2", "--lr-decay-iters", "10")
+    records = []
+    for name, flags in (("default", ()), ("flush", ("--overlap-p2p-communication-warmup-flush",))):
+        metrics = tmp_path / f"{name}.jsonl"
+        results = run_ranks(_train, 4, tiny_flags(tiny_data, *layout, *flags, "--metrics-file",
+                                                  str(metrics), drop=("--num-layers",)),
+                            daemon=False, timeout=120)
+        assert [code for code, *_ in results] == [0] * 4, results
+        records.append([(r.get("kind"), r["iteration"], r["lm_loss"], r.get("grad_norm"))
+                        for r in map(json.loads, metrics.read_text().splitlines())])
+    assert records[0] == records[1] and len(records[0]) == 4 + 3  # 2 validations and a test
 
 
 def test_a_torch_checkpoint_of_other_virtual_stages_is_refused(tiny_data, tmp_path):
