@@ -128,11 +128,11 @@ def test_lean_virtual_pipeline_checkpoint_continues_in_megatron_lm(short_docs_da
     layout = ("--num-layers", "4", "--pipeline-model-parallel-size", "2",
               "--num-layers-per-virtual-pipeline-stage", "1", "--ckpt-format", "torch_dist")
     ckpt = str(tmp_path / "ckpt")
-    first = lean_train(tmp_path, "save", short_docs_data, *layout, "--save", ckpt,
-                       "--exit-interval", "2")
-    assert sorted(first) == [1, 2]
-    lean = lean_train(tmp_path, "lean", short_docs_data, *layout, "--load", ckpt)
+    lean = lean_train(tmp_path, "save", short_docs_data, *layout, "--save", ckpt,
+                      "--save-interval", "2")  # at 2, then 4
+    with open(f"{ckpt}/latest_checkpointed_iteration.txt", "w") as f:
+        f.write("2")  # resume from 2 (iteration 4's save is the run's last)
     resumed, _ = megatron_lm_train(tmp_path, "load", short_docs_data, *layout, "--load", ckpt)
-    assert sorted(resumed) == sorted(lean) == [3, 4]
+    assert sorted(lean) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
     for iteration in (3, 4):
         assert resumed[iteration] == pytest.approx(lean[iteration], rel=1e-5), iteration

@@ -41,14 +41,14 @@ def _close(a, b, rel=1e-5):
 
 def test_chunks_continue_a_checkpoint_as_the_unchunked_run(tiny_data, tmp_path):
     start, chunked = str(tmp_path / "start"), str(tmp_path / "chunked")
-    first, _ = _run(1, tiny_data, "--save", start, "--exit-interval", "4")
-    reference, _ = _run(1, tiny_data, "--load", start)
-    losses, text = _run(4, tiny_data, *VP, "--context-parallel-size", "2", "--load", start,
-                        "--save", chunked, "--exit-interval", "7")
-    assert len(first) == 4 and len(reference) == 6 and len(losses) == 3
-    _close(losses, reference[:3])
+    reference, _ = _run(1, tiny_data, "--save", start, "--save-interval", "8")  # at 8, 10
+    with open(f"{start}/latest_checkpointed_iteration.txt", "w") as f:
+        f.write("8")
+    losses, _ = _run(4, tiny_data, *VP, "--context-parallel-size", "2", "--load", start,
+                     "--save", chunked, "--exit-interval", "9")
     back, _ = _run(1, tiny_data, "--load", chunked)
-    _close(back, reference[3:])
+    assert len(reference) == 10 and len(losses) == len(back) == 1
+    _close(losses + back, reference[8:])
 
 
 def test_the_overlapped_warmup_and_flush_train_as_the_default_schedule(tiny_data, tmp_path):
@@ -61,7 +61,7 @@ def test_the_overlapped_warmup_and_flush_train_as_the_default_schedule(tiny_data
     layout = ("--num-layers", "8", "--pipeline-model-parallel-size", "4",
               "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "1",
               "--global-batch-size", "10", "--microbatch-group-size-per-virtual-pipeline-stage",
-              "5", "--train-iters", "4", "--eval-interval", "2", "--lr-decay-iters", "10")
+              "5", "--train-iters", "3", "--eval-interval", "2", "--lr-decay-iters", "10")
     records = []
     for name, flags in (("default", ()), ("flush", ("--overlap-p2p-communication-warmup-flush",))):
         metrics = tmp_path / f"{name}.jsonl"
@@ -71,7 +71,7 @@ def test_the_overlapped_warmup_and_flush_train_as_the_default_schedule(tiny_data
         assert [code for code, *_ in results] == [0] * 4, results
         records.append([(r.get("kind"), r["iteration"], r["lm_loss"], r.get("grad_norm"))
                         for r in map(json.loads, metrics.read_text().splitlines())])
-    assert records[0] == records[1] and len(records[0]) == 4 + 3  # 2 validations and a test
+    assert records[0] == records[1] and len(records[0]) == 3 + 3  # 2 validations and a test
 
 
 def test_a_torch_checkpoint_of_other_virtual_stages_is_refused(tiny_data, tmp_path):
