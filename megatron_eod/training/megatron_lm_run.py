@@ -167,6 +167,7 @@ def _schedule_flags_after_load(training) -> None:
         finally:
             if optimizer is not None:
                 del optimizer.load_state_dict
+        _check_rerun_state(importlib.import_module("megatron.training").get_args())
         if scheduler is not None and optimizer is not None:  # loaded anew: the groups too
             apply_schedule_choice(optimizer, flags, saved,
                                   scheduler.override_opt_param_scheduler,
@@ -176,6 +177,23 @@ def _schedule_flags_after_load(training) -> None:
 
     load_checkpoint._eod = True
     training.load_checkpoint = load_checkpoint
+
+
+def _check_rerun_state(args) -> None:
+    """After a possible transient error, Megatron-LM's rerun machine saves a checkpoint "for
+    further examination" and exits (status 17) in its state RERUNNING_IN_PLACE; resumed,
+    megatron-core 0.16 re-enters that state without the saved state it re-runs from, and every
+    rank stops with a TypeError deep in rerun_state_machine. One line instead, and the way to
+    resume: --rerun-mode disabled ignores the machine's saved state (its load_state_dict)."""
+    machine = importlib.import_module("megatron.core.rerun_state_machine")
+    rsm = machine.get_rerun_state_machine()
+    if rsm.state == machine.RerunState.RERUNNING_IN_PLACE and \
+            getattr(rsm, "saved_state", True) is None:
+        raise CheckpointError(
+            f"--load {args.load}: Megatron-LM's rerun machine saved this checkpoint after a "
+            f"possible transient error at iteration {rsm.current_iteration}, for examination; "
+            f"this megatron-core cannot re-run that iteration from it (a TypeError on every "
+            f"rank); pass --rerun-mode disabled to resume from it as from any checkpoint")
 
 
 def megatron_lm_assertion(error: AssertionError) -> str:
