@@ -51,7 +51,10 @@ _VIRTUAL = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pip
 
 def _saved_args(root: str) -> Optional[Tuple[str, argparse.Namespace]]:
     """(where, args) of the latest checkpoint under `root`; None where it has none."""
-    iteration = _read_tracker(root)
+    try:
+        iteration = _read_tracker(root)
+    except ValueError as error:  # a damaged tracker: one line
+        raise FlagError(f"--use-checkpoint-args: {error}") from None
     if iteration is None:
         return None
     folder = os.path.join(root, "release") if iteration == "release" else _iter_dir(
@@ -101,6 +104,8 @@ def _saved_value(saved: argparse.Namespace, dest: str):
         return not saved.disable_bias_linear  # Megatron-LM's one-off conversion
     if dest == "layernorm_zero_centered_gamma" and getattr(saved, dest, None) is None:
         return getattr(saved, "apply_layernorm_1p", None)  # older Megatron-LM spelling
+    if dest == "num_query_groups" and not getattr(saved, "group_query_attention", False):
+        return None  # multi-head attention, whatever number Megatron-LM left there
     return getattr(saved, dest, None)
 
 
@@ -137,6 +142,14 @@ def apply_checkpoint_args(args: argparse.Namespace, given: Dict[str, object],
                 raise FlagError(f"--use-checkpoint-args: {where} was saved with {_flag(dest)} "
                                 f"{value}, which this trainer does not take (choose from "
                                 f"{', '.join(map(str, choices[dest]))})")
+            if dest == "tokenizer_model" and os.path.isabs(value) and \
+                    not os.path.exists(value):  # saved on another machine
+                if dest in given:
+                    continue  # the flags' own, kept
+                raise FlagError(f"--use-checkpoint-args: {where} was saved with "
+                                f"--tokenizer-model {value}, which is not on this machine; "
+                                f"pass --tokenizer-model PATH (kept over the checkpoint's "
+                                f"then), or --no-use-tokenizer-model-from-checkpoint-args")
             setattr(args, dest, value)
             if dest in _SIZES or value != defaults.get(dest) or (
                     dest in given and given[dest] != value):

@@ -256,8 +256,10 @@ def _check_decoupled_lr_checkpoints(args) -> None:
     contains a parameter group that doesn't match" (measured on CPU, both formats). Later
     megatron-cores (0.19.2) match by the learning rates too; the distributed optimizer loads
     by another path and resumes."""
+    loads_optimizer = getattr(args, "load", None) and not (
+        getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
     if getattr(args, "decoupled_lr", None) is None or args.use_distributed_optimizer or not (
-            getattr(args, "save", None) or getattr(args, "load", None)):
+            getattr(args, "save", None) or loads_optimizer):
         return
     keys = getattr(importlib.import_module("megatron.core.optimizer.optimizer"),
                    "param_group_identifier_keys", ())

@@ -67,7 +67,12 @@ def pretrain(argv=None):
         args = parse_args(argv, world_size=world_size)
     except FlagError as error:
         exit_with_error(error, 2)
-    initialize(args)
+    try:
+        initialize(args)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the start-up's own error is the one to see
+            shutdown()  # what it set so far: deterministic algorithms, the CPU patches
+        raise
     for notice in (checkpoint_args_notice(args), no_effect_notice(args)):
         if notice and dist.get_rank() == 0:
             print(notice, flush=True)
@@ -174,6 +179,8 @@ class _Trainer:
 
     def _schedule(self, data_iterator, forward_only, num_micro_batches):
         a = self.args
+        if data_iterator is None and len(self.chunks) > 1:  # a rank that reads no data:
+            data_iterator = [None] * len(self.chunks)  # the interleaved schedule wants a list
         return self.fwd_bwd(forward_step_func=self.steps.forward_step,
                             data_iterator=data_iterator, model=self.chunks,
                             num_microbatches=num_micro_batches,

@@ -142,14 +142,17 @@ def test_bf16_cp_processes_sharing_one_gpu_match_cp1(gpu_cp1, tiny_data, tmp_pat
 @needs_megatron_lm
 def test_megatron_lm_trainer_cp_processes_sharing_one_gpu_match_cp1(tiny_data, tmp_path):
     """Megatron-LM's trainer at CP=2 (ring) as two processes on one GPU over gloo (our hook
-    after its validate_args applies gloo_on_cuda) against its own CP=1 run. Not yet run on a
-    GPU (written after the 2026-11-24 session's device time was spent)."""
+    after its validate_args applies gloo_on_cuda) against its own CP=1 run. Its one GPU run
+    (2026-11-27, H200) stopped at Megatron-LM's CUDA_DEVICE_MAX_CONNECTIONS rule, now set."""
     if gpus() < 1:
         pytest.skip("needs a CUDA GPU")
     flags = ("--eval-interval", "1000", "--distributed-backend", "gloo")
-    cp1 = train_on_gpus(1, tiny_data, tmp_path, *flags, trainer="megatron-lm")
+    # Megatron-LM's rule with TP or CP on CUDA (its launch scripts export it); stopped the
+    # run in one line on the 2026-11-27 H200 lease.
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    cp1 = train_on_gpus(1, tiny_data, tmp_path, *flags, trainer="megatron-lm", env=env)
     cp2 = train_on_gpus(2, tiny_data, tmp_path, *flags, "--context-parallel-size", "2",
-                        "--cp-comm-type", "p2p", trainer="megatron-lm")
+                        "--cp-comm-type", "p2p", trainer="megatron-lm", env=env)
     assert_close(cp2, cp1, CP_TOL, "Megatron-LM trainer, bf16 CP=2 ring, 2 processes sharing "
                                    "one GPU, vs CP=1")
 
@@ -157,8 +160,9 @@ def test_megatron_lm_trainer_cp_processes_sharing_one_gpu_match_cp1(tiny_data, t
 def test_deterministic_mode_runs_are_bitwise_equal_on_gpu(gpu_cp1, tiny_data, tmp_path):
     """--deterministic-mode on the GPU kernels (torch's deterministic flash backward, or
     flash-attn's deterministic=True): CP=2 ring as two processes sharing the GPU, twice,
-    bitwise equal, and within CP_TOL of the default CP=1 run. Not yet run on a GPU (written in
-    a session without one); last here, so a short lease spends its time on the others first."""
+    bitwise equal, and within CP_TOL of the default CP=1 run (2026-11-27, H200, torch 2.11's
+    varlen kernels: passed, 2.48e-05); last here, so a short lease spends its time on the
+    others first."""
     env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     flags = ("--context-parallel-size", "2", "--distributed-backend", "gloo",
              "--deterministic-mode")

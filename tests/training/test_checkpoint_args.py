@@ -126,3 +126,51 @@ def test_no_checkpoint_yet_uses_the_flags_given_and_says_so(tmp_path):
     assert checkpoint_args_notice(_parse("--num-layers", "2", "--hidden-size", "64",
                                          "--num-attention-heads", "4",
                                          "--seq-length", "128")) is None
+
+
+def _edited_copy(save, tmp_path, **changes):
+    """A copy of the checkpoint `save` whose saved args carry `changes` (reading and writing
+    the file that holds them: common.pt of torch_dist, the rank files of torch)."""
+    import shutil
+
+    import torch
+
+    copy = tmp_path / "edited"
+    shutil.copytree(save, copy)
+    files = list(copy.glob("iter_0000004/common.pt")) or list(
+        copy.glob("iter_0000004/mp_rank_*/model_optim_rng.pt"))
+    if not files:
+        pytest.skip("this megatron-core keeps the saved args inside the .distcp files")
+    for path in files:
+        state = torch.load(path, weights_only=False)
+        for name, value in changes.items():
+            setattr(state["args"], name, value)
+        torch.save(state, path)
+    return str(copy)
+
+
+def test_saved_multi_head_attention_with_megatron_lms_leftover_group_count(saved, tmp_path):
+    """Megatron-LM builds multi-head attention from group_query_attention False whatever
+    num_query_groups says (1 in args that never trained); that 1 was taken and refused as
+    "--num-query-groups 1 without --group-query-attention", flags the user never gave."""
+    copy = _edited_copy(saved[0], tmp_path, group_query_attention=False, num_query_groups=1)
+    args = _parse("--use-checkpoint-args", "--load", copy)
+    assert not args.group_query_attention and args.num_query_groups == args.num_attention_heads
+
+
+def test_a_saved_tokenizer_path_missing_here(saved, tmp_path):
+    copy = _edited_copy(saved[0], tmp_path, tokenizer_type="HuggingFaceTokenizer",
+                        tokenizer_model="/nonexistent/llama-tok")
+    with pytest.raises(FlagError, match=r"was saved with --tokenizer-model /nonexistent/llama-tok"
+                                        r", which is not on this machine; pass "
+                                        r"--tokenizer-model PATH"):
+        _parse("--use-checkpoint-args", "--load", copy)
+    kept = _parse("--use-checkpoint-args", "--load", copy, "--tokenizer-model", "/here/tok")
+    assert (kept.tokenizer_type, kept.tokenizer_model) == ("HuggingFaceTokenizer", "/here/tok")
+
+
+def test_a_damaged_tracker_is_one_line(tmp_path):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("garbage")
+    with pytest.raises(FlagError, match=r"--use-checkpoint-args: .* holds 'garbage', not an "
+                                        r"iteration"):
+        _parse("--use-checkpoint-args", "--load", str(tmp_path))

@@ -270,6 +270,8 @@ def test_decoupled_lr_checkpoints_that_megatron_core_cannot_load_are_refused(tmp
 
     save = ("--save", str(tmp_path))
     assert checked("--decoupled-lr", "2e-4").decoupled_lr == 2e-4  # saves nothing: nothing lost
+    for fresh in ("--no-load-optim", "--finetune"):  # loads no optimizer state, saves none
+        assert checked("--decoupled-lr", "2e-4", "--load", str(tmp_path), fresh).decoupled_lr
     assert checked("--decoupled-lr", "2e-4", *save, "--use-distributed-optimizer").decoupled_lr
     if "max_lr" in optimizer.param_group_identifier_keys:  # a megatron-core that compares it
         assert checked("--decoupled-lr", "2e-4", *save).decoupled_lr

@@ -49,6 +49,13 @@ def test_chunks_continue_a_checkpoint_as_the_unchunked_run(tiny_data, tmp_path):
     back, _ = _run(1, tiny_data, "--load", chunked)
     assert len(reference) == 10 and len(losses) == len(back) == 1
     _close(losses + back, reference[8:])
+    # TP=2 (with sequence parallelism): the second TP rank reads no data and holds no
+    # iterators (the schedule still wants one per chunk; it stopped there); a validation at
+    # iteration 9. Vocabulary padding 64 x TP keeps TP=1's 384 rows.
+    tp, _ = _run(4, tiny_data, *VP, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                 "--make-vocab-size-divisible-by", "64", "--load", start, "--exit-interval",
+                 "9", "--eval-interval", "9")
+    _close(tp, reference[8:9])
 
 
 def test_the_overlapped_warmup_and_flush_train_as_the_default_schedule(tiny_data, tmp_path):
