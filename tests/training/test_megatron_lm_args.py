@@ -359,29 +359,28 @@ def test_xavier_init_that_this_megatron_lm_cannot_build_is_named():
         checked("--init-method-xavier-uniform")
 
 
-def test_a_checkpoint_the_rerun_machine_saved_for_examination_is_one_line():
+def test_a_checkpoint_the_rerun_machine_saved_for_examination_is_one_line(monkeypatch):
     """After a possible transient error Megatron-LM's rerun machine saves a checkpoint and
     exits (17); resumed, megatron-core 0.16 stopped every rank with a TypeError in its rerun
     machine (a helper's sweep, Megatron-LM's reruns_transient config). Checked by hand: the
-    one line's remedy, --rerun-mode disabled, resumes from it."""
+    one line's remedy, --rerun-mode disabled, resumes from it. (A stand-in machine: the real
+    one is a process global that Megatron-LM's start-up in forked ranks must find unset.)"""
     import argparse
+    import types
 
     from megatron.core import rerun_state_machine as machine
 
     from megatron_eod.training.checkpoint_load import CheckpointError
     from megatron_eod.training.megatron_lm_run import _check_rerun_state
 
-    rsm = machine.get_rerun_state_machine()
-    before = (rsm.state, rsm.saved_state, rsm.current_iteration)
+    loaded = types.SimpleNamespace(state=machine.RerunState.NOT_RUNNING_YET, saved_state=None,
+                                   current_iteration=2)
+    monkeypatch.setattr(machine, "get_rerun_state_machine", lambda: loaded)
     args = argparse.Namespace(load="ckpt")
-    try:
-        _check_rerun_state(args)  # a checkpoint of a normal run
-        rsm.state, rsm.saved_state, rsm.current_iteration = (
-            machine.RerunState.RERUNNING_IN_PLACE, None, 2)
-        with pytest.raises(CheckpointError, match=r"--load ckpt: Megatron-LM's rerun machine "
-                                                  r"saved this checkpoint after a possible "
-                                                  r"transient error at iteration 2.* pass "
-                                                  r"--rerun-mode disabled"):
-            _check_rerun_state(args)
-    finally:
-        rsm.state, rsm.saved_state, rsm.current_iteration = before
+    _check_rerun_state(args)  # a checkpoint of a normal run
+    loaded.state = machine.RerunState.RERUNNING_IN_PLACE
+    with pytest.raises(CheckpointError, match=r"--load ckpt: Megatron-LM's rerun machine saved "
+                                              r"this checkpoint after a possible transient "
+                                              r"error at iteration 2.* pass --rerun-mode "
+                                              r"disabled"):
+        _check_rerun_state(args)
