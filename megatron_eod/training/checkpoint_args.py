@@ -104,8 +104,6 @@ def _saved_value(saved: argparse.Namespace, dest: str):
         return not saved.disable_bias_linear  # Megatron-LM's one-off conversion
     if dest == "layernorm_zero_centered_gamma" and getattr(saved, dest, None) is None:
         return getattr(saved, "apply_layernorm_1p", None)  # older Megatron-LM spelling
-    if dest == "num_query_groups" and not getattr(saved, "group_query_attention", False):
-        return None  # multi-head attention, whatever number Megatron-LM left there
     return getattr(saved, dest, None)
 
 
@@ -135,6 +133,9 @@ def apply_checkpoint_args(args: argparse.Namespace, given: Dict[str, object],
             dests += _VIRTUAL
     for where, saved in found:  # --load's last: its values win
         for dest in dests:
+            if dest == "num_query_groups" and not getattr(saved, "group_query_attention", True):
+                args.num_query_groups = None  # multi-head attention, whatever number
+                continue  # Megatron-LM left there (or the script gave)
             value = _saved_value(saved, dest)
             if value is None or (dest in _SIZES and dest in given):
                 continue

@@ -154,8 +154,10 @@ def test_saved_multi_head_attention_with_megatron_lms_leftover_group_count(saved
     num_query_groups says (1 in args that never trained); that 1 was taken and refused as
     "--num-query-groups 1 without --group-query-attention", flags the user never gave."""
     copy = _edited_copy(saved[0], tmp_path, group_query_attention=False, num_query_groups=1)
-    args = _parse("--use-checkpoint-args", "--load", copy)
-    assert not args.group_query_attention and args.num_query_groups == args.num_attention_heads
+    for script in ((), ("--group-query-attention", "--num-query-groups", "2")):
+        args = _parse("--use-checkpoint-args", "--load", copy, *script)
+        assert not args.group_query_attention
+        assert args.num_query_groups == args.num_attention_heads
 
 
 def test_a_saved_tokenizer_path_missing_here(saved, tmp_path):
