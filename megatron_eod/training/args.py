@@ -32,6 +32,9 @@ from megatron_eod.training.args_megatron_lm_only import (add_no_effect_args,
                                                          check_no_effect_values,
                                                          explain_unrecognized)
 from megatron_eod.training.args_model import add_model_args, check_model, switches, typed
+from megatron_eod.training.args_pipeline import (add_virtual_pipeline_args,
+                                                 check_interleaved_micro_batches,
+                                                 check_virtual_pipeline)
 from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIASES,
                                             RING_EXCHANGE_HELP, RING_EXCHANGES, FlagError,
                                             check_context_parallel, check_gloo_on_cuda,
@@ -157,19 +160,6 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
            ("--context-parallel-size", 1),
            ("--ulysses-degree-in-cp", None, "Ulysses group size for --context-parallel-algo "
                                             "hybrid"))
-    typed(g, int, ("--num-layers-per-virtual-pipeline-stage", None,
-                   "interleaved pipeline: this many layers a model chunk (Megatron-LM's)"),
-          ("--num-virtual-stages-per-pipeline-rank", None,
-           "interleaved pipeline: this many model chunks a pipeline rank"),
-          ("--microbatch-group-size-per-virtual-pipeline-stage", None,
-           "consecutive micro-batches a chunk runs (default: --pipeline-model-parallel-size)"))
-    g.add_argument("--no-overlap-p2p-communication", action="store_false",
-                   dest="overlap_p2p_comm",
-                   help="interleaved pipeline: batched, not overlapped, p2p (needs "
-                        "--pipeline-model-parallel-size > 2, as Megatron-LM)")
-    g.add_argument("--overlap-p2p-communication-warmup-flush", action="store_true",
-                   dest="overlap_p2p_comm_warmup_flush",
-                   help="interleaved pipeline: overlap the warmup's and flush's p2p too")
     g.add_argument("--context-parallel-algo", default="ring",
                    help=f"one of {', '.join(CP_ALGO_ALIASES)}")
     g.add_argument("--cp-ring-exchange", choices=RING_EXCHANGES, default="batched",
@@ -190,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The flags of `pretrain_gpt.py`; usage errors raise FlagError."""
     parser = _Parser(description="GPT pretraining with EoD reset under context parallelism",
                      allow_abbrev=False)
-    for add in (add_model_args, _add_training_args, optim.add_optimizer_args,
+    for add in (add_model_args, add_virtual_pipeline_args, _add_training_args, optim.add_optimizer_args,
                 optim.add_schedule_args, _add_data_args, _add_logging_args,
                 optim.add_checkpoint_args, _add_parallel_args, add_no_effect_args):
         add(parser)
@@ -244,7 +234,7 @@ def validate_args(args: argparse.Namespace, world_size: int,
     check_model(args)
     check_context_parallel(args)
     _check_training(args, bool(cuda_available))
-    _check_interleaved_micro_batches(args)
+    check_interleaved_micro_batches(args)
     _check_sequence_parallel(args)
     _check_data(args)
     _check_eod(args)
@@ -264,83 +254,7 @@ def _check_parallel_sizes(args) -> None:
              f"--pipeline-model-parallel-size x --context-parallel-size = {tp} x {pp} x {cp} = "
              f"{tp * pp * cp}")
     args.data_parallel_size = args.world_size // (tp * pp * cp)
-    _check_virtual_pipeline(args)
-
-
-def _check_virtual_pipeline(args) -> None:
-    """Megatron-LM's rules: one of the two VP flags, layers divisible, PP > 1 (> 2 without
-    overlapped p2p); sets `virtual_pipeline_model_parallel_size` (None without chunks) and
-    `microbatch_group_size_per_vp_stage` (default PP)."""
-    args.microbatch_group_size_per_vp_stage = getattr(
-        args, "microbatch_group_size_per_virtual_pipeline_stage", None)
-    per_layer, per_rank = (args.num_layers_per_virtual_pipeline_stage,
-                           args.num_virtual_stages_per_pipeline_rank)
-    pp = args.pipeline_model_parallel_size
-    _require(per_layer is None or per_rank is None,
-             "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
-             "are exclusive; pass one")
-    chunks = None
-    if per_layer is not None:
-        _positive(args, "num_layers_per_virtual_pipeline_stage")
-        per_stage = args.num_layers // pp if args.num_layers % pp == 0 else None
-        _require(per_stage is not None and per_stage % per_layer == 0,
-                 f"--num-layers {args.num_layers} / --pipeline-model-parallel-size {pp} must be "
-                 f"a multiple of --num-layers-per-virtual-pipeline-stage {per_layer}")
-        chunks = per_stage // per_layer
-    elif per_rank is not None:
-        _positive(args, "num_virtual_stages_per_pipeline_rank")
-        _require(args.num_layers % (pp * per_rank) == 0,
-                 f"--num-layers {args.num_layers} must be divisible by "
-                 f"--pipeline-model-parallel-size x --num-virtual-stages-per-pipeline-rank = "
-                 f"{pp} x {per_rank}")
-        chunks = per_rank
-    args.virtual_pipeline_model_parallel_size = chunks if chunks and chunks > 1 else None
-    if args.virtual_pipeline_model_parallel_size is None:
-        _require(args.microbatch_group_size_per_vp_stage is None,
-                 "--microbatch-group-size-per-virtual-pipeline-stage needs virtual pipeline "
-                 "stages (--num-layers-per-virtual-pipeline-stage or "
-                 "--num-virtual-stages-per-pipeline-rank giving more than one a rank)")
-        _require(not args.overlap_p2p_comm_warmup_flush,
-                 "--overlap-p2p-communication-warmup-flush needs virtual pipeline stages")
-        args.overlap_p2p_comm = False  # as Megatron-LM, outside the interleaved schedule
-        return
-    _require(args.overlap_p2p_comm or not args.overlap_p2p_comm_warmup_flush,
-             "--overlap-p2p-communication-warmup-flush overlaps p2p: drop "
-             "--no-overlap-p2p-communication or it")
-    _require(pp > (1 if args.overlap_p2p_comm else 2),
-             f"virtual pipeline stages need --pipeline-model-parallel-size > 1, and > 2 with "
-             f"--no-overlap-p2p-communication (two batched p2p calls between the same two "
-             f"ranks), got {pp}")
-    if args.microbatch_group_size_per_vp_stage is None:
-        args.microbatch_group_size_per_vp_stage = pp
-    _require(args.microbatch_group_size_per_vp_stage >= pp,
-             f"--microbatch-group-size-per-virtual-pipeline-stage "
-             f"{args.microbatch_group_size_per_vp_stage} must be >= "
-             f"--pipeline-model-parallel-size {pp} (megatron-core's interleaved schedule)")
-
-
-def _check_interleaved_micro_batches(args) -> None:
-    """megatron-core's interleaved schedule, for every micro-batch count of the run (each
-    step of a --rampup-batch-size ramp too), at start-up instead of a ValueError mid-run: a
-    chunk runs G = --microbatch-group-size-per-virtual-pipeline-stage micro-batches in a
-    row, so a count M needs M >= G, and M % G either 0 or >= the pipeline size."""
-    if args.virtual_pipeline_model_parallel_size is None:
-        return
-    group, pp = args.microbatch_group_size_per_vp_stage, args.pipeline_model_parallel_size
-    unit = args.micro_batch_size * args.data_parallel_size
-    batches = [args.global_batch_size]
-    if args.rampup_batch_size is not None:
-        start, increment, _ = map(int, args.rampup_batch_size)
-        batches += list(range(start, args.global_batch_size, increment))
-    for batch in sorted(set(batches)):
-        count = max(1, batch // unit)
-        _require(count >= group and (count % group == 0 or count % group >= pp),
-                 f"virtual pipeline stages: {count} micro-batches a step (batch {batch} / "
-                 f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
-                 f"{args.data_parallel_size}) do not fit "
-                 f"--microbatch-group-size-per-virtual-pipeline-stage {group} (the count must "
-                 f"be >= it, and leave 0 or >= --pipeline-model-parallel-size {pp} over); "
-                 f"raise --global-batch-size or lower the group size")
+    check_virtual_pipeline(args)
 
 
 def _check_sequence_parallel(args) -> None:

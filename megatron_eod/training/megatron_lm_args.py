@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import sys
 
 import torch
 
 from megatron_eod.megatron.dataset import NO_DATA, data_sources_given
 from megatron_eod.training import megatron_lm_data
+from megatron_eod.training.megatron_lm_ckpt_rules import (check_decoupled_lr_checkpoints,
+                                                          check_persistent_ckpt_worker,
+                                                          keep_the_flags_attention_dropout)
 from megatron_eod.training.args_optim import ramp_as_step_schedule
 from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIASES,
                                             RING_EXCHANGE_HELP, RING_EXCHANGES, FlagError,
@@ -142,7 +144,7 @@ def check_before_megatron(args) -> None:
     trainer (Megatron-LM asserts an interval)."""
     if getattr(args, "ulysses_degree", None) is None:
         _resolve_context_parallel(args)
-    _keep_the_flags_attention_dropout(args)
+    keep_the_flags_attention_dropout(args)
     check_split(args)
     check_positive(args, "log_interval")
     if not (getattr(args, "skip_train", False) or getattr(args, "full_validation", False)):
@@ -152,33 +154,6 @@ def check_before_megatron(args) -> None:
         if getattr(args, "save_interval", 0) is None and \
                 getattr(args, "save_retain_interval", None) is None:  # else: its assertion
             args.save_interval = SAVE_AT_THE_END
-
-
-def _flag_value(argv, flag: str):
-    """The last value `argv` gives `flag` (`--flag V` or `--flag=V`), or None."""
-    value = None
-    for i, word in enumerate(argv):
-        if word == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif word.startswith(flag + "="):
-            value = word[len(flag) + 1:]
-    return value
-
-
-def _keep_the_flags_attention_dropout(args) -> None:
-    """--use-checkpoint-args: Megatron-LM sets --attention-dropout from the checkpoint's args
-    whatever the flags say, and a checkpoint trained without EoD attention has its default,
-    0.1, which EoD attention cannot run: the flags' value is kept over it (said on rank 0)."""
-    if not getattr(args, "use_checkpoint_args", False):
-        return
-    given = _flag_value(sys.argv[1:], "--attention-dropout")
-    if given is None or float(given) == args.attention_dropout:
-        return
-    if getattr(args, "rank", 0) == 0:
-        print(f" megatron-eod: --attention-dropout {given} kept over the checkpoint's "
-              f"{args.attention_dropout} (--use-checkpoint-args): EoD attention has no dropout",
-              flush=True)
-    args.attention_dropout = float(given)
 
 
 def eod_args_from_megatron(args) -> None:
@@ -192,8 +167,8 @@ def eod_args_from_megatron(args) -> None:
     check_sequence_parallel_rows(args)
     _check_rampup(args)
     _check_cuda_graphs(args)
-    _check_persistent_ckpt_worker(args, torch.cuda.is_available())
-    _check_decoupled_lr_checkpoints(args)
+    check_persistent_ckpt_worker(args, torch.cuda.is_available())
+    check_decoupled_lr_checkpoints(args)
     check_gloo_on_cuda(args, torch.cuda.is_available())
     check_gpu_attention(args, torch.cuda.is_available())
     _check_validation_data(args)
@@ -233,43 +208,6 @@ def _check_xavier(args) -> None:
                         "`scaled_init_method` its TransformerConfig lacks (a TypeError when the "
                         "model is built); drop the flag, or train with the lean trainer "
                         "(--trainer lean), which applies it to every weight matrix")
-
-
-def _check_persistent_ckpt_worker(args, cuda_available: bool) -> None:
-    """Megatron-LM's persistent checkpoint worker (--async-save --use-persistent-ckpt-worker)
-    sets a CUDA device unconditionally: without CUDA the worker dies at the first save
-    (ZeroDivisionError in its process) and the run waits for that save forever."""
-    if cuda_available or not (getattr(args, "async_save", False)
-                              and getattr(args, "use_persistent_ckpt_worker", False)):
-        return
-    raise FlagError("--use-persistent-ckpt-worker needs CUDA: Megatron-LM's worker sets a CUDA "
-                    "device and, without one, dies at the first save while the run waits for "
-                    "it; drop --use-persistent-ckpt-worker (Megatron-LM then saves "
-                    "synchronously) or run on GPUs")
-
-
-def _check_decoupled_lr_checkpoints(args) -> None:
-    """megatron-core 0.16's regular optimizer matches saved parameter groups to its own by
-    (wd_mult, lr_mult, expert, decoupled) only: --decoupled-lr's group (the embedding and
-    output layer) differs from the default group in its learning rate alone, one overwrites
-    the other, and every --load of the run's own checkpoints stops with "loaded state dict
-    contains a parameter group that doesn't match" (measured on CPU, both formats). Later
-    megatron-cores (0.19.2) match by the learning rates too; the distributed optimizer loads
-    by another path and resumes."""
-    loads_optimizer = getattr(args, "load", None) and not (
-        getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
-    if getattr(args, "decoupled_lr", None) is None or args.use_distributed_optimizer or not (
-            getattr(args, "save", None) or loads_optimizer):
-        return
-    keys = getattr(importlib.import_module("megatron.core.optimizer.optimizer"),
-                   "param_group_identifier_keys", ())
-    if "max_lr" in keys:
-        return
-    raise FlagError(f"--decoupled-lr {args.decoupled_lr} without --use-distributed-optimizer: "
-                    f"this megatron-core's optimizer cannot load the checkpoints this run would "
-                    f"write (its decoupled and default parameter groups differ only in their "
-                    f"learning rate, which it does not compare: a ValueError at every --load); "
-                    f"add --use-distributed-optimizer, or use megatron-core >= 0.19")
 
 
 def _check_cuda_graphs(args) -> None:
