@@ -14,6 +14,10 @@ there are refused by training/cp_flags.py's `check_gloo_on_cuda`):
   for a handle to wait on later.
 - the attention's p2p and all-to-all go through host memory (comm's host staging): gloo
   sends and receives CPU tensors only.
+And `share_devices(args)`, for Megatron-LM's trainer: its start-up sets the device to
+`args.local_rank`, so more processes than GPUs on a node stopped at "invalid device ordinal";
+a local rank beyond the visible GPUs runs on `local_rank % device_count`, as the lean
+trainer's initialize picks its device.
 
 NCCL runs (every production GPU run) touch neither.
 """
@@ -25,7 +29,7 @@ import contextlib
 from megatron_eod.attention import comm
 from megatron_eod.megatron.imports import import_megatron
 
-__all__ = ["apply", "remove", "uncoalesced", "wanted"]
+__all__ = ["apply", "remove", "share_devices", "uncoalesced", "wanted"]
 
 _SAVED = {}
 
@@ -51,6 +55,13 @@ def uncoalesced(group=None, device=None, async_ops: bool = False):
 def wanted(args, cuda_available: bool) -> bool:
     """Whether these flags run gloo on CUDA."""
     return bool(cuda_available) and args.distributed_backend == "gloo"
+
+
+def share_devices(args, device_count: int) -> None:
+    """Processes sharing GPUs over gloo: Megatron-LM's `torch.cuda.set_device(args.local_rank)`
+    gets a device that exists (NCCL runs keep one process per GPU and are not touched)."""
+    if device_count > 0 and args.local_rank >= device_count:
+        args.local_rank %= device_count
 
 
 def apply() -> None:

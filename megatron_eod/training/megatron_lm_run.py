@@ -128,6 +128,7 @@ def _check_after_validate() -> None:
             eod_args_from_megatron(args)
             if gloo_on_cuda.wanted(args, torch.cuda.is_available()):
                 gloo_on_cuda.apply()  # before Megatron-LM builds DDP and the attention runs
+                gloo_on_cuda.share_devices(args, torch.cuda.device_count())
             return result
 
         validate_args._eod = True

@@ -142,8 +142,10 @@ def test_bf16_cp_processes_sharing_one_gpu_match_cp1(gpu_cp1, tiny_data, tmp_pat
 @needs_megatron_lm
 def test_megatron_lm_trainer_cp_processes_sharing_one_gpu_match_cp1(tiny_data, tmp_path):
     """Megatron-LM's trainer at CP=2 (ring) as two processes on one GPU over gloo (our hook
-    after its validate_args applies gloo_on_cuda) against its own CP=1 run. Its one GPU run
-    (2026-11-27, H200) stopped at Megatron-LM's CUDA_DEVICE_MAX_CONNECTIONS rule, now set."""
+    after its validate_args applies gloo_on_cuda and maps rank 1 to the one device) against its
+    own CP=1 run. 2026-11-27, H200: first stopped at Megatron-LM's CUDA_DEVICE_MAX_CONNECTIONS
+    rule (now set), then at its set_device(local_rank) (gloo_on_cuda.share_devices); then
+    passed, 4.25e-05."""
     if gpus() < 1:
         pytest.skip("needs a CUDA GPU")
     flags = ("--eval-interval", "1000", "--distributed-backend", "gloo")

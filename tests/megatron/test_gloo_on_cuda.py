@@ -46,3 +46,14 @@ def test_an_overlapped_reduction_is_refused():
     with pytest.raises(AssertionError, match="--overlap-grad-reduce"):
         with gloo_on_cuda.uncoalesced(None, async_ops=True):
             pass
+
+
+@pytest.mark.parametrize("local_rank, count, expected", [(0, 1, 0), (1, 1, 0), (3, 2, 1),
+                                                         (1, 2, 1), (5, 0, 5)])
+def test_share_devices_maps_local_ranks_beyond_the_gpus(local_rank, count, expected):
+    """Megatron-LM's start-up sets the device to args.local_rank: with two processes on one
+    GPU rank 1 stopped at "invalid device ordinal" (2026-11-27 H200 lease)."""
+    from types import SimpleNamespace
+    args = SimpleNamespace(local_rank=local_rank)
+    gloo_on_cuda.share_devices(args, count)
+    assert args.local_rank == expected
