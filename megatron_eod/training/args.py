@@ -34,7 +34,7 @@ from megatron_eod.training.args_megatron_lm_only import (add_no_effect_args,
 from megatron_eod.training.args_model import add_model_args, check_model, switches, typed
 from megatron_eod.training.args_pipeline import (add_virtual_pipeline_args,
                                                  check_interleaved_micro_batches,
-                                                 check_virtual_pipeline)
+                                                 check_pipeline_stages, check_virtual_pipeline)
 from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIASES,
                                             RING_EXCHANGE_HELP, RING_EXCHANGES, FlagError,
                                             check_context_parallel, check_gloo_on_cuda,
@@ -232,6 +232,7 @@ def validate_args(args: argparse.Namespace, world_size: int,
     args.world_size = world_size
     _check_parallel_sizes(args)
     check_model(args)
+    check_pipeline_stages(args)
     check_context_parallel(args)
     _check_training(args, bool(cuda_available))
     check_interleaved_micro_batches(args)
@@ -289,11 +290,13 @@ def _check_recompute(args) -> None:
     if args.recompute_num_layers is None:
         args.recompute_num_layers = 1
     chunks = args.virtual_pipeline_model_parallel_size or 1
-    per_stage = args.num_layers // args.pipeline_model_parallel_size // chunks
+    per_stage = -(-max(args.pipeline_stage_layers) // chunks)  # the largest chunk's layers
+    even = len(set(args.pipeline_stage_layers)) == 1
     _require(1 <= args.recompute_num_layers <= per_stage,
-             f"--recompute-num-layers {args.recompute_num_layers} must be in [1, --num-layers / "
-             f"--pipeline-model-parallel-size" + (" / virtual stages" if chunks > 1 else "")
-             + f" = {per_stage}]")
+             f"--recompute-num-layers {args.recompute_num_layers} must be in [1, "
+             + ("--num-layers / --pipeline-model-parallel-size" if even else
+                "the layers of the largest pipeline stage")
+             + (" / virtual stages" if chunks > 1 else "") + f" = {per_stage}]")
 
 
 def _check_device_flags(args, cuda_available: bool) -> None:

@@ -193,11 +193,11 @@ ABSENT: List[Tuple[str, Tuple[str, ...], Tuple[str, ...]]] = [
       "--outer-dp-sharding-strategy", "--suggested-communication-unit-size",
       "--enable-full-sharding-in-hsdp", "--num-distributed-optimizer-instances",
       "--no-strict-fsdp-dtensor-load")),
-    ("uneven pipeline stages and pipeline communication options: the lean trainer "
-     "splits --num-layers evenly over the stages (and their virtual stages)",
-     ("--account-for-",),
-     ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
-      "--pipeline-model-parallel-layout",
+    ("pipeline layouts and pipeline communication options: the lean trainer splits "
+     "--num-layers over the stages by --decoder-first/last-pipeline-num-layers and "
+     "--account-for-embedding/loss-in-pipeline-split",
+     (),
+     ("--pipeline-model-parallel-layout",
       "--pipeline-model-parallel-comm-backend", "--use-ring-exchange-p2p",
       "--no-scatter-gather-tensors-in-pipeline", "--defer-embedding-wgrad-compute",
       "--wgrad-deferral-limit", "--delay-wgrad-compute")),

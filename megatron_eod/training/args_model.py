@@ -141,9 +141,6 @@ def check_model(args) -> None:
     _require(args.seq_length <= args.max_position_embeddings,
              f"--seq-length {args.seq_length} must be <= --max-position-embeddings "
              f"{args.max_position_embeddings}")
-    pp = args.pipeline_model_parallel_size
-    _require(args.num_layers % pp == 0, f"--num-layers {args.num_layers} must be divisible by "
-                                        f"--pipeline-model-parallel-size {pp}")
     _positive(args, "rope_scaling_factor", "rotary_seq_len_interpolation_factor")
     _require(0.0 < args.rotary_percent <= 1.0,
              f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")

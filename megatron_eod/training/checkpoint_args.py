@@ -47,6 +47,10 @@ _TOKENIZER = ("tokenizer_type", "tokenizer_model")
 _PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 # Taken with the TP/PP sizes where the script gives neither (they are exclusive).
 _VIRTUAL = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
+# The stages' split, likewise (Megatron-LM takes none of these: its saved split then meets
+# the script's, or the default even one).
+_UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+           "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 
 
 def _saved_args(root: str) -> Optional[Tuple[str, argparse.Namespace]]:
@@ -131,6 +135,8 @@ def apply_checkpoint_args(args: argparse.Namespace, given: Dict[str, object],
         dests += _PARALLEL
         if not any(dest in given for dest in _VIRTUAL):
             dests += _VIRTUAL
+        if not any(dest in given for dest in _UNEVEN):
+            dests += _UNEVEN
     for where, saved in found:  # --load's last: its values win
         for dest in dests:
             if dest == "num_query_groups" and not getattr(saved, "group_query_attention", True):

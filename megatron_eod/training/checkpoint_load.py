@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_eod.megatron.imports import import_megatron
+from megatron_eod.training.args_pipeline import pipeline_split
 from megatron_eod.training.checkpointing import (TRACKER, _content_metadata, _iter_dir,
                                                  _legacy_file, _ps, _read_tracker,
                                                  _set_rng_state, _state, _unwrap, model_keys)
@@ -116,7 +117,8 @@ def _load_torch_dist(args, folder, finetune, chunks, optimizer, scheduler):
     _check_model_args(saved, args, folder)
     same_tp_pp = (getattr(saved, "tensor_model_parallel_size", 1),
                   getattr(saved, "pipeline_model_parallel_size", 1)) == (
-        args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size) and _same_split(
+        saved, args)
     content = dcp.load_content_metadata(preloaded_state_dict=common) or {}
     load_optim = (not finetune and not args.no_load_optim and "opt_param_scheduler" in common)
     same_vp = getattr(saved, "virtual_pipeline_model_parallel_size", None) == \
@@ -151,8 +153,15 @@ def _load_torch_dist(args, folder, finetune, chunks, optimizer, scheduler):
     _load_chunks(chunks, loaded, folder)
     _finish(args, loaded, load_optim, load_rng, optimizer, scheduler)
     if dist.get_rank() == 0 and not same_tp_pp:
-        print(f" --load {folder}: TP/PP changed, RNG states not loaded", flush=True)
+        print(f" --load {folder}: TP/PP or the stages' layers changed, RNG states not loaded", flush=True)
     return loaded, saved
+
+
+def _same_split(saved, args) -> bool:
+    """Whether every pipeline stage holds the layers it held at the save (a checkpoint whose
+    args cannot say is taken at its word)."""
+    theirs = pipeline_split(saved)
+    return theirs is None or theirs == args.pipeline_stage_layers
 
 
 def _check_optimizer_state(args, sharding, same_tp_pp, folder):
@@ -305,6 +314,13 @@ def _load_torch(args, root, folder, finetune, chunks, optimizer, scheduler):
             raise CheckpointError(f"--load {root}: a --ckpt-format torch checkpoint saved at "
                                   f"{flag} {theirs} loads only at that size (this run: "
                                   f"{ours}); save with --ckpt-format torch_dist to reshard")
+    if not _same_split(saved, args):
+        raise CheckpointError(f"--load {root}: a --ckpt-format torch checkpoint saved with "
+                              f"{pipeline_split(saved)} layers on the pipeline stages loads only "
+                              f"with that split (this run: {args.pipeline_stage_layers}: "
+                              f"--decoder-first/last-pipeline-num-layers, "
+                              f"--account-for-embedding/loss-in-pipeline-split); save with "
+                              f"--ckpt-format torch_dist to reshard")
     load_optim = not finetune and not args.no_load_optim and "optimizer" in state
     if load_optim and args.use_distributed_optimizer:
         raise CheckpointError(f"--load {root}: a --ckpt-format torch checkpoint has no distributed "

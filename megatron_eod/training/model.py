@@ -74,6 +74,10 @@ def transformer_config(args):
         gradient_accumulation_fusion=gpu and args.gradient_accumulation_fusion and _has_module(
             "fused_weight_gradient_mlp_cuda"),
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
         microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
         overlap_p2p_comm=args.overlap_p2p_comm, batch_p2p_comm=not args.overlap_p2p_comm,
         overlap_p2p_comm_warmup_flush=args.overlap_p2p_comm_warmup_flush,

@@ -16,7 +16,7 @@ micro-batches, and megatron-core's interleaved schedule runs them.
 
     pretrain(argv)   # parse, run, tear down; raises SystemExit(2) on a flag error
 
-What it does not do: no uneven pipeline stages, no MoE.
+What it does not do: no `--pipeline-model-parallel-layout`, no MoE.
 """
 
 from __future__ import annotations
