@@ -39,6 +39,7 @@ from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIAS
                                             RING_EXCHANGE_HELP, RING_EXCHANGES, FlagError,
                                             check_context_parallel, check_gloo_on_cuda,
                                             check_gpu_attention, check_sequence_parallel_rows)
+from megatron_eod.training.cp_spellings import NotGiven, resolve_cp_spellings
 from megatron_eod.training.flag_rules import check_positive as _positive
 from megatron_eod.training.flag_rules import check_split, check_tokenizer_files
 
@@ -160,8 +161,15 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
            ("--context-parallel-size", 1),
            ("--ulysses-degree-in-cp", None, "Ulysses group size for --context-parallel-algo "
                                             "hybrid"))
-    g.add_argument("--context-parallel-algo", default="ring",
-                   help=f"one of {', '.join(CP_ALGO_ALIASES)}")
+    g.add_argument("--context-parallel-algo", default=None,
+                   help=f"one of {', '.join(CP_ALGO_ALIASES)} (default: from --cp-comm-type: "
+                        f"ring)")
+    g.add_argument("--cp-comm-type", nargs="+", default=NotGiven(["p2p"]),
+                   help="Megatron-LM's spelling: p2p = ring, a2a = ulysses, a2a+p2p = hybrid "
+                        "(with --hierarchical-context-parallel-sizes)")
+    g.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
+                   help="Megatron-LM's spelling of hybrid's sizes: U CP/U (Ulysses inside, Ring "
+                        "across)")
     g.add_argument("--cp-ring-exchange", choices=RING_EXCHANGES, default="batched",
                    help=RING_EXCHANGE_HELP)
     g.add_argument("--cp-concurrent-calls", action="store_true", help=CONCURRENT_CALLS_HELP)
@@ -233,6 +241,7 @@ def validate_args(args: argparse.Namespace, world_size: int,
     _check_parallel_sizes(args)
     check_model(args)
     check_pipeline_stages(args)
+    resolve_cp_spellings(args)
     check_context_parallel(args)
     _check_training(args, bool(cuda_available))
     check_interleaved_micro_batches(args)

@@ -238,10 +238,10 @@ ABSENT: List[Tuple[str, Tuple[str, ...], Tuple[str, ...]]] = [
       "--sharp-enabled-group", "--create-all-gather-group", "--nccl-communicator-config-path",
       "--use-tp-pp-dp-mapping", "--fake-process-group", "--lazy-mpu-init",
       "--distributed-timeout-seconds-after-init", "--no-clone-scatter-output-in-embedding")),
-    ("Megatron-LM's context-parallel spellings: the lean trainer's are --context-parallel-algo "
-     "ring|ulysses|hybrid and --ulysses-degree-in-cp U",
-     (), ("--cp-comm-type", "--hierarchical-context-parallel-sizes", "--hybrid-context-parallel",
-          "--max-seqlen-per-dp-cp-rank")),
+    ("dynamic context parallelism (a CP size per sequence): the lean trainer splits every "
+     "row over --context-parallel-size ranks, --context-parallel-algo ring|ulysses|hybrid or "
+     "--cp-comm-type p2p|a2a|a2a+p2p",
+     (), ("--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank")),
     ("data and validation options beyond one blend or a blend per split",
      ("--fim-",),
      ("--fim-data", "--phase-transition-iterations", "--per-dataset-sequences-path",
@@ -311,13 +311,13 @@ def no_effect_notice(args) -> Optional[str]:
 
 
 def _family(flag: str):
-    """(feature, matched by a prefix only) of the ABSENT family holding `flag`, or None."""
-    for feature, prefixes, flags in ABSENT:
-        if flag in flags:
-            return feature, False
-        if any(flag.startswith(p) for p in prefixes):
-            return feature, True
-    return None
+    """(feature, matched by a prefix only) of the ABSENT family holding `flag`, or None; a
+    family naming the flag itself before one whose prefix it merely has (--hybrid-context-
+    parallel is dynamic CP, not one of the --hybrid-* models)."""
+    named = [(feature, False) for feature, _, flags in ABSENT if flag in flags]
+    return next(iter(named), None) or next(
+        ((feature, True) for feature, prefixes, _ in ABSENT
+         if any(flag.startswith(p) for p in prefixes)), None)
 
 
 def why_absent(flag: str) -> Optional[str]:

@@ -6,11 +6,8 @@ FlagError naming the flag and what to pass instead. `add_eod_args` is the
 `validate_args` (training/megatron_lm_run.py hooks it in; `check_before_megatron`, the CP
 spellings alone, right before it) and again, as a no-op, from the providers.
 
-Context parallelism, one fact asked once. Megatron-LM's `--cp-comm-type` maps onto ours:
-p2p = ring, a2a = ulysses, a2a+p2p with `--hierarchical-context-parallel-sizes U CP/U` =
-hybrid with Ulysses degree U. `--context-parallel-algo` / `--ulysses-degree-in-cp` may say
-the same instead (then the hierarchical sizes are filled in for Megatron-LM to build the
-groups); saying both and differently is an error.
+Context parallelism, one fact asked once: Megatron-LM's `--cp-comm-type` and ours map onto
+each other (cp_spellings.py, shared with the lean trainer).
 
 Honoured: RoPE (base, percent, interleaved, Llama-3 scaling, interpolation) at reset
 positions, learned absolute positions at reset positions, `--position-embedding-type none`,
@@ -37,8 +34,9 @@ from megatron_eod.training.args_optim import ramp_as_step_schedule
 from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIASES,
                                             RING_EXCHANGE_HELP, RING_EXCHANGES, FlagError,
                                             check_context_parallel, check_gloo_on_cuda,
-                                            check_gpu_attention, check_hybrid_degree,
+                                            check_gpu_attention,
                                             check_query_groups, check_sequence_parallel_rows)
+from megatron_eod.training.cp_spellings import NotGiven, resolve_cp_spellings
 from megatron_eod.training.flag_rules import (check_global_batch, check_positive, check_split,
                                               check_tokenizer_files)
 
@@ -50,8 +48,7 @@ __all__ = ["REFUSED", "SAVE_AT_THE_END", "add_eod_args", "check_before_megatron"
 SAVE_AT_THE_END = 2 ** 31 - 1
 
 
-class _NotGiven(list):
-    """The default of --cp-comm-type (["p2p"]), told apart from an explicit --cp-comm-type."""
+_NotGiven = NotGiven  # where checkpoints saved before cp_spellings.py pickled it
 
 
 class _DefaultGroups(int):
@@ -60,8 +57,6 @@ class _DefaultGroups(int):
     --group-query-attention). Made a plain int once read: args go into checkpoints."""
 
 
-_COMM_TO_ALGO = {"p2p": "ring", "a2a": "ulysses", "a2a+p2p": "hybrid"}
-_ALGO_TO_COMM = {algo: comm for comm, algo in _COMM_TO_ALGO.items()}
 
 # dest -> (is it set?, why it is refused). Checked in order; the first hit raises.
 REFUSED = {
@@ -128,7 +123,7 @@ def add_eod_args(parser):
     # --eval-interval: core_v0.16.1 and later have no default (None) and divide by it when
     # they size the validation data (a TypeError after the model is built, whatever
     # --eval-iters says); the lean trainer's and Megatron-LM <= 0.15's, 1000.
-    parser.set_defaults(calculate_per_token_loss=True, cp_comm_type=_NotGiven(["p2p"]),
+    parser.set_defaults(calculate_per_token_loss=True, cp_comm_type=NotGiven(["p2p"]),
                         eval_interval=1000, num_query_groups=_DefaultGroups(1))
     return parser
 
@@ -143,7 +138,7 @@ def check_before_megatron(args) -> None:
     first iteration), and --save without --save-interval saves at the end, as in the lean
     trainer (Megatron-LM asserts an interval)."""
     if getattr(args, "ulysses_degree", None) is None:
-        _resolve_context_parallel(args)
+        resolve_cp_spellings(args)
     keep_the_flags_attention_dropout(args)
     check_split(args)
     check_positive(args, "log_interval")
@@ -160,7 +155,7 @@ def eod_args_from_megatron(args) -> None:
     """Normalise and check Megatron-LM's args in place; FlagError names the flags."""
     if getattr(args, "ulysses_degree", None) is not None:
         return  # already done (the hook and the providers both call this)
-    _resolve_context_parallel(args)
+    resolve_cp_spellings(args)
     check_context_parallel(args)
     _refuse(args)
     _check_xavier(args)
@@ -277,64 +272,6 @@ def _check_rampup(args) -> None:
     if getattr(args, "rank", 0) == 0:
         print(f" megatron-eod: {given} runs as --step-batch-size-schedule \"{schedule}\" "
               f"(tokens; this Megatron-LM's megatron-core ignores the ramp)", flush=True)
-
-
-def _resolve_context_parallel(args) -> None:
-    cp = args.context_parallel_size
-    comm = getattr(args, "cp_comm_type", None)
-    comm_given = comm is not None and not isinstance(comm, _NotGiven)
-    comm = list(comm or ["p2p"])
-    if len(comm) != 1:
-        raise FlagError(f"--cp-comm-type {' '.join(comm)}: one type per layer is not "
-                        f"supported; EoD attention uses one algorithm for every layer")
-    if comm[0] not in _COMM_TO_ALGO:
-        raise FlagError(f"--cp-comm-type {comm[0]}: EoD attention implements p2p (ring), a2a "
-                        f"(ulysses) and a2a+p2p (hybrid)")
-    sizes = list(getattr(args, "hierarchical_context_parallel_sizes", None) or [])
-    given = args.context_parallel_algo
-    if given is not None and given not in CP_ALGO_ALIASES:
-        raise FlagError(f"--context-parallel-algo {given!r} is not supported; choose one of "
-                        f"{', '.join(CP_ALGO_ALIASES)}")
-    algo = CP_ALGO_ALIASES.get(given, given) if given is not None else _COMM_TO_ALGO[comm[0]]
-    if given is not None and comm_given and _COMM_TO_ALGO[comm[0]] != algo:
-        raise FlagError(f"--context-parallel-algo {given} contradicts --cp-comm-type {comm[0]} "
-                        f"({_COMM_TO_ALGO[comm[0]]}); pass one of them")
-    args.context_parallel_algo = algo
-    u = args.ulysses_degree_in_cp
-    if given is None and algo != "hybrid" and u not in (None, 1, cp if algo == "ulysses" else 1):
-        raise FlagError(f"--ulysses-degree-in-cp {u} asks for hybrid context parallelism, but "
-                        f"--cp-comm-type {comm[0]}{'' if comm_given else ' (the default)'} is "
-                        f"{algo}: pass --cp-comm-type a2a+p2p (or --context-parallel-algo "
-                        f"hybrid)")
-    if algo != "hybrid":
-        if sizes:
-            raise FlagError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))} "
-                            f"is only used by --cp-comm-type a2a+p2p (hybrid), not by {algo}")
-    elif cp > 1:
-        if sizes:
-            shown = f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}"
-            if len(sizes) != 2:
-                raise FlagError(f"{shown}: hybrid takes two sizes, Ulysses (inner) then Ring "
-                                f"(outer)")
-            if sizes[0] * sizes[1] != cp or min(sizes) < 2:
-                raise FlagError(f"{shown}: hybrid needs two sizes > 1 whose product is "
-                                f"--context-parallel-size {cp} (an inner size of 1 is ring: "
-                                f"--cp-comm-type p2p; an outer size of 1 is ulysses: a2a)")
-            if u is not None and u != sizes[0]:
-                raise FlagError(f"--ulysses-degree-in-cp {u} contradicts "
-                                f"--hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]}")
-            args.ulysses_degree_in_cp = u = sizes[0]
-        # Checked here, not only in check_context_parallel: this runs before Megatron-LM's
-        # validate_args (check_before_megatron), whose assertions on a2a+p2p have no message.
-        if given is None and u is None:
-            raise FlagError(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes "
-                            f"U {cp}/U (Ulysses inside, Ring across), or --ulysses-degree-in-cp "
-                            f"U")
-        check_hybrid_degree(u, cp, f"--context-parallel-algo {given}" if given is not None
-                            else "--cp-comm-type a2a+p2p")
-        args.hierarchical_context_parallel_sizes = [u, cp // u]  # Megatron-LM builds them
-    if algo != "hybrid" or cp > 1:
-        args.cp_comm_type = [_ALGO_TO_COMM[algo]]
 
 
 def _refuse(args) -> None:

@@ -79,6 +79,36 @@ def test_context_parallel_algos(algo, given, stored, degree):
     assert args.data_parallel_size == 2
 
 
+@pytest.mark.parametrize("spelled,stored,degree", [
+    ((), "ring", 1), (("--cp-comm-type", "p2p"), "ring", 1),
+    (("--cp-comm-type", "a2a"), "ulysses", 4),
+    (("--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", 2, 2), "hybrid", 2),
+    (("--cp-comm-type", "a2a+p2p", "--ulysses-degree-in-cp", 2), "hybrid", 2),
+    (("--cp-comm-type", "a2a", "--context-parallel-algo", "ulysses"), "ulysses", 4),
+])
+def test_megatron_lms_cp_spellings_run_in_the_lean_trainer(spelled, stored, degree):
+    """A Megatron-LM launch script's CP flags (they were refused by name here; a helper's
+    sweep of Megatron-LM's example scripts ran into it)."""
+    args = parse("--context-parallel-size", 4, *spelled, world_size=8)
+    assert args.context_parallel_algo == stored and args.ulysses_degree == degree
+
+
+@pytest.mark.parametrize("spelled,match", [
+    (("--cp-comm-type", "a2a", "--context-parallel-algo", "ring"),
+     r"--context-parallel-algo ring contradicts --cp-comm-type a2a \(ulysses\)"),
+    (("--cp-comm-type", "a2a+p2p"), r"--cp-comm-type a2a\+p2p needs "
+                                    r"--hierarchical-context-parallel-sizes U 4/U"),
+    (("--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", 3, 2),
+     r"product is --context-parallel-size 4"),
+    (("--cp-comm-type", "all_gather"), r"--cp-comm-type all_gather: EoD attention implements "
+                                       r"p2p \(ring\), a2a \(ulysses\) and a2a\+p2p"),
+    (("--cp-comm-type", "p2p", "a2a"), r"one type per layer is not supported"),
+])
+def test_megatron_lms_cp_spellings_are_checked_in_the_lean_trainer(spelled, match):
+    with pytest.raises(FlagError, match=match):
+        parse("--context-parallel-size", 4, *spelled, world_size=8)
+
+
 def test_cp_ring_exchange():
     assert parse("--context-parallel-size", 4, world_size=4).cp_ring_exchange == "batched"
     for exchange in ("steps", "batched-keep"):
@@ -275,7 +305,9 @@ BAD = [
      r"--num-attention-heads 6 / --tensor-model-parallel-size 1 = 6 heads per rank must be "
      r"divisible by --ulysses-degree-in-cp 4"),
     (CP4 + ["--ulysses-degree-in-cp", 2], 4, False,
-     r"--ulysses-degree-in-cp 2 contradicts --context-parallel-algo ring"),
+     r"--ulysses-degree-in-cp 2 asks for hybrid context parallelism, but --cp-comm-type p2p "
+     r"\(the default\) is ring: pass --cp-comm-type a2a\+p2p \(or --context-parallel-algo "
+     r"hybrid\)"),
     (CP4 + ["--context-parallel-algo", "megatron_cp_algo", "--ulysses-degree-in-cp", 4], 4,
      False, r"--ulysses-degree-in-cp 4 contradicts --context-parallel-algo ring"),
     (CP4 + ["--context-parallel-algo", "ulysses", "--ulysses-degree-in-cp", 2], 4, False,

@@ -84,7 +84,9 @@ def test_no_effect_values_are_still_checked():
     (["--num-experts", "8"], "--num-experts: Megatron-LM's mixture of experts, refused by "
                              "both trainers: MoE layers are not wired with EoD attention"),
     (["--moe-router-topk", "2"], "--moe-router-topk: .*refused by both trainers"),
-    (["--cp-comm-type", "a2a"], "--cp-comm-type: .*--context-parallel-algo ring\\|ulysses"),
+    (["--hybrid-context-parallel"], "--hybrid-context-parallel: Megatron-LM's dynamic context "
+                                    "parallelism \\(a CP size per sequence\\), refused by both "
+                                    "trainers: .*use --cp-comm-type a2a\\+p2p"),
     (["--wandb-project=run"], "--wandb-project: Megatron-LM's profiling and Weights"),
     (["--profile", "--use-torch-fsdp2"], "--profile: .*\\[and 1 more unrecognized flag: "
                                          "--use-torch-fsdp2\\]"),
