@@ -41,7 +41,8 @@ from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIAS
                                             check_gpu_attention, check_sequence_parallel_rows)
 from megatron_eod.training.cp_spellings import NotGiven, resolve_cp_spellings
 from megatron_eod.training.flag_rules import check_positive as _positive
-from megatron_eod.training.flag_rules import check_split, check_tokenizer_files
+from megatron_eod.training.flag_rules import (check_device_precision, check_split,
+                                              check_tokenizer_files)
 
 __all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "check_context_parallel", "parse_args",
            "validate_args"]
@@ -310,10 +311,7 @@ def _check_recompute(args) -> None:
 
 def _check_device_flags(args, cuda_available: bool) -> None:
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive; pass one")
-    for dest in ("bf16", "fp16"):
-        _require(not getattr(args, dest) or cuda_available,
-                 f"{_flag(dest)} needs CUDA: the CPU attention kernel takes float32/float64; "
-                 f"drop {_flag(dest)} on CPU")
+    check_device_precision(args, cuda_available)
     args.params_dtype = (torch.bfloat16 if args.bf16 else
                          torch.float16 if args.fp16 else torch.float32)
     check_gpu_attention(args, cuda_available)
@@ -403,5 +401,3 @@ def _check_logging(args) -> None:
     _require(args.save_keep_last is None or args.save is not None,
              "--save-keep-last needs --save DIR")
     _require(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
-    _require(args.save_interval is None or args.save is not None,
-             "--save-interval needs --save DIR")

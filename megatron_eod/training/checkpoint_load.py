@@ -234,18 +234,21 @@ def group_lrs(optimizer):
 
 def apply_schedule_choice(optimizer, flag_lrs, saved, override: bool, use_checkpoint: bool):
     """After the optimizer's load: the loaded param groups carry the checkpoint's per-group
-    max/min LR, which megatron-core's scheduler reads before its own, so with
-    --override-opt_param-scheduler the flags' values (`group_lrs` before the load) go back
-    (megatron-core 0.16.1 alone keeps the checkpoint's, unlike the flag's documentation); with
-    --use-checkpoint-opt_param-scheduler the checkpoint's (`saved`, from
-    schedule_values_to_flags)."""
-    if override:
-        for group, (max_lr, min_lr) in zip(optimizer.param_groups, flag_lrs):
-            if max_lr is not None:
-                group["max_lr"], group["min_lr"] = max_lr, min_lr
-    elif use_checkpoint:
+    max/min LR, which megatron-core's scheduler reads before its own. With
+    --use-checkpoint-opt_param-scheduler the checkpoint's stay (`saved`, from
+    schedule_values_to_flags); otherwise the flags' values (`group_lrs` before the load) go
+    back: with --override-opt_param-scheduler (megatron-core 0.16.1 alone kept the
+    checkpoint's, unlike the flag's documentation), and without either flag, where the
+    scheduler has checked that the flags' schedule is the checkpoint's, because megatron-core
+    0.16 pairs groups without their LRs: --decoupled-lr's group (embedding and output layer)
+    and the default one were one to it, and one's max/min LR came back in both."""
+    if use_checkpoint and not override:
         for group, values in zip(optimizer.param_groups, saved):
             group.update(values)
+        return
+    for group, (max_lr, min_lr) in zip(optimizer.param_groups, flag_lrs):
+        if max_lr is not None:
+            group["max_lr"], group["min_lr"] = max_lr, min_lr
 
 
 def schedule_values_to_flags(loaded_optimizer, current_groups):
@@ -258,10 +261,12 @@ def schedule_values_to_flags(loaded_optimizer, current_groups):
     the saved values per current group, for the run where the checkpoint wins (all three
     cases then as in megatron-core 0.16)."""
     saved_values = [{} for _ in current_groups]
+    current_keys = [_structural_key(g) for g in current_groups]
     for groups in _saved_param_groups(loaded_optimizer):
-        for group in groups:
-            key = _structural_key(group)
-            matches = [i for i, g in enumerate(current_groups) if _structural_key(g) == key]
+        in_order = [_structural_key(g) for g in groups] == current_keys  # the same groups,
+        for at, group in enumerate(groups):  # built alike: paired by place (several may
+            key = _structural_key(group)     # share a key: --decoupled-lr's and the default)
+            matches = [at] if in_order else [i for i, k in enumerate(current_keys) if k == key]
             if len(matches) != 1:
                 continue  # no or several candidates: left to megatron-core's own pairing
             current = current_groups[matches[0]]

@@ -5,7 +5,9 @@ One job: each `check_*(args)` reads a namespace with Megatron's attribute names 
 trainer's args, or Megatron-LM's) and raises `FlagError` naming the flag and the rule:
 `check_split` (the --split string), `check_positive` (intervals that are divided by, sizes),
 `check_global_batch` (--global-batch-size against the micro-batch and DP sizes; needs
-`data_parallel_size`), `check_tokenizer_files` (what each --tokenizer-type reads). Under
+`data_parallel_size`), `check_tokenizer_files` (what each --tokenizer-type reads),
+`check_device_precision` (--bf16 / --fp16 need CUDA), `check_profiler_device` (--profile's
+CUDA profiler). Under
 Megatron-LM's trainer each of these was a bare `AssertionError` or a ZeroDivisionError, some
 only after the model was built (megatron_lm_args.py runs them around its validate_args).
 
@@ -19,7 +21,8 @@ from megatron_eod.data.split_sizes import split_shares
 from megatron_eod.data.tokenizers import SENTENCEPIECE_TYPES
 from megatron_eod.training.cp_flags import FlagError
 
-__all__ = ["check_global_batch", "check_positive", "check_split", "check_tokenizer_files"]
+__all__ = ["check_device_precision", "check_global_batch", "check_positive",
+           "check_profiler_device", "check_split", "check_tokenizer_files"]
 
 # What each --tokenizer-type reads (Megatron-LM's build_tokenizer asserts these bare).
 TOKENIZER_NEEDS = {"HuggingFaceTokenizer": ("tokenizer_model",),
@@ -83,3 +86,23 @@ def check_tokenizer_files(args, default: str = "") -> None:
     for dest in TOKENIZER_NEEDS.get(kind, ()):
         if getattr(args, dest, None) is None:
             raise FlagError(f"--tokenizer-type {kind}{default} needs {_flag(dest)}")
+
+
+def check_device_precision(args, cuda_available: bool) -> None:
+    """--bf16 / --fp16 without CUDA: the CPU attention kernel takes float32/float64 (under
+    Megatron-LM's trainer the model was built first, then the first forward stopped with a
+    ValueError, or --fp16's grad scaler asserted CUDA)."""
+    for dest in ("bf16", "fp16"):
+        if getattr(args, dest, False) and not cuda_available:
+            raise FlagError(f"{_flag(dest)} needs CUDA: the CPU attention kernel takes "
+                            f"float32/float64; drop {_flag(dest)} on CPU")
+
+
+def check_profiler_device(args, cuda_available: bool) -> None:
+    """Megatron-LM's --profile starts CUDA's profiler at --profile-step-start unless
+    --use-pytorch-profiler: without CUDA a traceback on every rank that many iterations in."""
+    if getattr(args, "profile", False) and not getattr(args, "use_pytorch_profiler", False) \
+            and not cuda_available:
+        raise FlagError("--profile needs CUDA (Megatron-LM starts CUDA's profiler at "
+                        "--profile-step-start); add --use-pytorch-profiler, or drop --profile "
+                        "on CPU")

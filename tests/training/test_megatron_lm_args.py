@@ -262,10 +262,27 @@ def test_the_persistent_checkpoint_worker_needs_cuda():
         checked("--async-save", "--use-persistent-ckpt-worker", "--ckpt-format", "torch_dist")
 
 
+def test_what_needs_cuda_is_refused_at_start_up_on_cpu():
+    """Megatron-LM's example scripts on a CPU (a helper's sweep): --bf16 built the model and
+    stopped at the first forward (ValueError in the CPU attention), --fp16 in the grad
+    scaler (AssertionError), --profile after --profile-step-start iterations (CUDA's
+    profiler); the lean trainer's lines, at start-up. The PyTorch profiler still runs."""
+    for flag in ("--bf16", "--fp16"):
+        with pytest.raises(FlagError, match=f"{flag} needs CUDA: the CPU attention kernel "
+                                            f"takes float32/float64; drop {flag} on CPU"):
+            checked(flag)
+    with pytest.raises(FlagError, match=r"--profile needs CUDA \(Megatron-LM starts CUDA's "
+                                         r"profiler at --profile-step-start\); add "
+                                         r"--use-pytorch-profiler"):
+        checked("--profile")
+    assert checked("--profile", "--use-pytorch-profiler").profile
+
+
 def test_decoupled_lr_checkpoints_that_megatron_core_cannot_load_are_refused(tmp_path):
     """megatron-core 0.16.1's regular optimizer cannot load a --decoupled-lr run's own
     checkpoint (its groups differ only in max_lr, which it does not compare; measured: a
-    ValueError at the resume, torch and torch_dist); the distributed optimizer resumes."""
+    ValueError at the resume, torch and torch_dist); the distributed optimizer resumes
+    (test_megatron_lm_pretrain.py::test_decoupled_lr_resumes_on_its_own_schedule)."""
     from megatron.core.optimizer import optimizer
 
     save = ("--save", str(tmp_path))
