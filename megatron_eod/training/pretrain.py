@@ -308,19 +308,7 @@ class _Trainer:
         if self.gathers_params:  # the saved weights must be this step's
             self._each("start_param_sync", force_sync=True)
         save_checkpoint(self.args, self.iteration, self.chunks, self.optimizer, self.scheduler,
-                        self._saved_counters())
-
-    def _saved_counters(self):
-        """The counters a checkpoint of this iteration holds. The last iteration, at a
-        multiple of --eval-interval, evaluates after its save (Megatron-LM: in the loop,
-        before the save, and again after it): the checkpoint counts that evaluation's
-        samples, as the one a longer run makes there, so a resumed run reads the next
-        validation batch, as the uninterrupted run does."""
-        a, counters = self.args, dict(self.counters)
-        if self.iteration == a.train_iters and a.eval_interval and a.eval_iters and \
-                self.iteration % a.eval_interval == 0:  # the same on every rank
-            counters["consumed_valid_samples"] += a.eval_iters * a.global_batch_size
-        return counters
+                        dict(self.counters))
 
     def run(self):
         a, counters = self.args, self.counters
@@ -358,9 +346,8 @@ class _Trainer:
                                     grad_norm, counters["skipped"], counters["nan"],
                                     counters["consumed_train_samples"], pairs, plan_wait,
                                     samples, **logged)
-            if a.eval_interval and self.iteration % a.eval_interval == 0 and \
-                    self.iteration < a.train_iters:
-                self.evaluate(in_loop=True)
+            if a.eval_interval and self.iteration % a.eval_interval == 0:  # the last one
+                self.evaluate(in_loop=True)  # too: Megatron-LM evaluates there, then at the end
             saved = a.save and a.save_interval and self.iteration % a.save_interval == 0
             if saved:
                 self._save()

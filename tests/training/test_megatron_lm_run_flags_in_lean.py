@@ -85,8 +85,9 @@ def _count_collections(rank, world, argv):
 @pytest.mark.parametrize("flags,collections", [
     # one at the start, at iterations 2 and 4; none around the final evaluations
     (["--manual-gc", "--manual-gc-interval", "2"], 1 + 2),
-    # and before and after the loop's evaluation at iteration 2
-    (["--manual-gc", "--manual-gc-interval", "2", "--eval-interval", "2"], 1 + 2 + 2),
+    # and before and after the loop's evaluations at iterations 2 and 4 (the last one too,
+    # as Megatron-LM's loop)
+    (["--manual-gc", "--manual-gc-interval", "2", "--eval-interval", "2"], 1 + 2 + 2 * 2),
     (["--manual-gc", "--manual-gc-interval", "2", "--eval-interval", "2",
       "--no-manual-gc-eval"], 1 + 2),
     (["--manual-gc"], 1),

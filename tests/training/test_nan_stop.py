@@ -50,8 +50,11 @@ def _train_with_nan_evaluation(rank, world, argv, only_after_training=False):
 
     def nan_when_evaluating(self, data_iterator, forward_only, num_micro_batches):
         outputs = schedule(self, data_iterator, forward_only, num_micro_batches)
+        if forward_only and only_after_training and self.iteration == self.args.train_iters:
+            # the last iteration's evaluation in the loop (before its save) stays finite
+            self.seen_at_the_end = getattr(self, "seen_at_the_end", 0) + 1
         if forward_only and (not only_after_training
-                             or self.iteration == self.args.train_iters):
+                             or getattr(self, "seen_at_the_end", 0) > self.args.eval_iters):
             for out in outputs:
                 out["lm loss"] = out["lm loss"] * float("nan")
         return outputs

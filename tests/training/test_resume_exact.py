@@ -4,9 +4,11 @@ that ends a run (a helper's sweep of Megatron-LM's functional-test configs found
 - each DataLoader iterator drew its seed from torch's global generator when it was first
   used, which in a resumed run is after the RNG state was restored: the dropout masks of
   every later iteration differed (hidden dropout 0.1: loss 5.788101 resumed vs 5.787093);
-- a run's last iteration, at a multiple of --eval-interval, evaluates once after its save
-  (Megatron-LM: in the loop before the save, and again after it); the checkpoint did not
-  count that batch, so the resumed run's next validation read it again."""
+- a run's last iteration, at a multiple of --eval-interval, evaluated once after its save;
+  the checkpoint did not count that batch, so the resumed run's next validation read it
+  again. Now it evaluates as Megatron-LM does: in the loop before the save, and again after
+  it (the next batch: a second record at that iteration; a sweep of Megatron-LM's example
+  scripts found the lean trainer's --metrics-file one record short)."""
 
 import json
 
@@ -27,7 +29,12 @@ def _records(data, path, *extra):
     assert [code for code, *_ in results] == [0, 0], results
     records = [json.loads(line) for line in path.read_text().splitlines()]
     train = {r["iteration"]: r["lm_loss"] for r in records if r.get("kind", "train") == "train"}
-    valid = {r["iteration"]: r["lm_loss"] for r in records if r.get("kind") == "valid"}
+    valid = {}  # the evaluation in the loop, the first at an iteration
+    for r in records:
+        if r.get("kind") == "valid":
+            valid.setdefault(r["iteration"], r["lm_loss"])
+    ends = [r["iteration"] for r in records if r.get("kind") == "valid"]
+    assert ends.count(max(ends)) == 2  # the last iteration's, then the end of training's
     return train, valid
 
 
