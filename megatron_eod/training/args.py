@@ -34,7 +34,8 @@ from megatron_eod.training.args_megatron_lm_only import (add_no_effect_args,
 from megatron_eod.training.args_model import add_model_args, check_model, switches, typed
 from megatron_eod.training.args_pipeline import (add_virtual_pipeline_args,
                                                  check_interleaved_micro_batches,
-                                                 check_pipeline_stages, check_virtual_pipeline)
+                                                 check_pipeline_stages, check_virtual_pipeline,
+                                                 chunk_layers)
 from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIASES,
                                             RING_EXCHANGE_HELP, RING_EXCHANGES, FlagError,
                                             check_context_parallel, check_gloo_on_cuda,
@@ -300,13 +301,21 @@ def _check_recompute(args) -> None:
     if args.recompute_num_layers is None:
         args.recompute_num_layers = 1
     chunks = args.virtual_pipeline_model_parallel_size or 1
-    per_stage = -(-max(args.pipeline_stage_layers) // chunks)  # the largest chunk's layers
-    even = len(set(args.pipeline_stage_layers)) == 1
-    _require(1 <= args.recompute_num_layers <= per_stage,
+    built = [n for n in chunk_layers(args) if n > 0]
+    even = len(set(built)) == 1
+    _require(1 <= args.recompute_num_layers <= max(built),
              f"--recompute-num-layers {args.recompute_num_layers} must be in [1, "
              + ("--num-layers / --pipeline-model-parallel-size" if even else
                 "the layers of the largest pipeline stage")
-             + (" / virtual stages" if chunks > 1 else "") + f" = {per_stage}]")
+             + (" / virtual stages" if chunks > 1 else "") + f" = {max(built)}]")
+    # megatron-core's uniform method checkpoints runs of N layers and reads past a chunk
+    # whose layers N does not divide (an IndexError in the first forward)
+    uneven = sorted({n for n in built if n % args.recompute_num_layers})
+    _require(args.recompute_method != "uniform" or not uneven,
+             f"--recompute-method uniform --recompute-num-layers {args.recompute_num_layers} "
+             f"must divide the layers of every pipeline stage"
+             + (" chunk" if chunks > 1 else "") + f" (some have {uneven[0] if uneven else 0}): "
+             f"pass a divisor, or --recompute-method block")
 
 
 def _check_device_flags(args, cuda_available: bool) -> None:

@@ -24,7 +24,7 @@ from megatron_eod.training.cp_flags import FlagError
 from megatron_eod.training.flag_rules import check_positive as _positive
 
 __all__ = ["add_virtual_pipeline_args", "check_interleaved_micro_batches",
-           "check_pipeline_stages", "check_virtual_pipeline", "pipeline_split",
+           "check_pipeline_stages", "check_virtual_pipeline", "chunk_layers", "pipeline_split",
            "stage_layers"]
 
 _FIRST, _LAST = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
@@ -195,6 +195,20 @@ def pipeline_split(ns):
                             bool(getattr(ns, "account_for_loss_in_pipeline_split", False)))
     except (AttributeError, TypeError, FlagError):
         return None
+
+
+def chunk_layers(args):
+    """The transformer layers of every model chunk of every stage (a stage's own list when
+    it has no virtual stages), as megatron-core builds them."""
+    chunks = args.virtual_pipeline_model_parallel_size or 1
+    layers = [[n // chunks] * chunks for n in args.pipeline_stage_layers]
+    if args.decoder_first_pipeline_num_layers is None and \
+            args.decoder_last_pipeline_num_layers is None:  # the even split: slots a chunk
+        slots = _slots(args) // args.pipeline_model_parallel_size // chunks
+        layers = [[slots] * chunks for _ in args.pipeline_stage_layers]
+        layers[0][0] -= bool(args.account_for_embedding_in_pipeline_split)
+        layers[-1][-1] -= bool(args.account_for_loss_in_pipeline_split)
+    return [n for stage in layers for n in stage]
 
 
 def check_pipeline_stages(args) -> None:

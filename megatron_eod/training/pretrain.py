@@ -301,14 +301,22 @@ class _Trainer:
             self._each("start_param_sync", force_sync=True)
         self.hooks_on = enable
 
-    def _save(self):
+    def _save(self, before_evaluation=False):
+        """`before_evaluation`: the last iteration, saved before its evaluation in the loop
+        (a NaN there stops the run and must not lose it); the checkpoint counts that
+        evaluation's batches, as Megatron-LM's, saved after it, does, so a longer resumed
+        run reads the next validation batch, as the uninterrupted run does."""
         if self.iteration in (self.resumed_here, self.last_saved):
             return
         self.last_saved = self.iteration
         if self.gathers_params:  # the saved weights must be this step's
             self._each("start_param_sync", force_sync=True)
+        counters = dict(self.counters)
+        if before_evaluation:
+            counters["consumed_valid_samples"] += self.args.eval_iters * \
+                self.args.global_batch_size
         save_checkpoint(self.args, self.iteration, self.chunks, self.optimizer, self.scheduler,
-                        dict(self.counters))
+                        counters)
 
     def run(self):
         a, counters = self.args, self.counters
@@ -347,7 +355,9 @@ class _Trainer:
                                     counters["consumed_train_samples"], pairs, plan_wait,
                                     samples, **logged)
             if a.eval_interval and self.iteration % a.eval_interval == 0:  # the last one
-                self.evaluate(in_loop=True)  # too: Megatron-LM evaluates there, then at the end
+                if self.iteration == a.train_iters and a.save:  # too, as Megatron-LM (then
+                    self._save(before_evaluation=True)  # again at the end), saved first
+                self.evaluate(in_loop=True)
             saved = a.save and a.save_interval and self.iteration % a.save_interval == 0
             if saved:
                 self._save()

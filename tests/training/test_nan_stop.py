@@ -50,11 +50,8 @@ def _train_with_nan_evaluation(rank, world, argv, only_after_training=False):
 
     def nan_when_evaluating(self, data_iterator, forward_only, num_micro_batches):
         outputs = schedule(self, data_iterator, forward_only, num_micro_batches)
-        if forward_only and only_after_training and self.iteration == self.args.train_iters:
-            # the last iteration's evaluation in the loop (before its save) stays finite
-            self.seen_at_the_end = getattr(self, "seen_at_the_end", 0) + 1
         if forward_only and (not only_after_training
-                             or getattr(self, "seen_at_the_end", 0) > self.args.eval_iters):
+                             or self.iteration == self.args.train_iters):
             for out in outputs:
                 out["lm loss"] = out["lm loss"] * float("nan")
         return outputs
@@ -80,9 +77,11 @@ def _train_with_nan_final_evaluation(rank, world, argv):
 
 
 def test_a_non_finite_final_evaluation_keeps_the_final_checkpoint(tiny_data, tmp_path):
-    """The last iterations are saved before the evaluations that follow training, as
-    Megatron-LM's pretrain() orders them: a NaN there stops the run, but the iterations since
-    the last periodic save are kept (they were lost before)."""
+    """The last iterations are saved before the evaluations that follow training (as
+    Megatron-LM's pretrain() orders them) and before the last iteration's own evaluation in
+    the loop (Megatron-LM saves after that one): a NaN in either stops the run, but the
+    iterations since the last periodic save are kept (they were lost before; a review found
+    the in-loop one losing them again when it was added)."""
     save = tmp_path / "ckpt"
     argv = tiny_flags(tiny_data, "--context-parallel-size", "2", "--save", str(save),
                       "--save-interval", "100")

@@ -131,7 +131,23 @@ def test_stage_layers_as_megatron_core_builds_them(flags, layers):
     (("--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
       "--recompute-num-layers", "6", "--decoder-first-pipeline-num-layers", "3"),
      r"--recompute-num-layers 6 must be in \[1, the layers of the largest pipeline stage = 5\]"),
+    # megatron-core's uniform method reads past a stage whose layers N does not divide (a
+    # review: accepted, then an IndexError in the first forward)
+    (("--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
+      "--recompute-num-layers", "3", "--decoder-first-pipeline-num-layers", "2"),
+     r"--recompute-method uniform --recompute-num-layers 3 must divide the layers of every "
+     r"pipeline stage \(some have 2\): pass a divisor, or --recompute-method block"),
+    (("--num-layers", "7", "--pipeline-model-parallel-size", "2", "--recompute-granularity",
+      "full", "--recompute-num-layers", "2", "--account-for-embedding-in-pipeline-split",
+      "--num-virtual-stages-per-pipeline-rank", "2"),
+     r"must divide the layers of every pipeline stage chunk \(some have 1\)"),
 ])
 def test_a_split_megatron_core_would_refuse_is_one_line(flags, match):
     with pytest.raises(FlagError, match=match):
         _layers(*flags)
+
+
+def test_the_block_method_takes_any_count_up_to_the_largest_stage():
+    assert _layers("--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
+                   "--recompute-method", "block", "--recompute-num-layers", "3",
+                   "--decoder-first-pipeline-num-layers", "2") == [2, 6]
