@@ -246,6 +246,21 @@ def apply_schedule_choice(optimizer, flag_lrs, saved, override: bool, use_checkp
         for group, values in zip(optimizer.param_groups, saved):
             group.update(values)
         return
+    if not override:  # the scheduler compares --lr / --min-lr (the default groups' LRs);
+        for group, (max_lr, min_lr), values in zip(optimizer.param_groups, flag_lrs, saved):
+            if group.get("default_config", True):  # a group's own LRs (--decoupled-lr) here
+                continue
+            theirs = (values.get("max_lr", max_lr), values.get("min_lr", min_lr))
+            if max_lr is not None and any(
+                    a is not None and b is not None and abs(a - b) > 1e-9 * max(abs(a), abs(b))
+                    for a, b in zip((max_lr, min_lr), theirs)):
+                raise CheckpointError(
+                    f"--load: a parameter group's learning rates differ from the checkpoint's: "
+                    f"max/min LR {max_lr:g}/{min_lr:g} here, {theirs[0]:g}/{theirs[1]:g} in "
+                    f"the checkpoint (--decoupled-lr / --decoupled-min-lr set them for the "
+                    f"embedding and output layer); pass --override-opt_param-scheduler to "
+                    f"follow the flags, or --use-checkpoint-opt_param-scheduler to keep the "
+                    f"checkpoint's schedule")
     for group, (max_lr, min_lr) in zip(optimizer.param_groups, flag_lrs):
         if max_lr is not None:
             group["max_lr"], group["min_lr"] = max_lr, min_lr

@@ -386,3 +386,10 @@ def test_decoupled_lr_resumes_on_its_own_schedule(short_docs_data, tmp_path):
     assert sorted(resumed) == [3, 4]
     for iteration in (3, 4):
         assert resumed[iteration] == pytest.approx(reference[iteration], rel=1e-6), iteration
+    # another --decoupled-lr, which megatron-core's scheduler does not compare: refused by
+    # name as another --lr is (it trained on at the new value without a word)
+    other = ("--decoupled-lr", "4e-3", "--decoupled-min-lr", "1e-4", "--load", ckpt)
+    results = run_ranks(_start, 4, flags(short_docs_data, str(tmp_path / "o.jsonl"), *other),
+                        timeout=240, daemon=False)
+    assert [code for code, _ in results] == [2] * 4, results
+    assert "max/min LR 0.004/0.0001 here, 0.005/0.0001 in the checkpoint" in results[0][1]
