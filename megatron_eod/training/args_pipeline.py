@@ -183,16 +183,21 @@ def stage_layers(num_layers: int, pp: int, chunks: int = 1, first=None, last=Non
         [] if last is None else [last])
 
 
+def _split_of(ns):
+    """stage_layers of a namespace (missing uneven fields: the even split)."""
+    return stage_layers(ns.num_layers, getattr(ns, "pipeline_model_parallel_size", 1) or 1,
+                        getattr(ns, "virtual_pipeline_model_parallel_size", None) or 1,
+                        getattr(ns, "decoder_first_pipeline_num_layers", None),
+                        getattr(ns, "decoder_last_pipeline_num_layers", None),
+                        bool(getattr(ns, "account_for_embedding_in_pipeline_split", False)),
+                        bool(getattr(ns, "account_for_loss_in_pipeline_split", False)))
+
+
 def pipeline_split(ns):
-    """The stage layers of saved or parsed args (a checkpoint's: None where they predate the
-    fields or do not build; missing uneven fields: the even split)."""
+    """The stage layers of a checkpoint's args; None where they predate the fields or do not
+    build."""
     try:
-        return stage_layers(ns.num_layers, getattr(ns, "pipeline_model_parallel_size", 1) or 1,
-                            getattr(ns, "virtual_pipeline_model_parallel_size", None) or 1,
-                            getattr(ns, "decoder_first_pipeline_num_layers", None),
-                            getattr(ns, "decoder_last_pipeline_num_layers", None),
-                            bool(getattr(ns, "account_for_embedding_in_pipeline_split", False)),
-                            bool(getattr(ns, "account_for_loss_in_pipeline_split", False)))
+        return _split_of(ns)
     except (AttributeError, TypeError, FlagError):
         return None
 
@@ -213,11 +218,7 @@ def chunk_layers(args):
 
 def check_pipeline_stages(args) -> None:
     """Sets `pipeline_stage_layers`; the split's rules as one line naming the flags."""
-    args.pipeline_stage_layers = stage_layers(
-        args.num_layers, args.pipeline_model_parallel_size,
-        args.virtual_pipeline_model_parallel_size or 1, args.decoder_first_pipeline_num_layers,
-        args.decoder_last_pipeline_num_layers, args.account_for_embedding_in_pipeline_split,
-        args.account_for_loss_in_pipeline_split)
+    args.pipeline_stage_layers = _split_of(args)
 
 
 def check_interleaved_micro_batches(args) -> None:

@@ -19,7 +19,7 @@ from megatron_eod.training.cp_flags import FlagError
 from tests.functional.tiny_gpt import tiny_flags
 from tests.harness import run_ranks
 from tests.training.test_nan_stop import _train
-from tests.training.test_virtual_pipeline import _close, _run
+from tests.training.test_virtual_pipeline import _close, _run, checkpoint_at_8
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,10 +27,8 @@ FIRST_1 = ("--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-
 
 
 def test_uneven_stages_continue_a_checkpoint_as_the_even_run(tiny_data, tmp_path):
-    start, uneven = str(tmp_path / "start"), str(tmp_path / "uneven")
-    reference, _ = _run(1, tiny_data, "--save", start, "--save-interval", "8")  # at 8, 10
-    with open(f"{start}/latest_checkpointed_iteration.txt", "w") as f:
-        f.write("8")
+    uneven = str(tmp_path / "uneven")
+    reference, start = checkpoint_at_8(tiny_data, tmp_path)
     losses, _ = _run(4, tiny_data, *FIRST_1, "--context-parallel-size", "2", "--load", start,
                      "--save", uneven, "--exit-interval", "9")
     back, _ = _run(1, tiny_data, "--load", uneven)

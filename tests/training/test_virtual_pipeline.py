@@ -39,11 +39,19 @@ def _close(a, b, rel=1e-5):
     assert len(a) == len(b) and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b)), (a, b)
 
 
-def test_chunks_continue_a_checkpoint_as_the_unchunked_run(tiny_data, tmp_path):
-    start, chunked = str(tmp_path / "start"), str(tmp_path / "chunked")
-    reference, _ = _run(1, tiny_data, "--save", start, "--save-interval", "8")  # at 8, 10
+def checkpoint_at_8(data, tmp_path):
+    """The PP=1 run's 10 losses, and the folder of its checkpoint at iteration 8 (the
+    latest there)."""
+    start = str(tmp_path / "start")
+    reference, _ = _run(1, data, "--save", start, "--save-interval", "8")  # at 8, 10
     with open(f"{start}/latest_checkpointed_iteration.txt", "w") as f:
         f.write("8")
+    return reference, start
+
+
+def test_chunks_continue_a_checkpoint_as_the_unchunked_run(tiny_data, tmp_path):
+    chunked = str(tmp_path / "chunked")
+    reference, start = checkpoint_at_8(tiny_data, tmp_path)
     losses, _ = _run(4, tiny_data, *VP, "--context-parallel-size", "2", "--load", start,
                      "--save", chunked, "--exit-interval", "9")
     back, _ = _run(1, tiny_data, "--load", chunked)
