@@ -109,6 +109,19 @@ def test_megatron_lms_cp_spellings_are_checked_in_the_lean_trainer(spelled, matc
         parse("--context-parallel-size", 4, *spelled, world_size=8)
 
 
+@pytest.mark.parametrize("sizes", [(), (1, 1)])
+def test_a_hybrid_script_at_cp_1_runs_as_cp_1(sizes):
+    """--cp-comm-type a2a+p2p at --context-parallel-size 1 (a script templated for hybrid):
+    nothing to exchange, plain attention; it was refused naming --context-parallel-algo."""
+    sized = ("--hierarchical-context-parallel-sizes", *sizes) if sizes else ()
+    args = parse("--context-parallel-size", 1, "--cp-comm-type", "a2a+p2p", *sized)
+    assert (args.context_parallel_algo, args.ulysses_degree) == ("ring", 1)
+    with pytest.raises(FlagError, match=r"--ulysses-degree-in-cp 2 needs "
+                                        r"--context-parallel-size > 2"):
+        parse("--context-parallel-size", 1, "--cp-comm-type", "a2a+p2p",
+              "--ulysses-degree-in-cp", 2)
+
+
 def test_a_save_interval_without_save_saves_nothing_as_in_megatron_lm():
     """A launch script whose --save line is commented out (Megatron-LM runs it, saving
     nothing; the lean trainer refused it)."""

@@ -90,6 +90,21 @@ def test_hybrid_spellings_pass_megatron_lm_validation(monkeypatch, flags):
     assert args.cp_comm_type == ["a2a+p2p"]
 
 
+def test_a_hybrid_script_at_cp_1_runs_as_cp_1(monkeypatch):
+    """A launch script templated for hybrid run at --context-parallel-size 1, as Megatron-LM
+    takes it (sizes of product 1); we refused it naming --context-parallel-algo, a flag the
+    script never gave."""
+    args = validated(monkeypatch, "--context-parallel-size", "1", "--cp-comm-type", "a2a+p2p",
+                     "--hierarchical-context-parallel-sizes", "1", "1")
+    assert (args.context_parallel_algo, args.ulysses_degree) == ("ring", 1)
+    assert args.cp_comm_type == ["a2a+p2p"]
+    with pytest.raises(FlagError, match=re.escape("--hierarchical-context-parallel-sizes 2 2: "
+                                                  "their product must be "
+                                                  "--context-parallel-size 1")):
+        validated(monkeypatch, "--context-parallel-size", "1", "--cp-comm-type", "a2a+p2p",
+                  "--hierarchical-context-parallel-sizes", "2", "2")
+
+
 # What shapes the model (the weights and what they compute), read from either trainer's args.
 MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                 "kv_channels", "seq_length", "position_embedding_type", "swiglu",
