@@ -42,8 +42,8 @@ from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIAS
                                             check_gpu_attention, check_sequence_parallel_rows)
 from megatron_eod.training.cp_spellings import NotGiven, resolve_cp_spellings
 from megatron_eod.training.flag_rules import check_positive as _positive
-from megatron_eod.training.flag_rules import (check_device_precision, check_split,
-                                              check_tokenizer_files)
+from megatron_eod.training.flag_rules import (check_backend_device, check_device_precision,
+                                              check_split, check_tokenizer_files)
 
 __all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "check_context_parallel", "parse_args",
            "validate_args"]
@@ -177,6 +177,9 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cp-concurrent-calls", action="store_true", help=CONCURRENT_CALLS_HELP)
     switches(g, "--sequence-parallel", "--use-flash-attn", "--reset-attention-mask",
               "--reset-position-ids", "--eod-mask-loss")
+    g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
+                   help="Megatron-LM's rank order tp-cp-ep-pp-dp (pipeline stages on nearer "
+                        "ranks than data-parallel replicas) instead of tp-cp-ep-dp-pp")
     g.add_argument("--attention-mask-type", choices=("causal", "general"), default=None,
                    help="general = EoD document mask (default with --reset-attention-mask)")
     g.add_argument("--trainer", choices=("auto", "megatron-lm", "lean"), default="auto",
@@ -336,8 +339,7 @@ def _check_device_flags(args, cuda_available: bool) -> None:
                                            "local or install it")
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda_available else "gloo"
-    _require(args.distributed_backend != "nccl" or cuda_available,
-             "--distributed-backend nccl needs CUDA; use --distributed-backend gloo on CPU")
+    check_backend_device(args, cuda_available)
     check_gloo_on_cuda(args, cuda_available)
     _check_deterministic(args, cuda_available)
 

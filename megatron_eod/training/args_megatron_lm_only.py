@@ -236,7 +236,7 @@ ABSENT: List[Tuple[str, Tuple[str, ...], Tuple[str, ...]]] = [
       "--recompute-modules", "--distribute-saved-activations", "--high-priority-stream-groups",
       "--use-nccl-ub", "--disable-symmetric-registration", "--use-sharp",
       "--sharp-enabled-group", "--create-all-gather-group", "--nccl-communicator-config-path",
-      "--use-tp-pp-dp-mapping", "--fake-process-group", "--lazy-mpu-init",
+      "--fake-process-group", "--lazy-mpu-init",
       "--distributed-timeout-seconds-after-init", "--no-clone-scatter-output-in-embedding")),
     ("dynamic context parallelism (a CP size per sequence): the lean trainer splits every "
      "row over --context-parallel-size ranks, --context-parallel-algo ring|ulysses|hybrid or "

@@ -6,10 +6,10 @@ trainer's args, or Megatron-LM's) and raises `FlagError` naming the flag and the
 `check_split` (the --split string), `check_positive` (intervals that are divided by, sizes),
 `check_global_batch` (--global-batch-size against the micro-batch and DP sizes; needs
 `data_parallel_size`), `check_tokenizer_files` (what each --tokenizer-type reads),
-`check_device_precision` (--bf16 / --fp16 need CUDA), `check_profiler_device` (--profile's
-CUDA profiler). Under
-Megatron-LM's trainer each of these was a bare `AssertionError` or a ZeroDivisionError, some
-only after the model was built (megatron_lm_args.py runs them around its validate_args).
+`check_device_precision` (--bf16 / --fp16 need CUDA), `check_backend_device` (nccl needs
+CUDA), `check_profiler_device` (--profile's CUDA profiler). Under Megatron-LM's trainer each
+of these was a bare `AssertionError`, a ZeroDivisionError or a traceback, some only after the
+model was built (megatron_lm_args.py runs them around its validate_args).
 
 What it does not do: no defaults (args.py, megatron_lm_args.py set them), no CP rules
 (cp_flags.py).
@@ -21,8 +21,8 @@ from megatron_eod.data.split_sizes import split_shares
 from megatron_eod.data.tokenizers import SENTENCEPIECE_TYPES
 from megatron_eod.training.cp_flags import FlagError
 
-__all__ = ["check_device_precision", "check_global_batch", "check_positive",
-           "check_profiler_device", "check_split", "check_tokenizer_files"]
+__all__ = ["check_backend_device", "check_device_precision", "check_global_batch",
+           "check_positive", "check_profiler_device", "check_split", "check_tokenizer_files"]
 
 # What each --tokenizer-type reads (Megatron-LM's build_tokenizer asserts these bare).
 TOKENIZER_NEEDS = {"HuggingFaceTokenizer": ("tokenizer_model",),
@@ -96,6 +96,14 @@ def check_device_precision(args, cuda_available: bool) -> None:
         if getattr(args, dest, False) and not cuda_available:
             raise FlagError(f"{_flag(dest)} needs CUDA: the CPU attention kernel takes "
                             f"float32/float64; drop {_flag(dest)} on CPU")
+
+
+def check_backend_device(args, cuda_available: bool, default: str = "") -> None:
+    """--distributed-backend nccl without CUDA (Megatron-LM's default backend: its trainer
+    stopped in init_process_group with a traceback on every rank)."""
+    if getattr(args, "distributed_backend", None) == "nccl" and not cuda_available:
+        raise FlagError(f"--distributed-backend nccl{default} needs CUDA; pass "
+                        f"--distributed-backend gloo on CPU")
 
 
 def check_profiler_device(args, cuda_available: bool) -> None:

@@ -69,7 +69,8 @@ def initialize(args):
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         hierarchical_context_parallel_sizes=[u, cp // u] if hybrid else None,
         create_gloo_process_groups=False,
-        distributed_timeout_minutes=args.distributed_timeout_minutes)
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        order="tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp")
     wiring.hybrid_groups(args)
     calculator = import_megatron("megatron.core.num_microbatches_calculator")
     calculator.init_num_microbatches_calculator(

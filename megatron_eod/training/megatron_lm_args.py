@@ -37,9 +37,9 @@ from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIAS
                                             check_gpu_attention,
                                             check_query_groups, check_sequence_parallel_rows)
 from megatron_eod.training.cp_spellings import NotGiven, resolve_cp_spellings
-from megatron_eod.training.flag_rules import (check_device_precision, check_global_batch,
-                                              check_profiler_device, check_positive, check_split,
-                                              check_tokenizer_files)
+from megatron_eod.training.flag_rules import (check_backend_device, check_device_precision,
+                                              check_global_batch, check_profiler_device,
+                                              check_positive, check_split, check_tokenizer_files)
 
 __all__ = ["REFUSED", "SAVE_AT_THE_END", "add_eod_args", "check_before_megatron",
            "eod_args_from_megatron"]
@@ -168,6 +168,9 @@ def eod_args_from_megatron(args) -> None:
     check_gloo_on_cuda(args, torch.cuda.is_available())
     check_gpu_attention(args, torch.cuda.is_available())
     check_device_precision(args, torch.cuda.is_available())
+    if not torch.distributed.is_initialized():  # else Megatron-LM keeps the group it finds
+        check_backend_device(args, torch.cuda.is_available(), " (Megatron-LM's default where "
+                                                              "none is given)")
     check_profiler_device(args, torch.cuda.is_available())
     _check_validation_data(args)
     _check_full_validation(args)

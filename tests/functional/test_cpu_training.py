@@ -12,6 +12,7 @@ import math
 import os
 
 import pytest
+import torch
 
 from tests.functional.tiny_gpt import (ITERS, losses_of, megatron_lm_tiny_flags, tiny_flags,
                                       train_rank)
@@ -176,13 +177,42 @@ def test_recompute_with_cp2_equals_cp1(cp1, short_docs_data, granularity):
     assert_same(losses, cp1)
 
 
-def test_pp2_cp2_equals_pp2_cp1(short_docs_data):
-    """Megatron seeds each pipeline stage differently (seed + 100 * stage), so PP=2 starts
-    from other weights than PP=1; CP must not change PP=2's curve."""
-    reference = train(2, short_docs_data, "--pipeline-model-parallel-size", "2")
+@pytest.fixture(scope="module")
+def pp2(short_docs_data):
+    """PP=2's curve: Megatron seeds each pipeline stage differently (seed + 100 * stage), so
+    PP=2 starts from other weights than PP=1."""
+    return train(2, short_docs_data, "--pipeline-model-parallel-size", "2")
+
+
+def test_pp2_cp2_equals_pp2_cp1(pp2, short_docs_data):
+    """CP must not change PP=2's curve."""
     losses = train(4, short_docs_data, "--pipeline-model-parallel-size", "2",
                    "--context-parallel-size", "2")
-    assert_same(losses, reference)
+    assert_same(losses, pp2)
+
+
+def _pipeline_ranks(rank, world, argv):
+    from megatron.core import parallel_state as ps
+
+    from megatron_eod.training.args import parse_args
+    from megatron_eod.training.initialize import initialize, shutdown
+
+    initialize(parse_args(argv, world_size=world))
+    try:
+        return torch.distributed.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+    finally:
+        shutdown()
+
+
+def test_tp_pp_dp_mapping_places_stages_as_megatron_lm_does(pp2, short_docs_data):
+    """--use-tp-pp-dp-mapping (Megatron-LM's CP functional configs "*_dp_last"): pipeline
+    stages on neighbouring ranks, data-parallel replicas apart; it was refused as a CUDA-graph
+    or communication-tuning flag. The curve is PP=2's at DP=2 either way."""
+    flags = tiny_flags(short_docs_data, "--pipeline-model-parallel-size", "2")
+    assert run_ranks(_pipeline_ranks, 4, flags)[0] == [0, 2]
+    assert run_ranks(_pipeline_ranks, 4, flags + ["--use-tp-pp-dp-mapping"])[0] == [0, 1]
+    assert_same(train(4, short_docs_data, "--pipeline-model-parallel-size", "2",
+                      "--use-tp-pp-dp-mapping"), pp2)
 
 
 def test_data_parallel_cp_equals_cp1(cp1, short_docs_data, tmp_path):

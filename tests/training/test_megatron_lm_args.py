@@ -15,7 +15,8 @@ pytestmark = needs_megatron_lm
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "128", "--micro-batch-size", "2", "--data-path", "corpus",
-        "--transformer-impl", "local", "--attention-dropout", "0", "--eval-interval", "100"]
+        "--transformer-impl", "local", "--attention-dropout", "0", "--eval-interval", "100",
+        "--distributed-backend", "gloo"]
 
 
 def megatron_lm_args(*flags, base=BASE, world=4):
@@ -266,7 +267,8 @@ def test_what_needs_cuda_is_refused_at_start_up_on_cpu():
     """Megatron-LM's example scripts on a CPU (a helper's sweep): --bf16 built the model and
     stopped at the first forward (ValueError in the CPU attention), --fp16 in the grad
     scaler (AssertionError), --profile after --profile-step-start iterations (CUDA's
-    profiler); the lean trainer's lines, at start-up. The PyTorch profiler still runs."""
+    profiler); the lean trainer's lines, at start-up. The PyTorch profiler still runs.
+    Likewise --distributed-backend nccl (a helper's sweep of the CP functional configs)."""
     for flag in ("--bf16", "--fp16"):
         with pytest.raises(FlagError, match=f"{flag} needs CUDA: the CPU attention kernel "
                                             f"takes float32/float64; drop {flag} on CPU"):
@@ -276,6 +278,12 @@ def test_what_needs_cuda_is_refused_at_start_up_on_cpu():
                                          r"--use-pytorch-profiler"):
         checked("--profile")
     assert checked("--profile", "--use-pytorch-profiler").profile
+    # Megatron-LM's default backend (a traceback in init_process_group on every rank).
+    base = [f for f in BASE if f not in ("--distributed-backend", "gloo")]
+    with pytest.raises(FlagError, match=r"--distributed-backend nccl \(Megatron-LM's default "
+                                        r"where none is given\) needs CUDA; pass "
+                                        r"--distributed-backend gloo on CPU"):
+        checked(base=base)
 
 
 def test_decoupled_lr_checkpoints_that_megatron_core_cannot_load_are_refused(tmp_path):
@@ -307,7 +315,8 @@ def test_gloo_on_cuda_refuses_overlapped_gradient_collectives(monkeypatch, flag)
     extra = [flag, "--use-distributed-optimizer"]
     assert getattr(checked(*extra, "--distributed-backend", "gloo"), flag[2:].replace("-", "_"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert getattr(checked(*extra, "--bf16"), flag[2:].replace("-", "_"))  # nccl
+    assert getattr(checked(*extra, "--bf16", "--distributed-backend", "nccl"),
+                   flag[2:].replace("-", "_"))
     with pytest.raises(FlagError, match=flag + " needs --distributed-backend nccl on CUDA"):
         checked(*extra, "--distributed-backend", "gloo", "--bf16")
 
