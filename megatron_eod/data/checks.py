@@ -162,6 +162,13 @@ def _read_index(idx: str):
     return _DTYPES[code], lengths, pointers, documents
 
 
+# A training tokenizer without an end-of-document token: Megatron-LM's HuggingFaceTokenizer
+# takes the eos from a directory's tokenizer_config.json (a bare tokenizer.json has none).
+NO_EOS = ("the training tokenizer has no end-of-document (eos) token; for --tokenizer-type "
+          "HuggingFaceTokenizer give --tokenizer-model a directory whose tokenizer_config.json "
+          "names its eos_token")
+
+
 def _check_against_tokenizer(prefix, meta, tokenizer, eod_flags):
     where = sidecar_path(prefix)
     made = meta.get("tokenizer", {})
@@ -171,6 +178,7 @@ def _check_against_tokenizer(prefix, meta, tokenizer, eod_flags):
                            f"({made.get('class')}, vocab {made.get('vocab_size')}), the training "
                            f"tokenizer's EoD id is {tokenizer.eod}: " + (
                                f"train with {flags}" if flags else
+                               NO_EOS if tokenizer.eod is None else
                                "pass the tokenizer flags the data was made with"))
     made_probe, probe = made.get("probe_digest"), probe_digest(tokenizer)
     if made_probe is not None and probe is not None and made_probe != probe:

@@ -275,7 +275,7 @@ class _Trainer:
         if label == "validation":
             self.counters["consumed_valid_samples"] += a.eval_iters * a.global_batch_size
         loss = self._mean_loss(outputs)
-        self.reporter.validation(self.iteration, loss, label)
+        self.reporter.validation(self.iteration, loss, label, in_loop)
         self._stop_if_not_finite(f"{label} at iteration {self.iteration}", loss)
 
     def _split_has_samples(self, iterator) -> bool:

@@ -108,11 +108,14 @@ class Reporter:
                 if record.get(key) is not None:
                     self.writer.add_scalar(key, record[key], iteration)
 
-    def validation(self, iteration, loss, label="validation"):
+    def validation(self, iteration, loss, label="validation", in_loop=False):
+        """An evaluation's line, worded as Megatron-LM's: in the loop "validation loss at
+        iteration N", after training "... at iteration N on validation set" / "on test set"."""
         if not self.active:
             return
         ppl = math.exp(min(20.0, loss))
-        line = (f" {label} loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+        at = f"iteration {iteration}" + ("" if in_loop else f" on {label} set")
+        line = (f" validation loss at {at} | lm loss value: {loss:.6E} | "
                 f"lm loss PPL: {ppl:.6E} | ")
         print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), flush=True)
         self._write({"kind": "valid" if label == "validation" else "test",

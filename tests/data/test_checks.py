@@ -100,6 +100,19 @@ def test_a_tokenizer_with_another_eod_is_refused(tmp_path):
         check_dataset(prefix, training, eod_flags=lambda eod: f"--vocab-size {eod}")
 
 
+def test_a_training_tokenizer_without_eos_is_named(tmp_path):
+    """Megatron-LM's HuggingFaceTokenizer over a bare tokenizer.json has no eos (EoD None):
+    "pass the tokenizer flags the data was made with" sent a helper, who had, in circles."""
+    prefix = make(tmp_path, "noeos")
+
+    class NoEos:
+        eod, vocab_size = None, 300
+
+    with pytest.raises(DatasetError, match=r"EoD id is None: the training tokenizer has no "
+                                           r"end-of-document \(eos\) token; .*tokenizer_config"):
+        check_dataset(prefix, NoEos())
+
+
 @pytest.mark.parametrize("sidecar", [True, False], ids=["ours", "megatron-tool"])
 def test_ids_outside_the_vocabulary_are_refused(tmp_path, sidecar):
     prefix = make(tmp_path, "vocab", sidecar=sidecar)

@@ -54,3 +54,24 @@ def test_throughput_lines_divide_the_work_since_the_last_line_by_its_time(tmp_pa
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["model_tflops_per_gpu"] for r in records] == pytest.approx(
         [w / s / 1e12 for w, (_, s) in zip(work, steps)])
+
+
+def test_evaluation_lines_say_which_evaluation_as_megatron_lm_does(tmp_path, capsys):
+    """The in-loop evaluation at the last iteration and the final one after training printed
+    the same "validation loss at iteration 20" with two values (a helper's docs walk)."""
+    metrics = tmp_path / "m.jsonl"
+    args = argparse.Namespace(metrics_file=str(metrics), tensorboard_dir=None, log_interval=1,
+                              train_iters=20, global_batch_size=4, seq_length=8,
+                              num_attention_heads=2, kv_channels=4, num_layers=1, world_size=1)
+    reporter = Reporter(args, True)
+    reporter.validation(20, 4.0, "validation", in_loop=True)
+    reporter.validation(20, 4.1, "validation")
+    reporter.validation(20, 4.2, "test")
+    reporter.close()
+    lines = [line for line in capsys.readouterr().out.splitlines() if "loss at" in line]
+    assert [line.split("|")[0].strip() for line in lines] == [
+        "validation loss at iteration 20", "validation loss at iteration 20 on validation set",
+        "validation loss at iteration 20 on test set"]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [(r["kind"], r["lm_loss"]) for r in records] == [("valid", 4.0), ("valid", 4.1),
+                                                            ("test", 4.2)]
