@@ -35,7 +35,12 @@ def version(name):
 
 
 def main(argv=None):
-    cpu = "--cpu" in (sys.argv[1:] if argv is None else argv)
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true",
+                        help="the same report on the CPU (float32, the exact CPU kernel)")
+    cpu = parser.parse_args(argv).cpu
     missing = []
     print(f"Python {platform.python_version()} ({sys.executable})")
     for name in NEEDED + OPTIONAL:

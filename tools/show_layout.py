@@ -5,7 +5,9 @@
         --micro-batch-size 2 [--no-reset-position-ids] [--eod-mask-loss]
 
 Samples come from megatron-core's GPTDataset (BlendedMegatronDatasetBuilder), exactly what
-the trainer will read; the layout is `megatron_eod.build_doc_layout`.
+the trainer will read; the layout is `megatron_eod.build_doc_layout`. Each dataset is first
+checked against the tokenizer flags as the trainer checks it at start-up (a dataset made with
+another tokenizer's EoD id is refused, not shown as rows without documents).
 """
 
 import argparse
@@ -17,8 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron_eod import build_doc_layout  # noqa: E402
+from megatron_eod.data.checks import check_dataset  # noqa: E402
 from megatron_eod.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
-from megatron_eod.megatron.dataset import build_gpt_datasets  # noqa: E402
+from megatron_eod.megatron.dataset import build_gpt_datasets, parse_data_path  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -33,6 +36,8 @@ def main(argv=None) -> int:
     p.add_argument("--eod-mask-loss", action="store_true")
     p.add_argument("--tokenizer-type", default="ByteTokenizer", choices=TOKENIZER_TYPES)
     p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--vocab-file", default=None)
+    p.add_argument("--merge-file", default=None)
     p.add_argument("--vocab-size", type=int, default=None)
     p.add_argument("--data-cache-path", default=None)
     args = p.parse_args(argv)
@@ -41,7 +46,10 @@ def main(argv=None) -> int:
 
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model,
+                                    vocab_file=args.vocab_file, merge_file=args.merge_file,
                                     vocab_size=args.vocab_size)
+        for prefix in parse_data_path(args.data_path)[0]:
+            check_dataset(prefix, tokenizer)
         n = args.sample_index + args.micro_batch_size
         train, _, _ = build_gpt_datasets(
             args.data_path, args.seq_length, tokenizer, num_samples=[n, 0, 0], split="100,0,0",
