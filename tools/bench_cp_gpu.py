@@ -54,7 +54,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench_selection import (mix_rows, parse_configs, parse_mixes, parse_only,  # noqa: E402
-                             wanted)
+                             tokens_label, wanted)
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
@@ -366,7 +366,7 @@ def main(argv=None):
           f"{args.samples} rows per configuration")
     for mix, n, cp, cus in mix_rows(configs, args.samples, args.seed, mixes):
         rows = [bench_row(cu, cp, args, device, dtype, backend) for cu in cus]
-        print(f"\n{mix} {n // 1024}k tokens / CP {cp}")
+        print(f"\n{mix} {tokens_label(n)} tokens / CP {cp}")
         print("| layout | busiest rank ms: fwd / bwd / both | over ideal: fwd / bwd / both "
               "| device-only ms: both (over ideal) | tile floor: fwd / bwd "
               "| useful TFLOP/s per GPU |")

@@ -9,6 +9,11 @@ import numpy as np
 from bench_cp import pack_rows, stdlib_lengths, web_row
 
 
+def tokens_label(n):
+    """A row's size as the tables write it: 32k, 128k; 512 below 1k."""
+    return f"{n // 1024}k" if n >= 1024 else str(n)
+
+
 def parse_configs(p, text):
     """[(tokens, cp)] of a --configs value, each checked (argparse error naming the flag)."""
     configs = [tuple(int(x) for x in c.split(":")) for c in text.split(",")]

@@ -43,7 +43,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from bench_cp_gpu import (layout_backend, our_layouts, random_qkv, timed,  # noqa: E402
                           ulysses_rank_inputs)
 from bench_selection import (mix_rows, parse_configs, parse_mixes, parse_only,  # noqa: E402
-                             wanted)
+                             tokens_label, wanted)
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
@@ -160,7 +160,7 @@ def profile_row(cu, cp, args, device, dtype, backend):
 
 
 def report(mix, n, cp, results, top):
-    print(f"\n{mix} {n // 1024}k tokens / CP {cp}: busiest group, per rank")
+    print(f"\n{mix} {tokens_label(n)} tokens / CP {cp}: busiest group, per rank")
     print("| layout | pass | wall ms | attention ms | glue ms | idle ms | "
           "kernels: attention / glue | peak MiB: allocated / reserved |")
     print("|---|---|---|---|---|---|---|---|")
