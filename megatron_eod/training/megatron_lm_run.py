@@ -43,6 +43,7 @@ from megatron_eod.training.checkpoint_load import (CheckpointError, apply_schedu
                                                    group_lrs, schedule_mismatch,
                                                    schedule_values_to_flags)
 from megatron_eod.training.cp_flags import FlagError, exit_with_error
+from megatron_eod.training.flag_rules import check_global_batch
 from megatron_eod.training.megatron_lm import EodProviders
 from megatron_eod.training.megatron_lm_args import (add_eod_args, check_before_megatron,
                                                     eod_args_from_megatron)
@@ -124,6 +125,10 @@ def _check_after_validate() -> None:
             try:
                 result = _original(args, *rest, **kwargs)
             except AssertionError as error:  # most carry no message: say the rule and flags
+                if getattr(args, "data_parallel_size", None) and \
+                        getattr(args, "global_batch_size", None):
+                    # >= 0.18 asserts it as eval_global_batch_size's, naming no flag given
+                    check_global_batch(args)
                 raise FlagError(megatron_lm_assertion(error)) from None
             eod_args_from_megatron(args)
             if gloo_on_cuda.wanted(args, torch.cuda.is_available()):
