@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
+import os
 
 import torch
 
@@ -179,6 +181,26 @@ def eod_args_from_megatron(args) -> None:
     if args.tokenizer_type not in _fetched_vocabularies(args):
         check_tokenizer_files(args, " (Megatron-LM's default where none is given)"
                               if args.tokenizer_type == "GPT2BPETokenizer" else "")
+    _check_hf_tokenizer(args)
+
+
+def _check_hf_tokenizer(args) -> None:
+    """Megatron-LM's trainer reads --tokenizer-type HuggingFaceTokenizer with transformers'
+    AutoTokenizer: it needs that package and a directory (or a hub name), not the
+    tokenizer.json file the lean trainer reads itself (each was a traceback on every rank)."""
+    model = getattr(args, "tokenizer_model", None)
+    if args.tokenizer_type != "HuggingFaceTokenizer" or not model:
+        return
+    if os.path.isfile(model):
+        raise FlagError(f"--tokenizer-model {model}: Megatron-LM's trainer reads a HuggingFace "
+                        f"tokenizer with transformers' AutoTokenizer, which takes its "
+                        f"directory (with a tokenizer_config.json naming its eos_token), not a "
+                        f"file: pass --tokenizer-model {os.path.dirname(model) or '.'}")
+    if importlib.util.find_spec("transformers") is None:
+        raise FlagError("--tokenizer-type HuggingFaceTokenizer under Megatron-LM's trainer "
+                        "needs the transformers package: pip install transformers (pip "
+                        "install -e .[hf]), or --trainer lean, which reads tokenizer.json "
+                        "itself")
 
 
 def _fetched_vocabularies(args) -> tuple:

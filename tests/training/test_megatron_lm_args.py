@@ -286,6 +286,32 @@ def test_what_needs_cuda_is_refused_at_start_up_on_cpu():
         checked(base=base)
 
 
+def test_a_huggingface_tokenizer_is_what_transformers_reads(tmp_path, monkeypatch):
+    """Megatron-LM's trainer reads HuggingFaceTokenizer with transformers' AutoTokenizer (a
+    docs walk: a tokenizer.json path, or no transformers, was a traceback on every rank)."""
+    import importlib.util
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("{}")
+    hf = ("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model")
+    with pytest.raises(FlagError, match=f"--tokenizer-model {folder}/tokenizer.json: .*takes "
+                                        f"its directory .*: pass --tokenizer-model {folder}$"):
+        checked(*hf, str(folder / "tokenizer.json"))
+    find_spec = importlib.util.find_spec
+
+    def transformers_is(found):
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: found if name ==
+                            "transformers" else find_spec(name, *a))
+
+    transformers_is(None)
+    with pytest.raises(FlagError, match=r"needs the transformers package: pip install "):
+        checked(*hf, str(folder))
+    transformers_is(object())
+    assert checked(*hf, str(folder)).tokenizer_model == str(folder)
+    assert checked(*hf, "meta-llama/Llama-3.1-8B").tokenizer_type == "HuggingFaceTokenizer"
+
+
 def test_decoupled_lr_checkpoints_that_megatron_core_cannot_load_are_refused(tmp_path):
     """megatron-core 0.16.1's regular optimizer cannot load a --decoupled-lr run's own
     checkpoint (its groups differ only in max_lr, which it does not compare; measured: a
