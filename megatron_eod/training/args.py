@@ -209,7 +209,19 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
         for action in parser._actions:
             if action.dest in checkpoint_args.REQUIRED:
                 action.required = False
-    args, unknown = parser.parse_known_args(argv)
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except FlagError:  # a required flag missing: a misspelling of it says more
+        for action in parser._actions:
+            action.required = False
+        try:
+            unknown = parser.parse_known_args(argv)[1]
+        except FlagError:
+            unknown = []
+        if unknown:
+            raise FlagError(explain_unrecognized(unknown, parser._option_string_actions)) \
+                from None
+        raise
     if unknown:
         raise FlagError(explain_unrecognized(unknown, parser._option_string_actions))
     spelled = parser._option_string_actions

@@ -110,6 +110,17 @@ def test_a_flag_of_neither_gets_the_nearest_lean_flag(word, near):
         assert f"did you mean {near}?" in str(raised.value)
 
 
+def test_a_misspelt_required_flag_is_named_as_a_misspelling():
+    """`--num-layer 2` for --num-layers (the README's example) said only "the following
+    arguments are required: --num-layers"; a missing flag alone still says that."""
+    base = [f for f in BASE if f not in ("--num-layers", "2")]
+    with pytest.raises(FlagError, match=r"unrecognized flag --num-layer; did you mean "
+                                        r"--num-layers\?"):
+        parse_args([*base, "--num-layer", "2"], world_size=1, cuda_available=False)
+    with pytest.raises(FlagError, match=r"the following arguments are required: --num-layers"):
+        parse_args(base, world_size=1, cuda_available=False)
+
+
 @pytest.mark.parametrize("flag,instead", [("--checkpoint-activations", "--recompute-activations"),
                                           ("--batch-size", "--micro-batch-size"),
                                           ("--model-parallel-size",
