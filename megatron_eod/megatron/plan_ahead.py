@@ -12,7 +12,10 @@ batches read. Peers key their
 pending batch by the stream number the source sent, so the train and validation streams never
 mix, and an exhausted iterator raises StopIteration on every TP rank at the same call instead
 of hanging the peers in a broadcast. Samples keep their order: the batch read ahead is the
-stream's next one. A stream is forgotten (its read-ahead batch dropped, on every rank) only
+stream's next one. No worker thread is alive while a stream's first read runs: that read may
+be where a data loader forks its worker processes (the lean trainer's loaders, Megatron-LM's
+cyclic ones), and a fork while this thread runs numpy or torch code can leave a lock it held
+locked forever in the children. A stream is forgotten (its read-ahead batch dropped, on every rank) only
 once its iterator no longer exists, so no live stream ever loses a sample. A read ahead that
 raises (a sampler past its dataset's end, a bad batch) fails only if that micro-batch is asked
 for, then on every TP rank: a run that ends exactly where its data ends finishes. A read the
@@ -100,16 +103,23 @@ class PlanAhead:
         return batch, planned
 
     def close(self) -> None:
+        self._quiesce()
+        self._pending.clear()
+
+    def _quiesce(self) -> None:
+        """The worker thread finished and gone (the plans submitted stay readable); the next
+        plan starts another."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        self._pending.clear()
 
     def _read(self, iterator) -> Tuple[List[int], List[Optional[Batch]]]:
         """Source rank: the header and the batches read (None at the end)."""
         forget = next((n for n, ref in self._iterators.items() if ref() is None), -1)
         self._iterators.pop(forget, None)
-        stream = self._stream(iterator)
+        stream, new = self._stream(iterator)
+        if new:
+            self._quiesce()  # its first read may fork a loader's workers
         pending = stream in self._pending
         reads: List[Optional[Batch]] = []
         if not pending:
@@ -121,19 +131,20 @@ class PlanAhead:
         sizes = [header_size(b, self.size) for b in reads] + [0] * (2 - len(reads))
         return [stream, int(pending), forget, len(reads)] + sizes, reads
 
-    def _stream(self, iterator) -> int:
-        """Source rank: the stream number of an iterator; a weak reference where the type
-        allows one, so that a stream whose iterator is gone can be forgotten."""
+    def _stream(self, iterator) -> Tuple[int, bool]:
+        """Source rank: (the stream number of an iterator, whether it is new); a weak
+        reference where the type allows one, so that a stream whose iterator is gone can be
+        forgotten."""
         for number, ref in self._iterators.items():
             if ref() is iterator:
-                return number
+                return number, False
         number = self._streams_seen
         self._streams_seen += 1
         try:
             self._iterators[number] = weakref.ref(iterator)
         except TypeError:  # e.g. a list iterator: kept, and so never forgotten
             self._iterators[number] = lambda: iterator
-        return number
+        return number, True
 
     def _start(self, batch: Optional[Batch]):
         if not _more(batch):

@@ -152,3 +152,25 @@ def test_a_read_the_step_needs_now_fails_on_every_tp_rank():
     source, peer = pair.next(broken())
     assert source == "cannot read the first micro-batch"
     assert "TP rank 0) could not read" in peer
+
+
+def test_no_planning_thread_lives_while_a_new_stream_is_first_read():
+    """A stream's first read may be where its data loader forks its workers (the lean
+    trainer's validation loader at the first evaluation): a fork while the planning thread
+    runs numpy/torch code can leave a lock it held locked in the children. Later reads of a
+    stream keep the thread (no start-up cost per micro-batch)."""
+    seen = []
+
+    def read(iterator):  # whether this PlanAhead's worker thread is alive (other tests' may be)
+        pool = ahead._pool
+        seen.append(pool is not None and any(t.is_alive() for t in pool._threads))
+        return next(iterator, None)
+
+    ahead = PlanAhead(read, lambda header, batches: (header, batches), lambda b: "plan of " + b,
+                      is_source=True)
+    train, valid = Stream("t", 6), Stream("v", 4)
+    for iterator in (train, train, train, valid, valid, train):
+        ahead.next(iterator)
+    ahead.close()
+    # reads: t0 t1 (the stream's first), t2, t3, v0 v1 (first), v2, t4
+    assert seen == [False, False, True, True, False, False, True, True]
