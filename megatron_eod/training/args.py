@@ -43,7 +43,8 @@ from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIAS
 from megatron_eod.training.cp_spellings import NotGiven, resolve_cp_spellings
 from megatron_eod.training.flag_rules import check_positive as _positive
 from megatron_eod.training.flag_rules import (check_backend_device, check_device_precision,
-                                              check_split, check_tokenizer_files)
+                                              check_rank_order, check_split,
+                                              check_tokenizer_files)
 
 __all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "check_context_parallel", "parse_args",
            "validate_args"]
@@ -352,6 +353,7 @@ def _check_device_flags(args, cuda_available: bool) -> None:
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda_available else "gloo"
     check_backend_device(args, cuda_available)
+    check_rank_order(args)
     check_gloo_on_cuda(args, cuda_available)
     _check_deterministic(args, cuda_available)
 

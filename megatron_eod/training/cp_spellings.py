@@ -45,14 +45,16 @@ def resolve_cp_spellings(args) -> None:
     if given is not None and given not in CP_ALGO_ALIASES:
         raise FlagError(f"--context-parallel-algo {given!r} is not supported; choose one of "
                         f"{', '.join(CP_ALGO_ALIASES)}")
-    if cp == 1 and comm[0] == "a2a+p2p" and given in (None, "ring"):
+    if cp == 1 and comm[0] == "a2a+p2p" and CP_ALGO_ALIASES.get(given) in (None, "ring"):
         # A launch script templated for hybrid, run at CP=1 (Megatron-LM takes it with sizes
         # whose product is 1): nothing is exchanged, so it runs as plain CP=1 attention
         # ("ring": what this sets, read again on a second pass).
-        if sizes and (len(sizes) != 2 or sizes[0] * sizes[1] != 1):
-            raise FlagError(f"--hierarchical-context-parallel-sizes "
-                            f"{' '.join(map(str, sizes))}: their product must be "
-                            f"--context-parallel-size 1")
+        shown = f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}"
+        if sizes and len(sizes) != 2:
+            raise FlagError(f"{shown}: hybrid takes two sizes, Ulysses (inner) then Ring "
+                            f"(outer)")
+        if sizes and sizes[0] * sizes[1] != 1:
+            raise FlagError(f"{shown}: their product must be --context-parallel-size 1")
         u = args.ulysses_degree_in_cp
         if u not in (None, 1):
             raise FlagError(f"--ulysses-degree-in-cp {u} needs --context-parallel-size > {u}")

@@ -7,9 +7,9 @@ trainer's args, or Megatron-LM's) and raises `FlagError` naming the flag and the
 `check_global_batch` (--global-batch-size against the micro-batch and DP sizes; needs
 `data_parallel_size`), `check_tokenizer_files` (what each --tokenizer-type reads),
 `check_device_precision` (--bf16 / --fp16 need CUDA), `check_backend_device` (nccl needs
-CUDA), `check_profiler_device` (--profile's CUDA profiler). Under Megatron-LM's trainer each
-of these was a bare `AssertionError`, a ZeroDivisionError or a traceback, some only after the
-model was built (megatron_lm_args.py runs them around its validate_args).
+CUDA), `check_profiler_device` (--profile's CUDA profiler), `check_rank_order`
+(--use-tp-pp-dp-mapping's groups). Under Megatron-LM's trainer each of these was a bare
+`AssertionError`, a ZeroDivisionError or a traceback, some only after the model was built (megatron_lm_args.py runs them around its validate_args).
 
 What it does not do: no defaults (args.py, megatron_lm_args.py set them), no CP rules
 (cp_flags.py).
@@ -22,7 +22,8 @@ from megatron_eod.data.tokenizers import SENTENCEPIECE_TYPES
 from megatron_eod.training.cp_flags import FlagError
 
 __all__ = ["check_backend_device", "check_device_precision", "check_global_batch",
-           "check_positive", "check_profiler_device", "check_split", "check_tokenizer_files"]
+           "check_positive", "check_profiler_device", "check_rank_order", "check_split",
+           "check_tokenizer_files"]
 
 # What each --tokenizer-type reads (Megatron-LM's build_tokenizer asserts these bare).
 TOKENIZER_NEEDS = {"HuggingFaceTokenizer": ("tokenizer_model",),
@@ -64,19 +65,22 @@ def check_positive(args, *dests: str) -> None:
             raise FlagError(f"{_flag(dest)} must be positive, got {value}")
 
 
-def check_global_batch(args) -> None:
+def check_global_batch(args, decrease_helps: bool = True) -> None:
     """--global-batch-size a multiple of --micro-batch-size x the data-parallel size, unless
-    --decrease-batch-size-if-needed (then at least one such unit)."""
+    --decrease-batch-size-if-needed (then at least one such unit). `decrease_helps` False:
+    where that flag does not help (Megatron-LM >= 0.18 asserts the multiple for the
+    evaluation batch, which it derives from --global-batch-size, whatever the flag)."""
     mbs, dp, gbs = args.micro_batch_size, args.data_parallel_size, args.global_batch_size
     unit = mbs * dp
-    if getattr(args, "decrease_batch_size_if_needed", False):
+    if decrease_helps and getattr(args, "decrease_batch_size_if_needed", False):
         if gbs < unit:
             raise FlagError(f"--global-batch-size {gbs} is smaller than --micro-batch-size "
                             f"{mbs} x data-parallel size {dp}")
     elif gbs % unit:
         raise FlagError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size "
-                        f"{mbs} x data-parallel size {dp} (or pass "
-                        f"--decrease-batch-size-if-needed)")
+                        f"{mbs} x data-parallel size {dp}" + (
+                            " (or pass --decrease-batch-size-if-needed)" if decrease_helps
+                            else ""))
 
 
 def check_tokenizer_files(args, default: str = "") -> None:
@@ -104,6 +108,26 @@ def check_backend_device(args, cuda_available: bool, default: str = "") -> None:
     if getattr(args, "distributed_backend", None) == "nccl" and not cuda_available:
         raise FlagError(f"--distributed-backend nccl{default} needs CUDA; pass "
                         f"--distributed-backend gloo on CPU")
+
+
+def check_rank_order(args) -> None:
+    """--use-tp-pp-dp-mapping (rank order tp-cp-ep-pp-dp) with pipeline stages: megatron-core
+    asserts that the expert layers' data-parallel groups, which leave CP out, equal the
+    attention's, i.e. expert tensor x expert model parallel = tensor x context parallel
+    (an AssertionError on every rank when it builds the groups)."""
+    if not getattr(args, "use_tp_pp_dp_mapping", False) or \
+            args.pipeline_model_parallel_size == 1:
+        return
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    ep = getattr(args, "expert_model_parallel_size", None) or 1
+    if etp * ep != tp * cp:
+        raise FlagError(f"--use-tp-pp-dp-mapping with --pipeline-model-parallel-size "
+                        f"{args.pipeline_model_parallel_size}: megatron-core needs expert "
+                        f"tensor x expert model parallel ({etp} x {ep}) = "
+                        f"--tensor-model-parallel-size x --context-parallel-size ({tp} x {cp}) "
+                        f"under this rank order; drop the flag (or use "
+                        f"--context-parallel-size 1)")
 
 
 def check_profiler_device(args, cuda_available: bool) -> None:

@@ -24,6 +24,7 @@ import dataclasses
 import importlib
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -41,7 +42,8 @@ from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIAS
 from megatron_eod.training.cp_spellings import NotGiven, resolve_cp_spellings
 from megatron_eod.training.flag_rules import (check_backend_device, check_device_precision,
                                               check_global_batch, check_profiler_device,
-                                              check_positive, check_split, check_tokenizer_files)
+                                              check_positive, check_rank_order, check_split,
+                                              check_tokenizer_files)
 
 __all__ = ["REFUSED", "SAVE_AT_THE_END", "add_eod_args", "check_before_megatron",
            "eod_args_from_megatron"]
@@ -171,9 +173,11 @@ def eod_args_from_megatron(args) -> None:
     check_gpu_attention(args, torch.cuda.is_available())
     check_device_precision(args, torch.cuda.is_available())
     if not torch.distributed.is_initialized():  # else Megatron-LM keeps the group it finds
-        check_backend_device(args, torch.cuda.is_available(), " (Megatron-LM's default where "
-                                                              "none is given)")
+        given = any(word.split("=", 1)[0] == "--distributed-backend" for word in sys.argv)
+        check_backend_device(args, torch.cuda.is_available(),
+                             "" if given else " (Megatron-LM's default where none is given)")
     check_profiler_device(args, torch.cuda.is_available())
+    check_rank_order(args)
     _check_validation_data(args)
     _check_full_validation(args)
     if getattr(args, "data_parallel_size", None) and args.global_batch_size:  # validated

@@ -125,10 +125,7 @@ def _check_after_validate() -> None:
             try:
                 result = _original(args, *rest, **kwargs)
             except AssertionError as error:  # most carry no message: say the rule and flags
-                if getattr(args, "data_parallel_size", None) and \
-                        getattr(args, "global_batch_size", None):
-                    # >= 0.18 asserts it as eval_global_batch_size's, naming no flag given
-                    check_global_batch(args)
+                _global_batch_as_ours(args, error)
                 raise FlagError(megatron_lm_assertion(error)) from None
             eod_args_from_megatron(args)
             if gloo_on_cuda.wanted(args, torch.cuda.is_available()):
@@ -138,6 +135,17 @@ def _check_after_validate() -> None:
 
         validate_args._eod = True
         module.validate_args = validate_args
+
+
+def _global_batch_as_ours(args, error: AssertionError) -> None:
+    """Megatron-LM >= 0.18 asserts --global-batch-size's multiple as the evaluation batch's
+    (`eval_global_batch_size ... data_parallel_size`, neither a flag given): our line,
+    where that is the assertion (it holds whatever --decrease-batch-size-if-needed says)."""
+    sizes = (getattr(args, name, None) for name in ("micro_batch_size", "data_parallel_size",
+                                                    "global_batch_size"))
+    if "eval_global_batch_size" in str(error) and all(
+            isinstance(size, int) and size > 0 for size in sizes):
+        check_global_batch(args, decrease_helps=False)
 
 
 def _schedule_flags_after_load(training) -> None:

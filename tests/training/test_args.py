@@ -120,6 +120,26 @@ def test_a_hybrid_script_at_cp_1_runs_as_cp_1(sizes):
                                         r"--context-parallel-size > 2"):
         parse("--context-parallel-size", 1, "--cp-comm-type", "a2a+p2p",
               "--ulysses-degree-in-cp", 2)
+    with pytest.raises(FlagError, match=r"--hierarchical-context-parallel-sizes 1: hybrid "
+                                        r"takes two sizes"):
+        parse("--context-parallel-size", 1, "--cp-comm-type", "a2a+p2p",
+              "--hierarchical-context-parallel-sizes", 1)
+    for ring in ("ring", "megatron_cp_algo"):  # either spelling of ring agrees at CP=1
+        assert parse("--context-parallel-size", 1, "--cp-comm-type", "a2a+p2p",
+                     "--context-parallel-algo", ring).context_parallel_algo == "ring"
+
+
+def test_the_tp_pp_dp_rank_order_with_pipeline_stages_and_cp_is_refused():
+    """megatron-core asserts its expert data-parallel groups (CP left out) equal the
+    attention's under this order with PP > 1: a traceback on every rank (a review)."""
+    mapped = ("--use-tp-pp-dp-mapping", "--pipeline-model-parallel-size", 2)
+    assert parse(*mapped, world_size=4).use_tp_pp_dp_mapping
+    with pytest.raises(FlagError, match=r"--use-tp-pp-dp-mapping with "
+                                        r"--pipeline-model-parallel-size 2: megatron-core needs "
+                                        r"expert tensor x expert model parallel \(1 x 1\) = "
+                                        r"--tensor-model-parallel-size x --context-parallel-size "
+                                        r"\(1 x 2\)"):
+        parse(*mapped, "--context-parallel-size", 2, world_size=4)
 
 
 def test_a_save_interval_without_save_saves_nothing_as_in_megatron_lm():

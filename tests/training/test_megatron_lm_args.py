@@ -263,7 +263,7 @@ def test_the_persistent_checkpoint_worker_needs_cuda():
         checked("--async-save", "--use-persistent-ckpt-worker", "--ckpt-format", "torch_dist")
 
 
-def test_what_needs_cuda_is_refused_at_start_up_on_cpu():
+def test_what_needs_cuda_is_refused_at_start_up_on_cpu(monkeypatch):
     """Megatron-LM's example scripts on a CPU (a helper's sweep): --bf16 built the model and
     stopped at the first forward (ValueError in the CPU attention), --fp16 in the grad
     scaler (AssertionError), --profile after --profile-step-start iterations (CUDA's
@@ -284,6 +284,9 @@ def test_what_needs_cuda_is_refused_at_start_up_on_cpu():
                                         r"where none is given\) needs CUDA; pass "
                                         r"--distributed-backend gloo on CPU"):
         checked(base=base)
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--distributed-backend", "nccl"])
+    with pytest.raises(FlagError, match=r"^--distributed-backend nccl needs CUDA"):
+        checked("--distributed-backend", "nccl")  # given: not called Megatron-LM's default
 
 
 def test_a_huggingface_tokenizer_is_what_transformers_reads(tmp_path, monkeypatch):
@@ -310,6 +313,17 @@ def test_a_huggingface_tokenizer_is_what_transformers_reads(tmp_path, monkeypatc
     transformers_is(object())
     assert checked(*hf, str(folder)).tokenizer_model == str(folder)
     assert checked(*hf, "meta-llama/Llama-3.1-8B").tokenizer_type == "HuggingFaceTokenizer"
+
+
+def test_the_tp_pp_dp_rank_order_follows_megatron_cores_rule():
+    """Megatron-LM's *_dp_last CP configs pair the order with an expert tensor size of
+    TP x CP; without one, PP x CP under it stopped in megatron-core's group assertion."""
+    mapped = ("--use-tp-pp-dp-mapping", "--pipeline-model-parallel-size", "2")
+    with pytest.raises(FlagError, match=r"--use-tp-pp-dp-mapping with "
+                                        r"--pipeline-model-parallel-size 2: .*\(1 x 1\)"):
+        checked(*mapped, "--context-parallel-size", "2", world=4)
+    assert checked(*mapped, "--context-parallel-size", "2", "--expert-tensor-parallel-size",
+                   "2", world=4).use_tp_pp_dp_mapping
 
 
 def test_decoupled_lr_checkpoints_that_megatron_core_cannot_load_are_refused(tmp_path):

@@ -192,6 +192,29 @@ def test_flags_the_lean_trainer_refuses_by_name_are_refused_so_here(monkeypatch,
         lean_parse_args(lean, world_size=4)
 
 
+def test_megatron_lm_0_19s_global_batch_assertion_becomes_ours():
+    """>= 0.18 asserts the multiple as eval_global_batch_size's (checked against the 0.19.2
+    wheel by scripts/test_megatron_lm_versions.sh; CI's core_v0.16.1 never asserts it): our
+    line, without --decrease-batch-size-if-needed, which does not help there; other
+    assertions and unusable sizes keep Megatron-LM's own line (a review: a ZeroDivisionError
+    at --micro-batch-size 0, a TypeError without it)."""
+    import argparse
+
+    from megatron_eod.training.megatron_lm_run import _global_batch_as_ours
+
+    theirs = AssertionError("eval_global_batch_size (10) must be divisible by "
+                            "eval_micro_batch_size (2) * data_parallel_size (4)")
+    args = argparse.Namespace(micro_batch_size=2, data_parallel_size=4, global_batch_size=10,
+                              decrease_batch_size_if_needed=True)
+    with pytest.raises(FlagError, match=r"--global-batch-size 10 must be a multiple of "
+                                        r"--micro-batch-size 2 x data-parallel size 4$"):
+        _global_batch_as_ours(args, theirs)
+    _global_batch_as_ours(args, AssertionError("num_attention_heads % tp == 0"))  # not ours
+    for unusable in (0, None):
+        args.micro_batch_size = unusable
+        _global_batch_as_ours(args, theirs)
+
+
 def _fetches_gpt2():
     from megatron_eod.training.megatron_lm_args import _fetched_vocabularies
 
