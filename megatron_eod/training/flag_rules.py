@@ -9,7 +9,8 @@ trainer's args, or Megatron-LM's) and raises `FlagError` naming the flag and the
 `check_device_precision` (--bf16 / --fp16 need CUDA), `check_backend_device` (nccl needs
 CUDA), `check_profiler_device` (--profile's CUDA profiler), `check_rank_order`
 (--use-tp-pp-dp-mapping's groups). Under Megatron-LM's trainer each of these was a bare
-`AssertionError`, a ZeroDivisionError or a traceback, some only after the model was built (megatron_lm_args.py runs them around its validate_args).
+`AssertionError`, a ZeroDivisionError or a traceback, some only after the model was built
+(megatron_lm_args.py runs them around its validate_args).
 
 What it does not do: no defaults (args.py, megatron_lm_args.py set them), no CP rules
 (cp_flags.py).
