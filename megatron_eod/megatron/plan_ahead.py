@@ -18,9 +18,9 @@ cyclic ones), and a fork while this thread runs numpy or torch code can leave a 
 locked forever in the children. A stream is forgotten (its read-ahead batch dropped, on every
 rank) only once its iterator no longer exists, so no live stream ever loses a sample. A read
 ahead that raises (a sampler past its dataset's end, a bad batch) fails only if that
-micro-batch is asked for, then on every TP rank: a run that ends exactly where its data ends finishes. A read the
-step needs now that raises also raises on every TP rank (the peers are told by the header
-instead of waiting in a broadcast that never comes).
+micro-batch is asked for, then on every TP rank: a run that ends exactly where its data ends
+finishes. A read the step needs now that raises also raises on every TP rank (the peers are
+told by the header instead of waiting in a broadcast that never comes).
 
 What it does not do: no planning itself (batch.py), no choice of which stream comes next.
 """
