@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from megatron_eod import plan_context_parallel
 from megatron_eod.plan.kv_batched import MAX_RECEIVED_PER_ROW
 from megatron_eod.plan.kv_schedule import RingStep
-from tests.plan.mixes import examples, plan_inputs
+from tests.plan.mixes import examples, plan_inputs, simulated_max_cp
 
 
 _CODE = 1 << 32  # a (query, key) pair of stream positions as one int64: query * _CODE + key
@@ -50,7 +50,7 @@ def expected_pairs(cu, queries):
 
 
 @settings(max_examples=examples(120))
-@given(plan_inputs(max_log2_tokens=10))
+@given(plan_inputs(max_log2_tokens=10, max_cp=simulated_max_cp()))
 def test_schedules_cover_exactly_the_document_mask(case):
     cu, cp, algo, degree, _ = case
     plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, degree)
@@ -113,7 +113,7 @@ def test_to_device_keeps_pieces_and_moves_schedules():
 
 
 @settings(max_examples=examples(60))
-@given(plan_inputs(max_log2_tokens=10))
+@given(plan_inputs(max_log2_tokens=10, max_cp=simulated_max_cp()))
 def test_batched_exchange_is_the_steps_at_once(case):
     """The batched form (kv_batched.py) of every group: its one call evaluates exactly the
     pairs of all ring steps, each once, reading its keys as the one run of the buffer its

@@ -10,7 +10,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from megatron_eod import plan_context_parallel
-from megatron_eod.plan.kv_schedule import make_call
+from megatron_eod.plan.kv_schedule import local_call, make_call
 from megatron_eod.plan.local_split import split_local_call
 from tests.plan.mixes import examples, plan_inputs
 
@@ -59,11 +59,19 @@ def _check(local, parts):
 @settings(max_examples=examples(50))  # the split itself: test_any_lengths, 200 examples
 @given(plan_inputs(max_log2_tokens=13))
 def test_every_group_local_call_splits_into_its_own_sequences(case):
+    """Every group's local call (built alone: the ring steps are kv_schedule's tests), and
+    the parts the plan attaches to the schedule a rank builds are that split."""
     cu, cp, algo, degree, _ = case
     plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, degree)
-    for schedule in plan.schedules:
-        _check(schedule.local, schedule.local_parts)
-        event("split" if schedule.local_parts is not None else "one sequence: not split")
+    for group in range(plan.ring_size):
+        local = local_call(plan.pieces, group)
+        parts = split_local_call(local)
+        _check(local, parts)
+        event("split" if parts is not None else "one sequence: not split")
+    schedule = plan.schedule(cp - 1)
+    _check(schedule.local, schedule.local_parts)
+    assert torch.equal(schedule.local.cu_seqlens_q, local_call(
+        plan.pieces, plan.group_of(cp - 1)).cu_seqlens_q)
 
 
 @settings(max_examples=examples(200))
