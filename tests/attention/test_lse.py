@@ -29,13 +29,20 @@ def _accumulators(dtype, seed=0):
 
 
 def test_fused_merge_equals_eager():
-    """In float32, the dtype of every accumulator the fused path (CUDA's default) merges
-    into besides the bf16 out below (float64 is the CPU tests' dtype, merged eagerly there;
-    each dtype is a second set of C++ compiles, ~15 s on a CI machine's empty cache)."""
+    """The two merges a GPU run makes, in one process as there: float32 out (the steps
+    executor's accumulators) and bf16 out (the batched ring's), both with a float32 lse.
+    (float64 is the CPU tests' dtype, merged eagerly there; a third dtype would be another
+    set of graphs past dynamo's recompile limit, and ~15 s of C++ compiles on CI.)"""
     # In a child process: torch.compile leaves compile workers and threads in the process
     # that ran it, and later tests fork training ranks from this one (a lock held at fork
     # time deadlocks the children: Megatron-LM's jit_fuser compiles there too).
-    run_ranks(_fused_merge_equals_eager, 1, torch.float32, 1e-6, daemon=False, timeout=240)
+    run_ranks(_fused_merges, 1, daemon=False, timeout=240)
+
+
+def _fused_merges(rank, world):
+    _fused_merge_equals_eager(rank, world, torch.float32, 1e-6)
+    _fused_half_out(rank, world)
+    assert not lse_module._FUSED["failed"]  # both stayed on the compiled path
 
 
 def _fused_merge_equals_eager(rank, world, dtype, tol):
@@ -182,13 +189,9 @@ def test_half_precision_out_merges_in_the_lse_dtype():
     assert error < (in_bf16.double() - exact).abs().max()  # bf16 arithmetic: worse
 
 
-def test_fused_merge_of_half_precision_out_equals_eager():
-    """The batched ring's merge form on GPUs (bf16 out, float32 lse), compiled: the same
-    result as eager, by index and on a run of rows (in a child process, as above)."""
-    run_ranks(_fused_half_out, 1, daemon=False, timeout=240)
-
-
 def _fused_half_out(rank, world):
+    """The batched ring's merge form on GPUs (bf16 out, float32 lse), compiled: the same
+    result as eager, by index and on a run of rows."""
     for span in (False, True):
         for size, start in ((5, 0), (1, 4), (3, 2)):
             out, lse, rows, part, part_lse = _accumulators(torch.float32, seed=size)
