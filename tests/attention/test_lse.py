@@ -29,8 +29,9 @@ def _accumulators(dtype, seed=0):
 
 
 def test_fused_merge_equals_eager():
-    """The two merges a GPU run makes, in one process as there: float32 out (the steps
-    executor's accumulators) and bf16 out (the batched ring's), both with a float32 lse.
+    """The two merges a bf16 GPU run makes, in one process as there: the steps executor's
+    (float32 out and lse, the kernel's bf16 part) and the batched ring's (bf16 out, float32
+    lse).
     (float64 is the CPU tests' dtype, merged eagerly there; a third dtype would be another
     set of graphs past dynamo's recompile limit, and ~15 s of C++ compiles on CI.)"""
     # In a child process: torch.compile leaves compile workers and threads in the process
@@ -40,12 +41,12 @@ def test_fused_merge_equals_eager():
 
 
 def _fused_merges(rank, world):
-    _fused_merge_equals_eager(rank, world, torch.float32, 1e-6)
+    _fused_merge_equals_eager(rank, world, torch.float32, 1e-6, part_dtype=torch.bfloat16)
     _fused_half_out(rank, world)
     assert not lse_module._FUSED["failed"]  # both stayed on the compiled path
 
 
-def _fused_merge_equals_eager(rank, world, dtype, tol):
+def _fused_merge_equals_eager(rank, world, dtype, tol, part_dtype):
     from torch._dynamo.utils import counters
 
     # Both forms: rows by index (gather, merge, scatter in one compiled function) and a run of
@@ -58,7 +59,7 @@ def _fused_merge_equals_eager(rank, world, dtype, tol):
         for i, (size, start) in enumerate(((3, 2), (5, 0), (1, 0), (1, 4), (4, 1), (2, 9))):
             eager = _accumulators(dtype)
             rows = torch.arange(start, start + size) if span else eager[2][:size]
-            parts = (eager[3][:size], eager[4][:size])
+            parts = (eager[3].to(part_dtype)[:size], eager[4][:size])
             if i % 2:
                 parts = tuple(t.clone() for t in parts)
             eager = (eager[0], eager[1], rows) + parts
@@ -86,7 +87,7 @@ def _fused_merge_equals_eager(rank, world, dtype, tol):
         n = int(torch.randint(1, t + 1, (), generator=gen))
         start = int(torch.randint(0, t - n + 1, (), generator=gen))
         out, lse = torch.randn(t, 3, 8, dtype=dtype), torch.randn(t, 3, dtype=dtype)
-        part, part_lse = torch.randn(n, 3, 8, dtype=dtype), torch.randn(n, 3, dtype=dtype)
+        part, part_lse = torch.randn(n, 3, 8, dtype=part_dtype), torch.randn(n, 3, dtype=dtype)
         merge_into(out, lse, None, part, part_lse, span=(start, start + n), fused=True)
         merge_into(out, lse, torch.randperm(t, generator=gen)[:n], part, part_lse, fused=True)
     assert counters["stats"]["unique_graphs"] == compiled, "random shapes recompiled the merge"
