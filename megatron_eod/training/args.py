@@ -5,9 +5,10 @@ One job: parse Megatron's flag spellings (dest names as in Megatron-LM: `--num-l
 `args.disable_bias_linear`), fill the derived fields (`world_size`, `data_parallel_size`,
 `ulysses_degree`, `params_dtype`, batch and LR defaults, ...) and reject every invalid
 combination with a `FlagError` that names the flags. The model flags are args_model.py's,
-the optimizer/schedule/checkpoint ones args_optim.py's. The CP rules (and FlagError) live in
-cp_flags.py, shared with Megatron-LM's args; `--context-parallel-algo` also takes the Ascend
-spellings (`megatron_cp_algo` -> ring, ...) and stores the short name.
+the optimizer/schedule/checkpoint ones args_optim.py's, the device rules args_device.py's.
+The CP rules (and FlagError) live in cp_flags.py, shared with Megatron-LM's args;
+`--context-parallel-algo` also takes the Ascend spellings (`megatron_cp_algo` -> ring, ...)
+and stores the short name.
 
 What it does not do: no file checks (dataset.py and build_tokenizer check that paths exist),
 no process groups, no global args object, no import of optional tokenizer packages.
@@ -23,7 +24,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_eod.attention.backends import has_transformer_engine
 from megatron_eod.data.tokenizers import TOKENIZER_TYPES
 from megatron_eod.megatron.dataset import NO_DATA, PER_SPLIT_SOURCES, data_sources_given
 from megatron_eod.training import args_optim as optim
@@ -36,15 +36,13 @@ from megatron_eod.training.args_pipeline import (add_virtual_pipeline_args,
                                                  check_interleaved_micro_batches,
                                                  check_pipeline_stages, check_virtual_pipeline,
                                                  chunk_layers)
+from megatron_eod.training.args_device import check_device_flags
 from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIASES,
                                             RING_EXCHANGE_HELP, RING_EXCHANGES, FlagError,
-                                            check_context_parallel, check_gloo_on_cuda,
-                                            check_gpu_attention, check_sequence_parallel_rows)
+                                            check_context_parallel, check_sequence_parallel_rows)
 from megatron_eod.training.cp_spellings import NotGiven, resolve_cp_spellings
 from megatron_eod.training.flag_rules import check_positive as _positive
-from megatron_eod.training.flag_rules import (check_backend_device, check_device_precision,
-                                              check_rank_order, check_split,
-                                              check_tokenizer_files)
+from megatron_eod.training.flag_rules import check_split, check_tokenizer_files
 
 __all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "check_context_parallel", "parse_args",
            "validate_args"]
@@ -194,9 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The flags of `pretrain_gpt.py`; usage errors raise FlagError."""
     parser = _Parser(description="GPT pretraining with EoD reset under context parallelism",
                      allow_abbrev=False)
-    for add in (add_model_args, add_virtual_pipeline_args, _add_training_args, optim.add_optimizer_args,
-                optim.add_schedule_args, _add_data_args, _add_logging_args,
-                optim.add_checkpoint_args, _add_parallel_args, add_no_effect_args):
+    for add in (add_model_args, add_virtual_pipeline_args, _add_training_args,
+                optim.add_optimizer_args, optim.add_schedule_args, _add_data_args,
+                _add_logging_args, optim.add_checkpoint_args, _add_parallel_args,
+                add_no_effect_args):
         add(parser)
     return parser
 
@@ -296,7 +295,7 @@ def _check_training(args, cuda_available: bool) -> None:
     optim.check_schedule(args)
     optim.check_optimizer(args)
     _check_recompute(args)
-    _check_device_flags(args, cuda_available)
+    check_device_flags(args, cuda_available)
     _positive(args, "distributed_timeout_minutes")
     _require(args.manual_gc_interval >= 0,
              f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
@@ -332,58 +331,6 @@ def _check_recompute(args) -> None:
              f"must divide the layers of every pipeline stage"
              + (" chunk" if chunks > 1 else "") + f" (some have {uneven[0] if uneven else 0}): "
              f"pass a divisor, or --recompute-method block")
-
-
-def _check_device_flags(args, cuda_available: bool) -> None:
-    _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive; pass one")
-    check_device_precision(args, cuda_available)
-    args.params_dtype = (torch.bfloat16 if args.bf16 else
-                         torch.float16 if args.fp16 else torch.float32)
-    check_gpu_attention(args, cuda_available)
-    _require(not (args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te")
-             or has_transformer_engine(),
-             "--cross-entropy-fusion-impl te needs the transformer_engine package; pass "
-             "--cross-entropy-fusion-impl native or install it")
-    if args.transformer_impl == "transformer_engine":
-        _require(cuda_available, "--transformer-impl transformer_engine needs CUDA; pass "
-                                 "--transformer-impl local on CPU")
-        _require(has_transformer_engine(), "--transformer-impl transformer_engine needs the "
-                                           "transformer_engine package; pass --transformer-impl "
-                                           "local or install it")
-    if args.distributed_backend is None:
-        args.distributed_backend = "nccl" if cuda_available else "gloo"
-    check_backend_device(args, cuda_available)
-    check_rank_order(args)
-    check_gloo_on_cuda(args, cuda_available)
-    _check_deterministic(args, cuda_available)
-
-
-# What torch's cuBLAS calls and Megatron-LM's --deterministic-mode check accept.
-CUBLAS_WORKSPACE_CONFIGS = (":4096:8", ":16:8")
-NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
-
-
-def _check_deterministic(args, cuda_available: bool) -> None:
-    """--deterministic-mode's rules, checked at start-up: Megatron-LM's (no fused cross
-    entropy; NCCL_ALGO pinned), and the CUBLAS_WORKSPACE_CONFIG that torch would otherwise
-    ask for only at the first matmul, after the model and the data were built."""
-    if not args.deterministic_mode:
-        return
-    _require(not args.cross_entropy_loss_fusion,
-             "--deterministic-mode with --cross-entropy-loss-fusion: the fused cross entropy "
-             "is not deterministic (Megatron-LM refuses it too); drop one")
-    if not cuda_available:
-        return
-    cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    _require(cublas in CUBLAS_WORKSPACE_CONFIGS,
-             f"--deterministic-mode on CUDA needs the environment variable "
-             f"CUBLAS_WORKSPACE_CONFIG set to {' or '.join(CUBLAS_WORKSPACE_CONFIGS)} (torch's "
-             f"rule for deterministic cuBLAS), got {cublas!r}")
-    algo = os.environ.get("NCCL_ALGO")
-    _require(args.distributed_backend != "nccl" or algo in NCCL_ALGOS,
-             f"--deterministic-mode with NCCL needs the environment variable NCCL_ALGO set to "
-             f"one of {', '.join(NCCL_ALGOS)} (Megatron-LM's rule: one reduction order), got "
-             f"{algo!r}")
 
 
 def _check_data(args) -> None:

@@ -134,7 +134,7 @@ def test_fusion_switches_turn_their_fusion_off(monkeypatch):
 
 
 def test_grad_reduce_in_bf16_reaches_ddp(monkeypatch):
-    from megatron_eod.training import args as args_module
+    from megatron_eod.training import args_device as args_module
 
     monkeypatch.setattr(args_module, "check_gpu_attention", lambda *a: None)
     monkeypatch.setattr(args_module, "check_gloo_on_cuda", lambda *a: None)
