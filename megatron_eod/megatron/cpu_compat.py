@@ -60,6 +60,12 @@ Scope "megatron-lm" (`apply(megatron_lm=True)`: Megatron-LM's trainer on CPU):
 |                                                  | add fusions with inductor, ~7 s a rank at |
 |                                                  | every launch; the fusion flags are off on |
 |                                                  | CPU, so nothing it compiles is used       |
+| `training.build_pretraining_data_loader`         | each loader's iterator draws its workers' |
+|                                                  | base seed from the default generator,     |
+|                                                  | which on CPU is also the device one: a    |
+|                                                  | resumed run's dropout masks shifted (on a |
+|                                                  | GPU they come from the CUDA generator);   |
+|                                                  | the loaders get a generator of their own  |
 
 What it does not do: nothing at import time, no walking of loaded modules, no patches for
 features the CPU path does not use (TransformerEngine, fused kernels, CUDA graphs, fp16/bf16).
@@ -107,6 +113,19 @@ def _batch_invariant_kernels():
 
 
 _DIST_OPT = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"
+
+
+def _loader_with_own_generator(build):
+    """Megatron-LM's loader builder whose DataLoaders draw their workers' base seed from a
+    generator of their own, not from the default one (the device generator on CPU)."""
+
+    def build_pretraining_data_loader(*args, **kwargs):
+        loader = build(*args, **kwargs)
+        if isinstance(loader, torch.utils.data.DataLoader) and loader.generator is None:
+            loader.generator = torch.Generator().manual_seed(0)
+        return loader
+
+    return build_pretraining_data_loader
 
 
 def _sharded_state_dict_with_state():
@@ -231,6 +250,10 @@ PATCHES: List[Tuple[str, str, Callable[[], object], str]] = [
      "megatron-lm"),
     ("megatron.training.initialize", "_warmup_jit_function",  # 0.19 adds tp_size=
      lambda: (lambda *args, **kwargs: None), "megatron-lm"),
+    ("megatron.training.training", "build_pretraining_data_loader",
+     lambda: _loader_with_own_generator(
+         _originals[("megatron.training.training", "build_pretraining_data_loader")]),
+     "megatron-lm"),
 ]
 
 _originals: Dict[Tuple[str, str], object] = {}

@@ -393,3 +393,20 @@ def test_decoupled_lr_resumes_on_its_own_schedule(short_docs_data, tmp_path):
                         timeout=240, daemon=False)
     assert [code for code, _ in results] == [2] * 4, results
     assert "max/min LR 0.004/0.0001 here, 0.005/0.0001 in the checkpoint" in results[0][1]
+
+
+def test_a_resumed_run_with_dropout_is_the_uninterrupted_run(short_docs_data, tmp_path):
+    """Hidden dropout 0.1, saved at iteration 2 and resumed: the uninterrupted losses, bitwise.
+    (On CPU the device generator is the CPU one, from which each of Megatron-LM's loaders drew
+    its workers' seed when its iterator was made: after the RNG state was restored in a
+    resumed run, shifting every later dropout mask; cpu_compat gives the loaders a generator
+    of their own.)"""
+    dropout = ("--hidden-dropout", "0.1", "--context-parallel-size", "2")
+    whole, _ = train(tmp_path, "whole", short_docs_data, *dropout, drop=("--hidden-dropout",))
+    ckpt = str(tmp_path / "ckpt")
+    first, _ = train(tmp_path, "first", short_docs_data, *dropout, "--exit-interval", "2",
+                     "--save", ckpt, drop=("--hidden-dropout",))
+    rest, _ = train(tmp_path, "rest", short_docs_data, *dropout, "--load", ckpt,
+                    drop=("--hidden-dropout",))
+    assert sorted(first) == [1, 2] and sorted(rest) == [3, 4]
+    assert {**first, **rest} == whole
