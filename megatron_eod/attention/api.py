@@ -1,23 +1,58 @@
 """The entry of stage 3: `context_parallel_attention`, one pipeline for Ring, Ulysses, Hybrid.
 
-One job: check the inputs against the plan, then run this rank's part of the plan:
-optional Ulysses all-to-all (sequence- to head-sharded, ulysses.py) -> the document-aware
-ring schedule executor over the ring group (ring.py; no steps for pure Ulysses, or at CP 1)
--> all-to-all back. The default softmax scale and the kernel backend come from backends.py.
+One job: check the inputs (their kinds, then their shapes against the plan), then run this
+rank's part of the plan: optional Ulysses all-to-all (sequence- to head-sharded, ulysses.py)
+-> the document-aware ring schedule executor over the ring group (ring.py; no steps for pure
+Ulysses, or at CP 1) -> all-to-all back. The default softmax scale and the kernel backend
+come from backends.py.
 
 Shape key: n = local tokens (b*s // cp), H = query heads, G = key/value heads, D = head dim.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+
+import torch
 import torch.distributed as dist
 
 from megatron_eod.attention.backends import default_scale, get_backend, unit_stride_heads
 from megatron_eod.attention.groups import get_hybrid_groups
 from megatron_eod.attention.ring import check_ring_exchange, ring_attention
 from megatron_eod.attention.ulysses import head_to_seq, seq_to_head
+from megatron_eod.plan.cp_plan import CPPlan
 
 __all__ = ["context_parallel_attention"]
+
+
+def _check_arguments(q, k, v, plan, group, causal, softmax_scale, backend):
+    """The arguments' kinds, before any is used (shapes: `_check`)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor [tokens, heads, head_dim], got "
+                             f"{type(t).__name__}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, "
+                         f"{v.device}")
+    if not isinstance(plan, CPPlan):
+        raise ValueError(f"plan must be the CPPlan plan_context_parallel returns, got "
+                         f"{type(plan).__name__}")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"group must be a torch.distributed ProcessGroup (the CP group, e.g. "
+                         f"parallel_state.get_context_parallel_group()), got "
+                         f"{type(group).__name__}")
+    if causal is not True:
+        raise ValueError(f"causal must be True (EoD-reset training is causal), got {causal!r}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(
+            softmax_scale, numbers.Real) or not math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale must be None (1/sqrt(head_dim)) or a finite number, "
+                         f"got {softmax_scale!r}")
+    if backend is not None and not (callable(getattr(backend, "forward", None))
+                                    and callable(getattr(backend, "backward", None))):
+        raise ValueError(f"backend must be None (chosen by device and dtype) or a kernel "
+                         f"backend object with forward/backward (attention/backends.py), got "
+                         f"{backend!r}")
 
 
 def _check(q, k, v, plan, group_size):
@@ -57,8 +92,7 @@ def context_parallel_attention(q, k, v, plan, group=None, causal=True, softmax_s
     beside the call over received keys, so that each fills the other's tail (streams.py),
     and in two parts where the kernel writes into given tensors (plan/local_split.py).
     """
-    if not causal:
-        raise ValueError("causal=False is not supported: EoD-reset training is causal")
+    _check_arguments(q, k, v, plan, group, causal, softmax_scale, backend)
     check_ring_exchange(ring_exchange)
     if plan.cp_size == 1 and group is None:
         rank = 0  # no context parallelism: one local varlen call, no process group needed

@@ -12,6 +12,7 @@ hands them over with `register_hybrid_groups` instead of creating new ones.
 
 from __future__ import annotations
 
+import numbers
 from typing import Dict, Tuple
 
 import torch.distributed as dist
@@ -27,10 +28,15 @@ def _key(cp_group, degree):
 
 def create_hybrid_groups(cp_group, ulysses_degree: int):
     """Collective over the whole world: returns this rank's (ulysses_group, ring_group)."""
+    if not isinstance(cp_group, dist.ProcessGroup):
+        raise ValueError(f"cp_group must be a torch.distributed ProcessGroup (the CP group, "
+                         f"e.g. parallel_state.get_context_parallel_group()), got "
+                         f"{type(cp_group).__name__}")
     ranks = dist.get_process_group_ranks(cp_group)
-    if ulysses_degree < 1 or len(ranks) % ulysses_degree:
+    if isinstance(ulysses_degree, bool) or not isinstance(ulysses_degree, numbers.Integral) \
+            or ulysses_degree < 1 or len(ranks) % ulysses_degree:
         raise ValueError(f"ulysses_degree (--ulysses-degree-in-cp) must divide the CP size "
-                         f"({len(ranks)}), got {ulysses_degree}")
+                         f"({len(ranks)}), got {ulysses_degree!r}")
     key = _key(cp_group, ulysses_degree)
     if key in _CACHE:
         return _CACHE[key]

@@ -98,6 +98,9 @@ def _validate(tokens, eod_token_id, pad_token_id, vocab_size):
     """-> (eod_token_id, pad_token_id) as ints, or ValueError naming the rule."""
     if not isinstance(tokens, torch.Tensor):
         raise ValueError(f"tokens must be a torch.Tensor of shape [b, s], got {type(tokens)}")
+    if tokens.layout != torch.strided or tokens.is_meta or tokens.is_nested:
+        kind = "meta" if tokens.is_meta else "nested" if tokens.is_nested else tokens.layout
+        raise ValueError(f"tokens must be a dense tensor with values, got a {kind} one")
     if tokens.dim() != 2:
         raise ValueError(
             f"tokens must have shape [b, s] (use tokens.unsqueeze(0) for one row), "
@@ -111,8 +114,11 @@ def _validate(tokens, eod_token_id, pad_token_id, vocab_size):
         raise ValueError(
             f"tokens has {tokens.numel()} elements; cu_seqlens is int32, so b*s must be < 2**31"
         )
-    if vocab_size is not None and vocab_size <= 0:
-        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    if vocab_size is not None:
+        if isinstance(vocab_size, bool) or not hasattr(vocab_size, "__index__") or \
+                operator.index(vocab_size) <= 0:
+            raise ValueError(f"vocab_size must be None or a positive int, got {vocab_size!r}")
+        vocab_size = operator.index(vocab_size)
     eod_token_id = _token_id("eod_token_id", eod_token_id, vocab_size)
     if eod_token_id is None:
         raise ValueError("eod_token_id is required (the tokenizer's EoD id)")
@@ -199,6 +205,9 @@ def dense_attention_mask(layout: DocLayout) -> torch.Tensor:
 
     O(b*s*s) memory: for tests and small inspections only, never for training.
     """
+    if not isinstance(layout, DocLayout):
+        raise ValueError(f"layout must be the DocLayout build_doc_layout returns, got "
+                         f"{type(layout).__name__}")
     doc_BS = layout.document_ids()
     s = layout.seq_length
     same_doc_BSS = doc_BS[:, :, None] == doc_BS[:, None, :]

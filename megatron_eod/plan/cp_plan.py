@@ -118,9 +118,15 @@ class CPPlan:
     def to(self, device) -> "CPPlan":
         """The plan whose schedules live on `device` (call once per micro-batch): schedules
         built already (e.g. ahead, on a worker thread) are moved, later ones built there."""
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must name a torch device ('cuda', 'cuda:1', 'cpu'), got "
+                             f"{device!r}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device}: CUDA is not available here")
         moved = CPPlan(self.algo, self.cp_size, self.ulysses_degree, self.num_tokens,
-                       self.cu_seqlens, self.pieces, self.placement, torch.device(device),
-                       self._split)
+                       self.cu_seqlens, self.pieces, self.placement, device, self._split)
         for key, value in self._cache.items():
             moved._cache[key] = value.to(device) if key[0] == "schedule" else value
         return moved
@@ -192,6 +198,10 @@ def ulysses_degree_for(algo: str, cp_size: int, ulysses_degree: Optional[int] = 
     if algo not in ALGORITHMS:
         raise ValueError(f"algo (--context-parallel-algo) must be one of {ALGORITHMS}, got "
                          f"{algo!r}")
+    if ulysses_degree is not None and (isinstance(ulysses_degree, bool) or not isinstance(
+            ulysses_degree, (int, np.integer))):
+        raise ValueError(f"ulysses_degree (--ulysses-degree-in-cp) must be None or an int, "
+                         f"got {ulysses_degree!r}")
     if algo == "ring":
         if ulysses_degree not in (None, 1):
             raise ValueError(f"ulysses_degree (--ulysses-degree-in-cp) must be None or 1 for "
@@ -214,12 +224,19 @@ def ulysses_degree_for(algo: str, cp_size: int, ulysses_degree: Optional[int] = 
 def _validate_cu_seqlens(cu_seqlens) -> np.ndarray:
     """-> int64 numpy offsets, or ValueError naming the rule that is broken."""
     if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.layout != torch.strided or cu_seqlens.is_meta or cu_seqlens.is_nested:
+            raise ValueError(f"cu_seqlens must be a dense tensor with values, got a "
+                             f"{'meta' if cu_seqlens.is_meta else cu_seqlens.layout} one")
         if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or \
                 cu_seqlens.dtype == torch.bool:
             raise ValueError(f"cu_seqlens must hold integers, got dtype {cu_seqlens.dtype}")
         cu = cu_seqlens.detach().to("cpu", torch.int64).numpy()
     else:
-        cu = np.asarray(cu_seqlens)
+        try:
+            cu = np.asarray(cu_seqlens)
+        except (ValueError, TypeError):  # ragged nesting
+            raise ValueError(f"cu_seqlens must be a 1-D sequence of integer offsets, got "
+                             f"{cu_seqlens!r:.80}") from None
         if cu.size == 0:
             cu = cu.astype(np.int64)  # an empty list: the offsets rule below names the error
         elif cu.dtype == object or not np.issubdtype(cu.dtype, np.integer):

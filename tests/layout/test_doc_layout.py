@@ -143,6 +143,18 @@ def test_million_token_row_needs_no_dense_mask():
      "eod_token_id 256 does not fit tokens' dtype torch.uint8"),  # it read byte 0 as EoD
     (lambda: build_doc_layout(torch.tensor([[1, 0, 2]], dtype=torch.int16), 5,
                               pad_token_id=40000), "pad_token_id 40000 does not fit"),
+    # A helper's sweep of the public API: these failed inside torch or Python's operators.
+    (lambda: build_doc_layout(torch.tensor([[1, 9]]), 9, vocab_size="100"),
+     "vocab_size must be None or a positive int, got '100'"),
+    (lambda: build_doc_layout(torch.tensor([[1, 9]]), 9, vocab_size=100.5), "positive int"),
+    (lambda: build_doc_layout(torch.tensor([[1, 9]]), 9, vocab_size=0), "positive int"),
+    (lambda: build_doc_layout(torch.tensor([[1, 9]], device="meta"), 9),
+     "tokens must be a dense tensor with values, got a meta one"),
+    (lambda: build_doc_layout(torch.nested.nested_tensor(
+        [torch.tensor([1, 9]), torch.tensor([3])], layout=torch.jagged), 9),
+     "got a nested one"),
+    (lambda: dense_attention_mask(torch.tensor([[1, 9]])),
+     "layout must be the DocLayout build_doc_layout returns, got Tensor"),
 ])
 def test_bad_inputs_raise_clear_errors(call, message):
     with pytest.raises(ValueError, match=message):

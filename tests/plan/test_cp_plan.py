@@ -60,12 +60,37 @@ def test_ulysses_degree_rule(algo, cp, given, degree):
     (dict(cu_seqlens=np.array([0, 4, 8], dtype=np.float16), cp_size=2), "must hold integers"),
     (dict(cu_seqlens=["0", "8"], cp_size=2), "must hold integers"),
     (dict(cu_seqlens=[[0, 4], [4, 8]], cp_size=2), "must be 1-D"),
+    # A helper's sweep of the public API: these failed inside numpy or torch.
+    (dict(cu_seqlens=[[0, 4], [8]], cp_size=2), "must be a 1-D sequence of integer offsets"),
+    (dict(cu_seqlens=torch.tensor([0, 4, 8], device="meta"), cp_size=2),
+     "must be a dense tensor with values, got a meta one"),
+    (dict(cu_seqlens=torch.tensor([0, 4, 8]).to_sparse(), cp_size=2),
+     "must be a dense tensor with values, got a torch.sparse_coo one"),
+    # The same degree rule for every algorithm (ring took 1.0 and True, hybrid refused 2.0).
+    (dict(cu_seqlens=[0, 8], cp_size=4, algo="ring", ulysses_degree=1.0),
+     r"ulysses_degree .* must be None or an int, got 1.0"),
+    (dict(cu_seqlens=[0, 8], cp_size=4, algo="ring", ulysses_degree=True), "None or an int"),
+    (dict(cu_seqlens=[0, 8], cp_size=4, algo="ulysses", ulysses_degree=4.0), "None or an int"),
     (dict(cu_seqlens=[0, 2**31 + 2], cp_size=2), r"must be below 2\*\*31: the varlen kernels "
                                                  r"take int32 cu_seqlens"),
 ])
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         plan_context_parallel(**kwargs)
+
+
+@pytest.mark.parametrize("device,message", [
+    ("nonsense", "device must name a torch device .* got 'nonsense'"),
+    (None, "got None"),
+    (torch.float16, "got torch.float16"),
+    pytest.param("cuda", "device cuda: CUDA is not available here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
+])
+def test_bad_devices_are_named_when_the_plan_moves(device, message):
+    """(It moved to 'cuda' without one and failed at the first schedule; the others failed
+    inside torch.device.)"""
+    with pytest.raises(ValueError, match=message):
+        plan_context_parallel([0, 8], 2).to(device)
 
 
 @pytest.mark.parametrize("rank", [2, -1, 1.0, True, "0"])
