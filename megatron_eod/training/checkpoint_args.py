@@ -9,10 +9,11 @@ line says so), the tokenizer's type and model unless --no-use-tokenizer-model-fr
 the TP/PP sizes (and the virtual pipeline stages, where the script sets none) with
 --use-mp-args-from-checkpoint-args. Beyond Megatron-LM 0.16.1's list it
 also takes --qk-layernorm, --apply-layernorm-1p and --norm-epsilon, which the resume check
-(checkpoint_load.py) compares: Megatron-LM then fails its load on missing keys. The dropouts
-stay the launch script's (Megatron-LM takes them too): they do not shape the weights, a
-finetune often changes them, and attention dropout must be 0 here whatever a checkpoint
-trained with.
+(checkpoint_load.py) compares: Megatron-LM then fails its load on missing keys. Hidden
+dropout is the checkpoint's, as Megatron-LM takes it (so one launch script trains one run
+under either trainer; a stock checkpoint at 0.1 under a script saying 0 was 4.8e-3 apart
+after 6 iterations). Attention dropout stays the launch script's, as under Megatron-LM's
+trainer here: it must be 0 (the varlen kernels apply none) whatever a checkpoint trained with.
 
 What it does not do: no collective (every rank reads the same small file: `common.pt`, or
 a `--ckpt-format torch` file memory-mapped), no weights; loading them is checkpoint_load.py's.
@@ -43,6 +44,8 @@ _ARCHITECTURE = ("num_query_groups", "group_query_attention", "position_embeddin
                  "squared_relu", "swiglu", "untie_embeddings_and_output_weights",
                  "normalization", "qk_layernorm", "layernorm_zero_centered_gamma",
                  "layernorm_epsilon")
+# Always the checkpoint's too (Megatron-LM also forces attention_dropout: see the module).
+_DROPOUT = ("hidden_dropout",)
 _TOKENIZER = ("tokenizer_type", "tokenizer_model")
 _PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 # Taken with the TP/PP sizes where the script gives neither (they are exclusive).
@@ -128,7 +131,7 @@ def apply_checkpoint_args(args: argparse.Namespace, given: Dict[str, object],
     args.checkpoint_args_from = [where for where, _ in found]
     choices = {a.dest: tuple(a.choices) for a in parser._actions if a.choices}
     defaults = {a.dest: a.default for a in parser._actions}
-    dests = list(_SIZES) + list(_ARCHITECTURE)
+    dests = list(_SIZES) + list(_ARCHITECTURE) + list(_DROPOUT)
     if args.use_tokenizer_model_from_checkpoint_args:
         dests += _TOKENIZER
     if args.use_mp_args_from_checkpoint_args:

@@ -75,6 +75,15 @@ def test_sizes_the_script_gives_are_kept_and_switches_are_the_checkpoints(saved)
     assert args.hidden_size == 64 and args.num_layers == 2
 
 
+def test_hidden_dropout_is_the_checkpoints_as_megatron_lm_takes_it(saved):
+    """(A stock Megatron-LM checkpoint at 0.1 under a script saying 0: Megatron-LM's trainer
+    took 0.1, the lean one kept 0 without a word, 4.8e-3 apart six iterations later.)"""
+    save, _ = saved
+    args = _parse("--use-checkpoint-args", "--load", save, "--hidden-dropout", "0.3")
+    assert args.hidden_dropout == 0.0  # the saved run's
+    assert "--hidden-dropout=0.0 (not 0.3, as the flags said)" in checkpoint_args_notice(args)
+
+
 def test_tokenizer_and_parallel_sizes(saved):
     save, _ = saved
     base = ("--use-checkpoint-args", "--load", save, "--tensor-model-parallel-size", "2")

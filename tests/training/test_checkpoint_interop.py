@@ -97,8 +97,8 @@ def test_use_checkpoint_args_keeps_the_flags_attention_dropout(baseline, megatro
     """A checkpoint trained without EoD attention has Megatron-LM's attention dropout, 0.1;
     --use-checkpoint-args makes it Megatron-LM's value whatever the flags say, and EoD
     attention has none: --attention-dropout 0 is kept over it (Megatron-LM's trainer refused
-    the run, asking for the --attention-dropout 0 it had been given; the lean trainer never
-    takes the dropouts from a checkpoint)."""
+    the run, asking for the --attention-dropout 0 it had been given; the lean trainer keeps
+    the flags' attention dropout too)."""
     reference, _ = baseline
     ckpt = tmp_path / "ckpt"
     shutil.copytree(megatron_lm_ckpt, ckpt)
