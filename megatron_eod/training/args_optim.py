@@ -314,9 +314,6 @@ def rampup_as_step_schedule(start: int, increment: int, samples: int,
 
 
 def check_checkpoint(args) -> None:
-    _require(args.ckpt_format == "torch_dist" or not args.use_distributed_optimizer,
-             "--ckpt-format torch with --use-distributed-optimizer: its per-DP-rank state is "
-             "written only in torch_dist here; pass --ckpt-format torch_dist")
     _require(not (args.finetune and args.load is None and args.pretrained_checkpoint is None),
              "--finetune needs --load DIR or --pretrained-checkpoint DIR")
     _require(not args.exit_on_missing_checkpoint or args.load is not None

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.training.args_pipeline import pipeline_split
-from megatron_eod.training.checkpointing import (TRACKER, _content_metadata, _iter_dir,
-                                                 _legacy_file, _ps, _read_tracker,
+from megatron_eod.training.checkpointing import (DISTRIB_OPTIM_FILE, TRACKER, _content_metadata,
+                                                 _iter_dir, _legacy_file, _ps, _read_tracker,
                                                  _set_rng_state, _state, _unwrap, model_keys)
 
 __all__ = ["CheckpointError", "apply_schedule_choice", "group_lrs", "load_checkpoint",
@@ -342,12 +342,21 @@ def _load_torch(args, root, folder, finetune, chunks, optimizer, scheduler):
                               f"--account-for-embedding/loss-in-pipeline-split); save with "
                               f"--ckpt-format torch_dist to reshard")
     load_optim = not finetune and not args.no_load_optim and "optimizer" in state
-    if load_optim and args.use_distributed_optimizer:
-        raise CheckpointError(f"--load {root}: a --ckpt-format torch checkpoint has no distributed "
-                              f"optimizer state here; pass --no-load-optim")
+    param_state = os.path.join(os.path.dirname(path), DISTRIB_OPTIM_FILE)
+    if load_optim:  # the distributed optimizer's shards: DP rank 0's file beside this one
+        saved_distributed = os.path.isfile(param_state) or bool(
+            getattr(saved, "use_distributed_optimizer", False))
+        _check_optimizer_state(args, DISTRIB_OPTIM_FILE if saved_distributed else None, True,
+                               root)
+        if args.use_distributed_optimizer and not os.path.isfile(param_state):
+            raise CheckpointError(f"--load {root}: {param_state} is missing (the distributed "
+                                  f"optimizer's state of a --ckpt-format torch checkpoint); "
+                                  f"pass --no-load-optim to start the optimizer state fresh")
     _load_chunks(chunks, state, path)
     load_rng = not finetune and not args.no_load_rng and "rng_state" in state
     _finish(args, state, load_optim, load_rng, optimizer, scheduler)
+    if load_optim and args.use_distributed_optimizer:  # collective over the DP x CP group
+        optimizer.load_parameter_state(param_state, update_legacy_format=False)
     return state, saved
 
 
@@ -383,6 +392,8 @@ def load_checkpoint(args, chunks, optimizer, scheduler):
         return 0, {}
     counters = {"consumed_train_samples": getattr(saved, "consumed_train_samples", 0),
                 "consumed_valid_samples": getattr(saved, "consumed_valid_samples", 0),
+                "num_floating_point_operations_so_far": loaded.get(
+                    "num_floating_point_operations_so_far", 0),
                 **loaded.get("eod_counters", {})}
     if dist.get_rank() == 0:
         print(f" loaded checkpoint from {root} at iteration {loaded['iteration']}", flush=True)

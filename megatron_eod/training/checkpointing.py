@@ -16,13 +16,16 @@ The state: `args` (with consumed_train/valid_samples, as Megatron-LM reads them)
 `model1`, ... one per virtual pipeline stage, as Megatron-LM), `optimizer`
 (megatron-core optimizer's sharded state; the distributed optimizer's "dp_reshardable", or
 "fully_reshardable" with --dist-ckpt-optim-fully-reshardable), `opt_param_scheduler`,
-`rng_state` (per TP/PP rank, replicated over DP x CP) and `num_floating_point_operations_so_far`.
+`rng_state` (per TP/PP rank, replicated over DP x CP) and `num_floating_point_operations_so_far`
+(the loaded checkpoint's, plus model_stats.model_flops of each iteration since).
+With the distributed optimizer, the torch format has its DISTRIB_OPTIM_FILE beside each
+mp_rank file.
 The format on --load is detected. RNG state is skipped when TP/PP changed (as Megatron-LM).
 A save killed midway leaves the tracker on the previous checkpoint; its partial folder is
 removed by the next save; `--save-keep-last N` keeps the newest N.
 
 What it does not do: no async or local (non-persistent) checkpoints, no torch_dcp/fsdp_dtensor,
-no distributed optimizer in the legacy torch format (flag error: use torch_dist).
+no layer-wise (dist_*) optimizers.
 """
 
 from __future__ import annotations
@@ -38,10 +41,14 @@ import torch.distributed as dist
 
 from megatron_eod.megatron.imports import import_megatron
 
-__all__ = ["model_keys", "save_checkpoint", "TRACKER"]
+__all__ = ["DISTRIB_OPTIM_FILE", "model_keys", "needs_gloo_dp_groups", "save_checkpoint",
+           "TRACKER"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _LEGACY_FILE = "model_optim_rng.pt"
+# The distributed optimizer's state in a --ckpt-format torch checkpoint: one file per (TP, PP)
+# rank beside _LEGACY_FILE, gathered to and written by DP x CP rank 0 (Megatron-LM's name).
+DISTRIB_OPTIM_FILE = "distrib_optim.pt"
 
 
 def _ps():
@@ -117,6 +124,7 @@ def _saved_args(args, counters):
     saved.consumed_valid_samples = counters["consumed_valid_samples"]
     saved.skipped_train_samples = 0
     saved.add_position_embedding = True  # Megatron-LM compares it, default True
+    saved.calculate_per_token_loss = True  # how the lean trainer always trains
     return saved
 
 
@@ -132,7 +140,8 @@ def _state(args, iteration, chunks, optimizer, scheduler, counters, metadata, rn
     with `loading`) of the model chunks (one per virtual pipeline stage)."""
     sharded = loading or args.ckpt_format == "torch_dist"
     state = {"args": _saved_args(args, counters), "checkpoint_version": 3.0,
-             "iteration": iteration, "num_floating_point_operations_so_far": 0,
+             "iteration": iteration, "num_floating_point_operations_so_far":
+                 counters.get("num_floating_point_operations_so_far", 0),
              "eod_counters": {"skipped": counters["skipped"], "nan": counters["nan"]}}
     for key, chunk in zip(model_keys(chunks), chunks):
         core = _unwrap(chunk)
@@ -161,6 +170,32 @@ def _read_tracker(root):
         return int(text)
     except ValueError:
         raise ValueError(f"--load {root}: {path} holds {text!r}, not an iteration") from None
+
+
+def _torch_format_under(root) -> bool:
+    """Whether the latest checkpoint under `root` is a --ckpt-format torch one."""
+    try:
+        iteration = _read_tracker(root)
+    except ValueError:
+        return False  # the load names the damaged tracker
+    if iteration is None:
+        return False
+    folder = os.path.join(root, "release") if iteration == "release" else _iter_dir(root,
+                                                                                   iteration)
+    return os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, "metadata.json")) \
+        and any(name.startswith("mp_rank_") for name in os.listdir(folder))
+
+
+def needs_gloo_dp_groups(args) -> bool:
+    """Whether this run saves or loads the distributed optimizer's DISTRIB_OPTIM_FILE, which
+    megatron-core gathers and scatters over gloo data-parallel groups (Megatron-LM makes them
+    always; the lean trainer only then). The same answer on every rank (a shared --load)."""
+    if not args.use_distributed_optimizer:
+        return False
+    if args.ckpt_format == "torch" and args.save and not args.no_save_optim:
+        return True
+    return bool(args.load) and not args.no_load_optim and not args.finetune and \
+        _torch_format_under(args.load)
 
 
 def _clear_partial(root, iteration) -> None:
@@ -208,11 +243,15 @@ def save_checkpoint(args, iteration, chunks, optimizer, scheduler, counters):
             dcp.serialization.get_default_save_sharded_strategy("torch_dist"),
             ps.get_data_parallel_group(with_context_parallel=True))
         dcp.save(state, folder, strategy, content_metadata=metadata)
-    elif ps.get_data_parallel_rank(with_context_parallel=True) == 0:
+    else:
         path = _legacy_file(_iter_dir(root, iteration))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(state, path + ".tmp")
+            os.replace(path + ".tmp", path)
+        if args.use_distributed_optimizer and not args.no_save_optim:  # collective (DP x CP)
+            optimizer.save_parameter_state(os.path.join(os.path.dirname(path),
+                                                        DISTRIB_OPTIM_FILE))
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(root, TRACKER + ".tmp"), "w") as f:

@@ -29,6 +29,7 @@ from megatron_eod.megatron import cpu_compat, gloo_on_cuda
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.training import eod_wiring as wiring
 from megatron_eod.training.args_optim import ramp_as_step_schedule
+from megatron_eod.training.checkpointing import needs_gloo_dp_groups
 from megatron_eod.training.parent_watch import exit_with_parent, launched_by_torchrun
 
 __all__ = ["initialize", "shutdown"]
@@ -60,6 +61,7 @@ def initialize(args):
         raise ValueError(f"the process group has {dist.get_world_size()} ranks but the flags "
                          f"were validated for WORLD_SIZE {args.world_size}")
     ps = import_megatron("megatron.core.parallel_state")
+    args.gloo_dp_groups = needs_gloo_dp_groups(args)
     cp, u = args.context_parallel_size, args.ulysses_degree
     hybrid = args.context_parallel_algo == "hybrid" and cp > 1
     ps.initialize_model_parallel(
@@ -68,7 +70,7 @@ def initialize(args):
         context_parallel_size=cp,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         hierarchical_context_parallel_sizes=[u, cp // u] if hybrid else None,
-        create_gloo_process_groups=False,
+        create_gloo_process_groups=args.gloo_dp_groups,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         order="tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp")
     wiring.hybrid_groups(args)

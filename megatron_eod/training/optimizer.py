@@ -73,5 +73,5 @@ def build_optimizer(chunks, args):
     config = optimizer_config(args)
     optimizer = opt.get_megatron_optimizer(
         config, list(chunks), config_overrides=opt.get_standard_config_overrides(config),
-        use_gloo_process_groups=False)
+        use_gloo_process_groups=getattr(args, "gloo_dp_groups", False))
     return optimizer, build_scheduler(optimizer, args)

@@ -46,7 +46,7 @@ from megatron_eod.training.checkpointing import save_checkpoint
 from megatron_eod.training.data import MicroBatches, build_datasets, build_tokenizer_from_args
 from megatron_eod.training.initialize import initialize, shutdown
 from megatron_eod.training.model import build_model
-from megatron_eod.training.model_stats import params_norm
+from megatron_eod.training.model_stats import model_flops, params_norm
 from megatron_eod.training.optimizer import build_optimizer
 from megatron_eod.training.reporting import Reporter
 from megatron_eod.training.run_controls import RunControls
@@ -144,7 +144,9 @@ class _Trainer:
                              os.path.realpath(a.load) == os.path.realpath(a.save) else None)
         self.last_saved = None
         self.counters = {"consumed_train_samples": 0, "consumed_valid_samples": 0,
-                         "skipped": 0, "nan": 0, **counters}
+                         "skipped": 0, "nan": 0, "num_floating_point_operations_so_far": 0,
+                         **counters}
+        self.vocab_size = a.padded_vocab_size = vocab  # saved with the args, as Megatron-LM
         # Collective (megatron-core's builder has barriers); None where no data is read.
         train, valid, test = build_datasets(a, tokenizer)
         self.train_iter = self._micro_batches(train, self.counters["consumed_train_samples"],
@@ -346,6 +348,8 @@ class _Trainer:
             self.iteration += 1
             self.controls.after_step(self.iteration)
             counters["consumed_train_samples"] += samples
+            counters["num_floating_point_operations_so_far"] += model_flops(
+                a, self.vocab_size, samples * a.seq_length, pairs)  # saved, as Megatron-LM
             if (self.ps.is_pipeline_last_stage() and not math.isfinite(loss)) or \
                     not _finite(grad_norm):
                 counters["nan"] += 1  # with --no-check-for-nan-in-loss-and-grad

@@ -38,8 +38,6 @@ BAD = [
     (["--ddp-num-buckets", 0], 1, False, r"--ddp-num-buckets must be positive"),
     (["--overlap-param-gather"], 1, False,
      r"--overlap-param-gather needs --use-distributed-optimizer"),
-    (["--ckpt-format", "torch", "--use-distributed-optimizer"], 1, False,
-     r"--ckpt-format torch with --use-distributed-optimizer: .* pass --ckpt-format torch_dist"),
     (["--finetune"], 1, False, r"--finetune needs --load DIR or --pretrained-checkpoint DIR"),
     (["--transformer-impl", "transformer_engine"], 1, False,
      r"--transformer-impl transformer_engine needs CUDA; pass --transformer-impl local"),

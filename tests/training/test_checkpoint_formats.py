@@ -5,7 +5,8 @@ legacy torch on request) and reshard on --load:
   TP=1 x CP=4: iterations 5..10 continue the CP=1 losses (1e-5);
 - the distributed optimizer's default "dp_reshardable" state refuses a TP change, naming the
   flag that saves it reshardable;
-- --ckpt-format torch writes Megatron-LM's mp_rank_XX files and resumes bit-identically;
+- --ckpt-format torch writes Megatron-LM's mp_rank_XX files and resumes bit-identically, with
+  the distributed optimizer's distrib_optim.pt beside them;
 - --finetune loads the weights only (iteration 0, fresh optimizer and data position);
 - a checkpoint of another model is refused by flag name, not by a shape error: exit 2 and
   one line on every rank, no traceback.
@@ -14,6 +15,7 @@ legacy torch on request) and reshard on --load:
 import os
 
 import pytest
+import torch
 
 from tests.functional.test_cpu_training import assert_same, cp1, train  # noqa: F401
 from tests.functional.tiny_gpt import tiny_flags
@@ -66,6 +68,34 @@ def test_legacy_torch_format_resumes_bit_identically(short_docs_data, tmp_path):
     rest = train(2, short_docs_data, "--context-parallel-size", "2", "--load", save)
     full = train(2, short_docs_data, "--context-parallel-size", "2")
     assert first + rest == full
+
+
+def test_legacy_torch_format_with_the_distributed_optimizer(cp1, short_docs_data,  # noqa: F811
+                                                            tmp_path):
+    """Megatron-LM's layout: the optimizer's shards gathered into distrib_optim.pt beside
+    mp_rank_00's file (the lean trainer refused --ckpt-format torch with the distributed
+    optimizer, so it could not resume such a checkpoint of Megatron-LM's at all); it loads
+    at another DP x CP split, and a run without the distributed optimizer is told so."""
+    save = str(tmp_path / "ckpt")
+    first = train(2, short_docs_data, "--context-parallel-size", "2", *DISTOPT, "--ckpt-format",
+                  "torch", "--save", save, "--exit-interval", "4")
+    assert sorted(os.listdir(os.path.join(save, "iter_0000004", "mp_rank_00"))) == [
+        "distrib_optim.pt", "model_optim_rng.pt"]
+    rest = train(2, short_docs_data, *DISTOPT, "--load", save, "--save", save,  # DP=2 x CP=1
+                 "--ckpt-format", "torch")
+    assert len(first) == 4 and len(rest) == 6
+    assert_same(first + rest, cp1)
+    # What Megatron-LM reads back: the FLOPs so far carried over the resume (they were
+    # saved as 0), the loss per token and the padded vocabulary.
+    flops = []
+    for iteration in (4, 10):
+        state = torch.load(os.path.join(save, f"iter_{iteration:07d}", "mp_rank_00",
+                                        "model_optim_rng.pt"), weights_only=False)
+        flops.append(state["num_floating_point_operations_so_far"])
+        assert state["args"].calculate_per_token_loss and state["args"].padded_vocab_size == 384
+    assert 0 < flops[0] < flops[1]
+    assert "holds the distributed optimizer's state (distrib_optim.pt): add " \
+        "--use-distributed-optimizer" in refused(2, short_docs_data, "--load", save)
 
 
 def test_finetune_loads_weights_only(cp1, short_docs_data, tmp_path):  # noqa: F811
