@@ -12,7 +12,6 @@ Shape key: n = local tokens (b*s // cp), H = query heads, G = key/value heads, D
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 import torch.distributed as dist
@@ -42,12 +41,17 @@ def _check_arguments(q, k, v, plan, group, causal, softmax_scale, backend):
         raise ValueError(f"group must be a torch.distributed ProcessGroup (the CP group, e.g. "
                          f"parallel_state.get_context_parallel_group()), got "
                          f"{type(group).__name__}")
-    if causal is not True:
+    if not causal:
         raise ValueError(f"causal must be True (EoD-reset training is causal), got {causal!r}")
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(
-            softmax_scale, numbers.Real) or not math.isfinite(softmax_scale)):
-        raise ValueError(f"softmax_scale must be None (1/sqrt(head_dim)) or a finite number, "
-                         f"got {softmax_scale!r}")
+    if softmax_scale is not None:
+        try:  # any real number: a float, numpy's, a 0-d tensor, a Decimal
+            finite = not isinstance(softmax_scale, (bool, str, bytes)) and \
+                math.isfinite(float(softmax_scale))
+        except (TypeError, ValueError, RuntimeError):
+            finite = False
+        if not finite:
+            raise ValueError(f"softmax_scale must be None (1/sqrt(head_dim)) or a finite "
+                             f"number, got {softmax_scale!r}")
     if backend is not None and not (callable(getattr(backend, "forward", None))
                                     and callable(getattr(backend, "backward", None))):
         raise ValueError(f"backend must be None (chosen by device and dtype) or a kernel "
@@ -103,7 +107,7 @@ def context_parallel_attention(q, k, v, plan, group=None, causal=True, softmax_s
         rank = dist.get_rank(group)
     q, k, v = unit_stride_heads(q, k, v)  # a dense head_dim, as every kernel reads it
     backend = backend or get_backend(q.device, q.dtype)
-    scale = softmax_scale if softmax_scale is not None else default_scale(q.shape[-1])
+    scale = float(softmax_scale) if softmax_scale is not None else default_scale(q.shape[-1])
     schedule = plan.schedule(rank)
     if schedule.local.q_index.device != q.device:
         schedule = schedule.to(q.device)

@@ -115,10 +115,11 @@ def _validate(tokens, eod_token_id, pad_token_id, vocab_size):
             f"tokens has {tokens.numel()} elements; cu_seqlens is int32, so b*s must be < 2**31"
         )
     if vocab_size is not None:
-        if isinstance(vocab_size, bool) or not hasattr(vocab_size, "__index__") or \
-                operator.index(vocab_size) <= 0:
+        whole = isinstance(vocab_size, float) and vocab_size.is_integer()  # 50304.0
+        if isinstance(vocab_size, bool) or not (hasattr(vocab_size, "__index__") or whole) \
+                or int(vocab_size) <= 0:
             raise ValueError(f"vocab_size must be None or a positive int, got {vocab_size!r}")
-        vocab_size = operator.index(vocab_size)
+        vocab_size = int(vocab_size)
     eod_token_id = _token_id("eod_token_id", eod_token_id, vocab_size)
     if eod_token_id is None:
         raise ValueError("eod_token_id is required (the tokenizer's EoD id)")

@@ -118,11 +118,13 @@ class CPPlan:
     def to(self, device) -> "CPPlan":
         """The plan whose schedules live on `device` (call once per micro-batch): schedules
         built already (e.g. ahead, on a worker thread) are moved, later ones built there."""
+        if isinstance(device, int) and not isinstance(device, bool):
+            device = f"cuda:{device}"  # an index names a CUDA device, as in torch
         try:
             device = torch.device(device)
         except (RuntimeError, TypeError):
-            raise ValueError(f"device must name a torch device ('cuda', 'cuda:1', 'cpu'), got "
-                             f"{device!r}") from None
+            raise ValueError(f"device must name a torch device ('cuda', 'cuda:1', 'cpu', 0), "
+                             f"got {device!r}") from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device}: CUDA is not available here")
         moved = CPPlan(self.algo, self.cp_size, self.ulysses_degree, self.num_tokens,

@@ -105,8 +105,9 @@ NO_EFFECT: Dict[str, Tuple[object, str]] = {
     "--app-tag-run-name": (1, _SERVICE),
     "--app-tag-run-version": (1, _SERVICE),
     "--disable-msc": (0, _SERVICE + " (Multi-Storage Client: paths here are local files)"),
-    "--disable-gloo-process-groups": (0, "the lean trainer's optimizer uses no gloo groups on "
-                                         "GPUs"),
+    "--disable-gloo-process-groups": (0, "the lean trainer makes gloo groups only for the "
+                                         "distributed optimizer's --ckpt-format torch state, "
+                                         "and refuses the flag there"),
     "--local-rank": (1, "torchrun's LOCAL_RANK environment variable is read instead"),
     "--rerun-mode": (1, "only 'disabled' is accepted: the lean trainer has no rerun engine"),
 }

@@ -314,6 +314,11 @@ def rampup_as_step_schedule(start: int, increment: int, samples: int,
 
 
 def check_checkpoint(args) -> None:
+    _require(not (args.use_distributed_optimizer and args.ckpt_format == "torch"
+                  and getattr(args, "disable_gloo_process_groups", False)),
+             "--disable-gloo-process-groups with --use-distributed-optimizer --ckpt-format "
+             "torch: that state is gathered over gloo groups (Megatron-LM refuses it too); "
+             "pass --ckpt-format torch_dist, or drop the flag")
     _require(not (args.finetune and args.load is None and args.pretrained_checkpoint is None),
              "--finetune needs --load DIR or --pretrained-checkpoint DIR")
     _require(not args.exit_on_missing_checkpoint or args.load is not None

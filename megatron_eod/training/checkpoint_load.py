@@ -385,15 +385,16 @@ def load_checkpoint(args, chunks, optimizer, scheduler):
         raise CheckpointError(f"--load {root}: {TRACKER} names iteration {iteration} but {folder} "
                               f"holds no complete checkpoint (no metadata.json, no mp_rank_*)")
     dist.barrier()
+    flops = {"num_floating_point_operations_so_far": loaded.get(
+        "num_floating_point_operations_so_far", 0)}  # kept by a finetune too, as Megatron-LM
     if finetune:
         if dist.get_rank() == 0:
             print(f" loaded the weights of {folder} (--finetune: iteration 0, fresh optimizer)",
                   flush=True)
-        return 0, {}
+        return 0, flops
     counters = {"consumed_train_samples": getattr(saved, "consumed_train_samples", 0),
                 "consumed_valid_samples": getattr(saved, "consumed_valid_samples", 0),
-                "num_floating_point_operations_so_far": loaded.get(
-                    "num_floating_point_operations_so_far", 0),
+                **flops,
                 **loaded.get("eod_counters", {})}
     if dist.get_rank() == 0:
         print(f" loaded checkpoint from {root} at iteration {loaded['iteration']}", flush=True)

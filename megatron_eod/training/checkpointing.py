@@ -17,7 +17,9 @@ The state: `args` (with consumed_train/valid_samples, as Megatron-LM reads them)
 (megatron-core optimizer's sharded state; the distributed optimizer's "dp_reshardable", or
 "fully_reshardable" with --dist-ckpt-optim-fully-reshardable), `opt_param_scheduler`,
 `rng_state` (per TP/PP rank, replicated over DP x CP) and `num_floating_point_operations_so_far`
-(the loaded checkpoint's, plus model_stats.model_flops of each iteration since).
+(the loaded checkpoint's, plus model_stats.model_flops of each iteration since: the pairs
+the document masks need, where Megatron-LM counts every causal pair of a row, so a run moved
+between the trainers adds two measures).
 With the distributed optimizer, the torch format has its DISTRIB_OPTIM_FILE beside each
 mp_rank file.
 The format on --load is detected. RNG state is skipped when TP/PP changed (as Megatron-LM).
@@ -39,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_eod.training.cp_flags import FlagError
 from megatron_eod.megatron.imports import import_megatron
 
 __all__ = ["DISTRIB_OPTIM_FILE", "model_keys", "needs_gloo_dp_groups", "save_checkpoint",
@@ -189,13 +192,19 @@ def _torch_format_under(root) -> bool:
 def needs_gloo_dp_groups(args) -> bool:
     """Whether this run saves or loads the distributed optimizer's DISTRIB_OPTIM_FILE, which
     megatron-core gathers and scatters over gloo data-parallel groups (Megatron-LM makes them
-    always; the lean trainer only then). The same answer on every rank (a shared --load)."""
+    unless --disable-gloo-process-groups; the lean trainer only then). The same answer on
+    every rank (a shared --load). FlagError where --disable-gloo-process-groups forbids them."""
     if not args.use_distributed_optimizer:
         return False
-    if args.ckpt_format == "torch" and args.save and not args.no_save_optim:
-        return True
-    return bool(args.load) and not args.no_load_optim and not args.finetune and \
+    loads = bool(args.load) and not args.no_load_optim and not args.finetune and \
         _torch_format_under(args.load)
+    if loads and getattr(args, "disable_gloo_process_groups", False):
+        raise FlagError(f"--disable-gloo-process-groups: the distributed optimizer's state of "
+                        f"the --ckpt-format torch checkpoint under --load {args.load} is read "
+                        f"over gloo groups; drop the flag, or pass --no-load-optim to start "
+                        f"the optimizer state fresh")
+    return loads or (args.ckpt_format == "torch" and bool(args.save)
+                     and not args.no_save_optim)
 
 
 def _clear_partial(root, iteration) -> None:
@@ -229,10 +238,13 @@ def save_checkpoint(args, iteration, chunks, optimizer, scheduler, counters):
         _clear_partial(root, iteration)
     dist.barrier()  # nobody writes before rank 0 cleared the folder
     metadata = _content_metadata(args)
-    state = _state(args, iteration, chunks, optimizer, scheduler, counters,
-                   {**metadata, "dp_cp_group": ps.get_data_parallel_group(
-                       with_context_parallel=True)},
-                   rng=not args.no_save_rng, with_optimizer=not args.no_save_optim)
+
+    def state():
+        return _state(args, iteration, chunks, optimizer, scheduler, counters,
+                      {**metadata, "dp_cp_group": ps.get_data_parallel_group(
+                          with_context_parallel=True)},
+                      rng=not args.no_save_rng, with_optimizer=not args.no_save_optim)
+
     if args.ckpt_format == "torch_dist":
         folder = _iter_dir(root, iteration)
         if dist.get_rank() == 0:
@@ -242,12 +254,14 @@ def save_checkpoint(args, iteration, chunks, optimizer, scheduler, counters):
         strategy = strategies.fully_parallel.FullyParallelSaveStrategyWrapper(
             dcp.serialization.get_default_save_sharded_strategy("torch_dist"),
             ps.get_data_parallel_group(with_context_parallel=True))
-        dcp.save(state, folder, strategy, content_metadata=metadata)
+        dcp.save(state(), folder, strategy, content_metadata=metadata)
     else:
         path = _legacy_file(_iter_dir(root, iteration))
+        # Built only where it is written, as Megatron-LM: the distributed optimizer's
+        # state_dict asserts on a rank whose shard holds no parameter.
         if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            torch.save(state, path + ".tmp")
+            torch.save(state(), path + ".tmp")
             os.replace(path + ".tmp", path)
         if args.use_distributed_optimizer and not args.no_save_optim:  # collective (DP x CP)
             optimizer.save_parameter_state(os.path.join(os.path.dirname(path),

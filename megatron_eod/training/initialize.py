@@ -61,7 +61,8 @@ def initialize(args):
         raise ValueError(f"the process group has {dist.get_world_size()} ranks but the flags "
                          f"were validated for WORLD_SIZE {args.world_size}")
     ps = import_megatron("megatron.core.parallel_state")
-    args.gloo_dp_groups = needs_gloo_dp_groups(args)
+    if getattr(args, "gloo_dp_groups", None) is None:  # pretrain() decides it at start-up
+        args.gloo_dp_groups = needs_gloo_dp_groups(args)
     cp, u = args.context_parallel_size, args.ulysses_degree
     hybrid = args.context_parallel_algo == "hybrid" and cp > 1
     ps.initialize_model_parallel(

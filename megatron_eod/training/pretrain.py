@@ -42,7 +42,7 @@ from megatron_eod.megatron.steps import is_dataset_built_on_rank
 from megatron_eod.training import eod_wiring as wiring
 from megatron_eod.training.checkpoint_args import checkpoint_args_notice
 from megatron_eod.training.checkpoint_load import CheckpointError, load_checkpoint
-from megatron_eod.training.checkpointing import save_checkpoint
+from megatron_eod.training.checkpointing import needs_gloo_dp_groups, save_checkpoint
 from megatron_eod.training.data import MicroBatches, build_datasets, build_tokenizer_from_args
 from megatron_eod.training.initialize import initialize, shutdown
 from megatron_eod.training.model import build_model
@@ -65,6 +65,7 @@ def pretrain(argv=None):
     world_size = dist.get_world_size() if dist.is_initialized() else None
     try:
         args = parse_args(argv, world_size=world_size)
+        args.gloo_dp_groups = needs_gloo_dp_groups(args)  # reads --load's tracker
     except FlagError as error:
         exit_with_error(error, 2)
     try:
@@ -349,7 +350,7 @@ class _Trainer:
             self.controls.after_step(self.iteration)
             counters["consumed_train_samples"] += samples
             counters["num_floating_point_operations_so_far"] += model_flops(
-                a, self.vocab_size, samples * a.seq_length, pairs)  # saved, as Megatron-LM
+                a, self.vocab_size, samples * a.seq_length, pairs)  # saved (EoD pairs only)
             if (self.ps.is_pipeline_last_stage() and not math.isfinite(loss)) or \
                     not _finite(grad_norm):
                 counters["nan"] += 1  # with --no-check-for-nan-in-loss-and-grad

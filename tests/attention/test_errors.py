@@ -103,11 +103,18 @@ def test_bad_argument_kinds_are_named(change, message):
         context_parallel_attention(**kwargs)
 
 
-def test_a_scale_of_zero_or_below_is_a_valid_input():
+def test_a_scale_of_zero_or_below_or_of_any_number_type_is_a_valid_input():
+    import decimal
+
+    import numpy as np
+
     q, k, plan = _one_rank_inputs()
     for scale in (0, 0.0, -0.5):
         assert torch.isfinite(context_parallel_attention(q, k, k, plan,
                                                          softmax_scale=scale)).all()
+    want = context_parallel_attention(q, k, k, plan, softmax_scale=0.5)
+    for scale in (np.float32(0.5), torch.tensor(0.5), decimal.Decimal("0.5")):
+        assert torch.equal(context_parallel_attention(q, k, k, plan, softmax_scale=scale), want)
 
 
 def test_gpu_kernels_reject_float32_before_running():

@@ -161,6 +161,12 @@ def test_bad_inputs_raise_clear_errors(call, message):
         call()
 
 
+def test_a_whole_float_vocab_size_is_accepted():
+    assert build_doc_layout(torch.tensor([[1, 9]]), 9, vocab_size=100.0).num_docs == 1
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        build_doc_layout(torch.tensor([[1, 9]]), 9, vocab_size=9.0)
+
+
 def test_token_ids_of_every_integer_kind_are_accepted():
     """A tokenizer's id may come as a numpy integer or a 0-d tensor (it was refused as 'must
     be an int token id')."""

@@ -85,6 +85,8 @@ def test_bad_arguments(kwargs, message):
     (torch.float16, "got torch.float16"),
     pytest.param("cuda", "device cuda: CUDA is not available here",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
+    pytest.param(0, "device cuda:0: CUDA is not available here",  # an index is a CUDA device
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
 ])
 def test_bad_devices_are_named_when_the_plan_moves(device, message):
     """(It moved to 'cuda' without one and failed at the first schedule; the others failed

@@ -39,6 +39,9 @@ BAD = [
     (["--overlap-param-gather"], 1, False,
      r"--overlap-param-gather needs --use-distributed-optimizer"),
     (["--finetune"], 1, False, r"--finetune needs --load DIR or --pretrained-checkpoint DIR"),
+    (["--ckpt-format", "torch", "--use-distributed-optimizer", "--disable-gloo-process-groups"],
+     1, False, r"--disable-gloo-process-groups with --use-distributed-optimizer --ckpt-format "
+               r"torch: .* pass --ckpt-format torch_dist, or drop the flag"),
     (["--transformer-impl", "transformer_engine"], 1, False,
      r"--transformer-impl transformer_engine needs CUDA; pass --transformer-impl local"),
 ]

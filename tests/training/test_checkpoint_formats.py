@@ -99,10 +99,17 @@ def test_legacy_torch_format_with_the_distributed_optimizer(cp1, short_docs_data
 
 
 def test_finetune_loads_weights_only(cp1, short_docs_data, tmp_path):  # noqa: F811
-    save = str(tmp_path / "ckpt")
+    save, tuned_save = str(tmp_path / "ckpt"), str(tmp_path / "tuned")
     train(1, short_docs_data, "--save", save, "--exit-interval", "4")
-    tuned = train(1, short_docs_data, "--load", save, "--finetune")
+    tuned = train(1, short_docs_data, "--load", save, "--finetune", "--save", tuned_save)
     assert len(tuned) == 10  # from iteration 0
+    # The FLOPs so far go on from the checkpoint's, as in Megatron-LM (they restarted at 0).
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    flops = [load_common_state_dict(os.path.join(root, f"iter_{iteration:07d}"))[
+        "num_floating_point_operations_so_far"] for root, iteration in ((save, 4),
+                                                                         (tuned_save, 10))]
+    assert 0 < flops[0] and flops[1] > 2 * flops[0]  # 4 iterations, then 10 more
     assert tuned[0] < cp1[0] - 0.1  # the first batch again, on trained weights
     again = train(1, short_docs_data, "--pretrained-checkpoint", save)  # --load absent: the same
     assert again == tuned
@@ -148,3 +155,34 @@ def test_legacy_torch_format_refuses_another_tp_size_by_flag(short_docs_data, tm
           "64", "--ckpt-format", "torch", "--save", save, "--exit-interval", "2")
     assert "saved at --tensor-model-parallel-size 2 loads only at that size (this run: 1)" in \
         refused(1, short_docs_data, "--load", save)
+
+
+def test_gloo_groups_are_made_only_for_the_torch_formats_distributed_optimizer(tmp_path):
+    """Megatron-LM makes gloo data-parallel groups always; the lean trainer only where the
+    distributed optimizer's distrib_optim.pt is written or read, and says so where
+    --disable-gloo-process-groups forbids them."""
+    import argparse
+
+    from megatron_eod.training.checkpointing import needs_gloo_dp_groups
+    from megatron_eod.training.cp_flags import FlagError
+
+    torch_ckpt = tmp_path / "ckpt"
+    (torch_ckpt / "iter_0000004" / "mp_rank_00").mkdir(parents=True)
+    (torch_ckpt / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt").touch()
+    (torch_ckpt / "latest_checkpointed_iteration.txt").write_text("4")
+
+    def needs(**flags):
+        args = dict(use_distributed_optimizer=True, ckpt_format="torch_dist", save=None,
+                    load=None, no_save_optim=False, no_load_optim=False, finetune=False,
+                    disable_gloo_process_groups=False)
+        return needs_gloo_dp_groups(argparse.Namespace(**{**args, **flags}))
+
+    assert not needs() and not needs(save="s") and needs(save="s", ckpt_format="torch")
+    assert not needs(save="s", ckpt_format="torch", use_distributed_optimizer=False)
+    assert not needs(save="s", ckpt_format="torch", no_save_optim=True)
+    assert needs(load=str(torch_ckpt)) and not needs(load=str(torch_ckpt), finetune=True)
+    assert not needs(load=str(torch_ckpt), no_load_optim=True)
+    assert not needs(load=str(tmp_path / "empty"))
+    with pytest.raises(FlagError, match="--disable-gloo-process-groups: the distributed "
+                                        "optimizer's state .* pass --no-load-optim"):
+        needs(load=str(torch_ckpt), disable_gloo_process_groups=True)
