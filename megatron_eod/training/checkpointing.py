@@ -41,8 +41,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_eod.training.cp_flags import FlagError
 from megatron_eod.megatron.imports import import_megatron
+from megatron_eod.training.cp_flags import FlagError
 
 __all__ = ["DISTRIB_OPTIM_FILE", "model_keys", "needs_gloo_dp_groups", "save_checkpoint",
            "TRACKER"]
