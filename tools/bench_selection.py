@@ -16,10 +16,17 @@ def tokens_label(n):
 
 def parse_configs(p, text):
     """[(tokens, cp)] of a --configs value, each checked (argparse error naming the flag)."""
-    configs = [tuple(int(x) for x in c.split(":")) for c in text.split(",")]
-    for n, cp in configs:
+    configs = []
+    for c in text.split(","):
+        try:
+            n, cp = (int(x) for x in c.split(":"))
+        except ValueError:
+            p.error(f"--configs: each entry is TOKENS:CP (e.g. 32768:4), got {c!r}")
+        if n < 1 or cp < 1:
+            p.error(f"--configs: tokens and cp must be positive, got {c!r}")
         if n % (2 * cp):
             p.error(f"--configs: tokens {n} must be divisible by 2*cp = {2 * cp}")
+        configs.append((n, cp))
     return configs
 
 

@@ -7,11 +7,13 @@
 
 The first run is the reference: the last column is the largest relative difference of any
 other run from it at that iteration. Exits 1 when a run differs by more than --tolerance
-(relative) at any iteration or has a different number of iterations; 2 on a bad argument.
+(relative) at any iteration, has a NaN or Inf loss, or has a different number of
+iterations; 2 on a bad argument or a malformed line (named by file and line).
 """
 
 import argparse
 import json
+import math
 import sys
 
 
@@ -19,16 +21,30 @@ def read_losses(path):
     """{iteration: lm_loss} of the training records (validation records are skipped); a
     resumed run that appended to the same file keeps the last value of each iteration."""
     losses = {}
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: not a JSON line ({error.msg})") from None
-            if record.get("kind", "train") == "train" and "lm_loss" in record:
-                losses[int(record["iteration"])] = float(record["lm_loss"])
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start}); "
+                         f"is it a --metrics-file?") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{number}: not a JSON line ({error.msg})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: not a --metrics-file record (a JSON object)")
+        if record.get("kind", "train") != "train" or "lm_loss" not in record:
+            continue
+        iteration, loss = record.get("iteration"), record["lm_loss"]
+        if isinstance(iteration, bool) or not isinstance(iteration, int):
+            raise ValueError(f"{path}:{number}: \"iteration\" must be an integer, got "
+                             f"{iteration!r}")
+        if isinstance(loss, bool) or not isinstance(loss, (int, float)):
+            raise ValueError(f"{path}:{number}: \"lm_loss\" must be a number, got {loss!r}")
+        losses[iteration] = float(loss)
     if not losses:
         raise ValueError(f"{path}: no training iterations (was it written by --metrics-file?)")
     return losses
@@ -51,6 +67,8 @@ def main(argv=None):
         table = [(name, read_losses(path)) for name, path in args.runs]
     except (OSError, ValueError) as error:
         parser.error(str(error))
+    if not math.isfinite(args.tolerance) or args.tolerance < 0:
+        parser.error(f"--tolerance must be a finite number >= 0, got {args.tolerance}")
     reference = table[0][1]
     iterations = sorted(set().union(*(losses for _, losses in table)))
     width = max(12, *(len(name) + 2 for name, _ in table))
@@ -63,6 +81,8 @@ def main(argv=None):
             cells.append(f"{value:>{width}.6f}" if value is not None else f"{'-':>{width}}")
             if value is None or it not in reference:
                 complete = False
+            elif not (math.isfinite(value) and math.isfinite(reference[it])):
+                diff = math.inf  # a diverged run (NaN or Inf loss) agrees with nothing
             else:
                 diff = max(diff, abs(value - reference[it]) / max(abs(reference[it]), 1e-30))
         worst = max(worst, diff)

@@ -191,6 +191,12 @@ def test_only_times_the_layouts_it_names_and_the_ideal(monkeypatch, capsys, only
     (["--only", "(ring"], "--only: '(ring' is not a regular expression"),
     (["--only", "steps"], "--only: 'steps' selects no layout"),  # steps rows need --steps
     (["--mixes", "stdlib,books"], "--mixes: 'stdlib,books'; each must be stdlib or web"),
+    # (Tracebacks before: a tools sweep.)
+    (["--configs", "abc"], "--configs: each entry is TOKENS:CP (e.g. 32768:4), got 'abc'"),
+    (["--configs", "1024"], "got '1024'"),
+    (["--configs", "1024:2:3"], "got '1024:2:3'"),
+    (["--configs", "1024:0"], "--configs: tokens and cp must be positive, got '1024:0'"),
+    (["--configs", "0:4"], "must be positive, got '0:4'"),
 ])
 def test_bad_selections_name_the_flag(capsys, argv, message):
     with pytest.raises(SystemExit):
