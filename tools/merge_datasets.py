@@ -45,6 +45,9 @@ def main(argv=None) -> int:
               f"Megatron's own tool?), e.g. {stats.without_metadata[0]}: the merged dataset has "
               f"none either, so training checks it by a bounded scan and cannot check its "
               f"tokenizer", file=sys.stderr)
+    if stats.tokens == 0:
+        print("warning: the merged dataset holds no tokens: megatron-core cannot open it to "
+              "train (the trainers refuse it at start-up)", file=sys.stderr)
     return 0
 
 

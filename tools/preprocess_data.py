@@ -113,6 +113,10 @@ def main(argv=None) -> int:
     if stats.skipped_lines:
         print(f"warning: {stats.skipped_lines} bad lines skipped (first: {stats.first_skipped})",
               file=sys.stderr)
+    if stats.tokens == 0:  # a shard of empty documents merges; alone it cannot train
+        print("warning: the dataset holds no tokens: megatron-core cannot open it to train "
+              "(the trainers refuse it at start-up); merge it with others "
+              "(tools/merge_datasets.py) or check --input and --json-keys", file=sys.stderr)
     for key, prefix in stats.outputs.items():
         print(f"{key}: {prefix}.bin/.idx")
     return 0

@@ -261,3 +261,14 @@ def test_the_tool_takes_megatron_flags_and_names_the_ones_it_refuses(tmp_path, c
             main(["--input", "x", "--output-prefix", "o", *flags.split()])
         assert stop.value.code == 2
         assert f"{flags.split()[0]} is not supported: {why}" in capsys.readouterr().err
+
+
+def test_a_dataset_without_tokens_is_written_with_a_warning(tmp_path, capsys):
+    """(It was reported as done, and megatron-core cannot open an empty .bin: a tools sweep.
+    Written all the same: a shard of empty documents merges with others.)"""
+    main = runpy.run_path(TOOL)["main"]
+    write(tmp_path / "empty.jsonl", ['{"text": ""}\n', "\n"])
+    assert main(["--input", str(tmp_path / "empty.jsonl"), "--output-prefix",
+                 str(tmp_path / "o")]) == 0
+    assert "warning: the dataset holds no tokens: megatron-core cannot open it to train" in \
+        capsys.readouterr().err

@@ -174,7 +174,11 @@ def test_the_tool(tmp_path, shards, capsys):
                  str(tmp_path / "m")]) == 0
     err = capsys.readouterr().err
     assert "done: 4 datasets, 95 documents" in err and "1 of them have no metadata" in err
+    assert "no tokens" not in err
     assert files(str(tmp_path / "m"), (".bin", ".idx")) == files(whole, (".bin", ".idx"))
+    # The shard of empty documents alone: written, with a warning (it was 'done' only).
+    assert main(["--input", parts[2], "--output-prefix", str(tmp_path / "e")]) == 0
+    assert "warning: the merged dataset holds no tokens" in capsys.readouterr().err
     assert main(["--input", str(tmp_path / "nothing"), "--output-prefix", "o"]) == 1
     assert "error: --input" in capsys.readouterr().err
     with pytest.raises(SystemExit):
