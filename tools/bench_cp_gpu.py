@@ -54,7 +54,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench_selection import (mix_rows, parse_configs, parse_mixes, parse_only,  # noqa: E402
-                             tokens_label, wanted)
+                             positive_int, tokens_label, wanted)
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
@@ -335,11 +335,11 @@ def bench_row(cu, cp, args, device, dtype, backend):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--samples", type=int, default=3, help="random rows per configuration")
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--samples", type=positive_int, default=3, help="random rows per configuration")
+    p.add_argument("--heads", type=positive_int, default=32)
+    p.add_argument("--kv-heads", type=positive_int, default=8)
+    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--configs", default="32768:4,131072:8",
                    help="comma-separated TOKENS:CP pairs")
     p.add_argument("--seed", type=int, default=0)

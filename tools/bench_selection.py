@@ -2,6 +2,7 @@
 dispatch_model.py) take from their command line: --configs, --mixes and --only, each checked
 with an argparse error naming the flag, and the document rows every tool draws for them."""
 
+import argparse
 import re
 
 import numpy as np
@@ -12,6 +13,17 @@ from bench_cp import pack_rows, stdlib_lengths, web_row
 def tokens_label(n):
     """A row's size as the tables write it: 32k, 128k; 512 below 1k."""
     return f"{n // 1024}k" if n >= 1024 else str(n)
+
+
+def positive_int(text):
+    """argparse type: an int >= 1 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def parse_configs(p, text):

@@ -25,8 +25,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.max_bytes <= 0:
         p.error(f"--max-bytes must be positive, got {args.max_bytes}")
-    stats = write_sample_corpus(args.output, max_bytes=args.max_bytes, seed=args.seed,
-                                methods_apart=args.methods_apart)
+    if not args.output or os.path.isdir(args.output):
+        p.error(f"--output must name a file to write, got {args.output!r}")
+    try:
+        stats = write_sample_corpus(args.output, max_bytes=args.max_bytes, seed=args.seed,
+                                    methods_apart=args.methods_apart)
+    except OSError as error:
+        p.error(f"--output {args.output}: cannot write it ({error.strerror or error})")
     print(f"wrote {stats['documents']} documents, {stats['bytes']} bytes of text to {args.output}")
     return 0
 

@@ -43,7 +43,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from bench_cp_gpu import (layout_backend, our_layouts, random_qkv, timed,  # noqa: E402
                           ulysses_rank_inputs)
 from bench_selection import (mix_rows, parse_configs, parse_mixes, parse_only,  # noqa: E402
-                             tokens_label, wanted)
+                             positive_int, tokens_label, wanted)
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
@@ -186,11 +186,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", default="32768:4,131072:8", help="comma-separated TOKENS:CP")
     p.add_argument("--mixes", default="stdlib,web", help="comma-separated: stdlib, web")
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--top", type=int, default=8, help="glue kernels listed per layout")
+    p.add_argument("--heads", type=positive_int, default=32)
+    p.add_argument("--kv-heads", type=positive_int, default=8)
+    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--top", type=positive_int, default=8, help="glue kernels listed per layout")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", metavar="REGEX",
                    help="profile only the layouts whose name this regular expression finds "

@@ -197,6 +197,10 @@ def test_only_times_the_layouts_it_names_and_the_ideal(monkeypatch, capsys, only
     (["--configs", "1024:2:3"], "got '1024:2:3'"),
     (["--configs", "1024:0"], "--configs: tokens and cp must be positive, got '1024:0'"),
     (["--configs", "0:4"], "must be positive, got '0:4'"),
+    (["--kv-heads", "0"], "argument --kv-heads: must be >= 1, got 0"),  # ZeroDivisionError
+    (["--samples", "0"], "argument --samples: must be >= 1, got 0"),  # IndexError
+    (["--repeats", "0"], "argument --repeats: must be >= 1"),  # the warm-up reported as timed
+    (["--head-dim", "x"], "argument --head-dim: expected a positive integer, got 'x'"),
 ])
 def test_bad_selections_name_the_flag(capsys, argv, message):
     with pytest.raises(SystemExit):
