@@ -43,6 +43,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.micro_batch_size <= 0:
         p.error(f"--micro-batch-size must be positive, got {args.micro_batch_size}")
+    if args.sample_index < 0:  # (a negative one showed the last samples as rows 0..)
+        p.error(f"--sample-index must be >= 0, got {args.sample_index}")
 
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model,
@@ -58,6 +60,8 @@ def main(argv=None) -> int:
             path_to_cache=args.data_cache_path)
     except ValueError as err:
         p.error(str(err))
+    except OSError as err:  # e.g. a --data-cache-path that cannot be made
+        p.error(f"{err.filename or ''}: {err.strerror or err} (--data-path, --data-cache-path)")
     rows = [train[i] for i in range(args.sample_index, n)]
     tokens = torch.stack([r["tokens"] for r in rows])
     layout = build_doc_layout(tokens, tokenizer.eod, args.reset_position_ids,

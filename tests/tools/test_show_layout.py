@@ -29,3 +29,17 @@ def test_shows_the_documents_and_refuses_another_tokenizers_data(tmp_path, capsy
     with pytest.raises(SystemExit):
         _tool().main(common + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "300"])
     assert "the data was made with EoD id 256" in capsys.readouterr().err
+
+
+def test_a_negative_sample_index_and_an_unusable_cache_path_are_named(tmp_path, capsys):
+    """(The first showed the last samples as rows 0..; the second was a traceback: a tools
+    sweep.)"""
+    prefix = make(tmp_path, "show", texts=["alpha beta " * 5, "gamma"] * 8)
+    (tmp_path / "afile").touch()
+    common = ["--data-path", prefix, "--seq-length", "32", "--micro-batch-size", "1"]
+    for extra, said in ((["--sample-index", "-1"], "--sample-index must be >= 0, got -1"),
+                        (["--data-cache-path", str(tmp_path / "afile")],
+                         "(--data-path, --data-cache-path)")):
+        with pytest.raises(SystemExit) as stop:
+            _tool().main(common + extra)
+        assert stop.value.code == 2 and said in capsys.readouterr().err
