@@ -91,7 +91,13 @@ def sentencepiece_tokenizer(path: Optional[str], kind: str = "SentencePieceToken
     from megatron.core.tokenizers.text.libraries.sentencepiece_tokenizer import (
         SentencePieceTokenizer)
 
-    return CoreTokenizer(SentencePieceTokenizer(_existing(path, kind)), kind, path)
+    path = _existing(path, kind)
+    try:
+        inner = SentencePieceTokenizer(path)
+    except RuntimeError as error:  # sentencepiece's "could not parse ModelProto"
+        raise ValueError(f"--tokenizer-model {path}: not a SentencePiece model "
+                         f"({str(error).splitlines()[0][:120]})") from None
+    return CoreTokenizer(inner, kind, path)
 
 
 def tiktoken_tokenizer(path: Optional[str], pattern: str, vocab_size: Optional[int],

@@ -79,9 +79,10 @@ class NullTokenizer:
     value up to 0.17, the value - 1 from 0.18)."""
 
     def __init__(self, vocab_size: Optional[int]):
-        if vocab_size is None or int(vocab_size) <= 0:
+        if vocab_size is None or not 0 < int(vocab_size) < 2**31:  # ids are stored as int32
             raise ValueError(
-                f"--tokenizer-type NullTokenizer needs --vocab-size > 0, got {vocab_size}"
+                f"--tokenizer-type NullTokenizer needs --vocab-size in [1, 2**31), got "
+                f"{vocab_size}"
             )
         from megatron.core.tokenizers.text.libraries.null_tokenizer import (
             NullTokenizer as _MegatronNull,

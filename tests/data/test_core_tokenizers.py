@@ -106,3 +106,15 @@ def test_tiktoken_special_tokens_written_in_the_text_are_text(tmp_path):
                           tiktoken_num_special_tokens=16)
     ids = tok.tokenize("the </s> and <pad> other")
     assert min(ids) >= 16 and tok.detokenize(ids) == "the </s> and <pad> other"
+
+
+def test_a_file_that_is_not_a_sentencepiece_model_is_named(tmp_path):
+    """(sentencepiece's RuntimeError traceback before: a tools sweep.)"""
+    pytest.importorskip("sentencepiece")
+    from megatron_eod.data.tokenizers import build_tokenizer
+
+    wrong = tmp_path / "corpus.jsonl"
+    wrong.write_text('{"text": "a"}\n')
+    with pytest.raises(ValueError, match=r"--tokenizer-model .*corpus\.jsonl: not a "
+                                         r"SentencePiece model"):
+        build_tokenizer("SentencePieceTokenizer", str(wrong))
