@@ -144,6 +144,11 @@ def main(argv=None):
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--work-dir", default=os.path.join(REPO, "runs", "bench_e2e"))
     args = p.parse_args(argv)
+    for flag in ("seq_length", "iters", "nproc"):  # (each failed inside torchrun before)
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.warmup >= args.iters:
         p.error(f"--warmup {args.warmup} must be below --iters {args.iters}")
     os.makedirs(args.work_dir, exist_ok=True)
