@@ -216,8 +216,8 @@ def ulysses_degree_for(algo: str, cp_size: int, ulysses_degree: Optional[int] = 
         return cp_size
     if ulysses_degree is None:
         raise ValueError("algo='hybrid' needs ulysses_degree (--ulysses-degree-in-cp)")
-    u = ulysses_degree
-    if isinstance(u, bool) or not isinstance(u, (int, np.integer)) or u < 1 or cp_size % u:
+    u = ulysses_degree  # an int: checked above
+    if u < 1 or cp_size % u:
         raise ValueError(f"ulysses_degree (--ulysses-degree-in-cp) {u!r} must be a positive "
                          f"int that divides cp_size (--context-parallel-size {cp_size})")
     return int(u)
@@ -227,8 +227,9 @@ def _validate_cu_seqlens(cu_seqlens) -> np.ndarray:
     """-> int64 numpy offsets, or ValueError naming the rule that is broken."""
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.layout != torch.strided or cu_seqlens.is_meta or cu_seqlens.is_nested:
-            raise ValueError(f"cu_seqlens must be a dense tensor with values, got a "
-                             f"{'meta' if cu_seqlens.is_meta else cu_seqlens.layout} one")
+            kind = "meta" if cu_seqlens.is_meta else "nested" if cu_seqlens.is_nested else \
+                cu_seqlens.layout
+            raise ValueError(f"cu_seqlens must be a dense tensor with values, got a {kind} one")
         if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or \
                 cu_seqlens.dtype == torch.bool:
             raise ValueError(f"cu_seqlens must hold integers, got dtype {cu_seqlens.dtype}")

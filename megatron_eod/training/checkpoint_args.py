@@ -28,7 +28,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron_eod.megatron.imports import import_megatron
-from megatron_eod.training.checkpointing import TRACKER, _iter_dir, _read_tracker
+from megatron_eod.training.checkpointing import (TRACKER, _read_tracker, checkpoint_folder,
+                                                 checkpoint_format)
 from megatron_eod.training.cp_flags import FlagError
 
 __all__ = ["REQUIRED", "apply_checkpoint_args", "checkpoint_args_notice"]
@@ -64,19 +65,18 @@ def _saved_args(root: str) -> Optional[Tuple[str, argparse.Namespace]]:
         raise FlagError(f"--use-checkpoint-args: {error}") from None
     if iteration is None:
         return None
-    folder = os.path.join(root, "release") if iteration == "release" else _iter_dir(
-        root, iteration)
+    folder = checkpoint_folder(root, iteration)
     try:
-        if os.path.isfile(os.path.join(folder, "metadata.json")):
+        found = checkpoint_format(folder)
+        if found is None:
+            raise FlagError(f"--use-checkpoint-args: {root}/{TRACKER} names iteration "
+                            f"{iteration} but {folder} holds no complete checkpoint")
+        if found == "torch_dist":
             dcp = import_megatron("megatron.core.dist_checkpointing")
             where, state = folder, dcp.load_common_state_dict(folder)
         else:
-            files = sorted(name for name in (os.listdir(folder) if os.path.isdir(folder) else ())
-                           if name.startswith("mp_rank_"))
-            if not files:
-                raise FlagError(f"--use-checkpoint-args: {root}/{TRACKER} names iteration "
-                                f"{iteration} but {folder} holds no complete checkpoint")
-            where = os.path.join(folder, files[0], "model_optim_rng.pt")
+            first = min(name for name in os.listdir(folder) if name.startswith("mp_rank_"))
+            where = os.path.join(folder, first, "model_optim_rng.pt")
             state = torch.load(where, map_location="cpu", weights_only=False, mmap=True)
     except FlagError:
         raise

@@ -26,8 +26,10 @@ import torch.distributed as dist
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.training.args_pipeline import pipeline_split
 from megatron_eod.training.checkpointing import (DISTRIB_OPTIM_FILE, TRACKER, _content_metadata,
-                                                 _iter_dir, _legacy_file, _ps, _read_tracker,
-                                                 _set_rng_state, _state, _unwrap, model_keys)
+                                                 _legacy_file, _ps, _read_tracker,
+                                                 _set_rng_state, _state, _unwrap,
+                                                 checkpoint_folder, checkpoint_format,
+                                                 model_keys)
 
 __all__ = ["CheckpointError", "apply_schedule_choice", "group_lrs", "load_checkpoint",
            "schedule_mismatch", "schedule_values_to_flags"]
@@ -375,11 +377,11 @@ def load_checkpoint(args, chunks, optimizer, scheduler):
         return 0, {}
     iteration = _read_tracker(root)
     finetune = finetune or iteration == "release"
-    folder = os.path.join(root, "release") if iteration == "release" else _iter_dir(
-        root, iteration)
-    if os.path.isfile(os.path.join(folder, "metadata.json")):
+    folder = checkpoint_folder(root, iteration)
+    found = checkpoint_format(folder)
+    if found == "torch_dist":
         loaded, saved = _load_torch_dist(args, folder, finetune, chunks, optimizer, scheduler)
-    elif os.path.isdir(folder) and any(n.startswith("mp_rank_") for n in os.listdir(folder)):
+    elif found == "torch":
         loaded, saved = _load_torch(args, root, folder, finetune, chunks, optimizer, scheduler)
     else:
         raise CheckpointError(f"--load {root}: {TRACKER} names iteration {iteration} but {folder} "

@@ -36,6 +36,7 @@ import argparse
 import os
 import random
 import shutil
+from typing import Optional
 
 import numpy as np
 import torch
@@ -44,8 +45,8 @@ import torch.distributed as dist
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.training.cp_flags import FlagError
 
-__all__ = ["DISTRIB_OPTIM_FILE", "model_keys", "needs_gloo_dp_groups", "save_checkpoint",
-           "TRACKER"]
+__all__ = ["DISTRIB_OPTIM_FILE", "checkpoint_folder", "checkpoint_format", "model_keys",
+           "needs_gloo_dp_groups", "save_checkpoint", "TRACKER"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _LEGACY_FILE = "model_optim_rng.pt"
@@ -175,18 +176,30 @@ def _read_tracker(root):
         raise ValueError(f"--load {root}: {path} holds {text!r}, not an iteration") from None
 
 
+def checkpoint_folder(root, iteration) -> str:
+    """The folder of `iteration` (an int, or "release") under `root`."""
+    return os.path.join(root, "release") if iteration == "release" else _iter_dir(root,
+                                                                                 iteration)
+
+
+def checkpoint_format(folder) -> Optional[str]:
+    """"torch_dist" (metadata.json), "torch" (mp_rank_* files) or None (no complete
+    checkpoint) of an iteration's folder."""
+    if os.path.isfile(os.path.join(folder, "metadata.json")):
+        return "torch_dist"
+    if os.path.isdir(folder) and any(name.startswith("mp_rank_") for name in os.listdir(folder)):
+        return "torch"
+    return None
+
+
 def _torch_format_under(root) -> bool:
     """Whether the latest checkpoint under `root` is a --ckpt-format torch one."""
     try:
         iteration = _read_tracker(root)
     except ValueError:
         return False  # the load names the damaged tracker
-    if iteration is None:
-        return False
-    folder = os.path.join(root, "release") if iteration == "release" else _iter_dir(root,
-                                                                                   iteration)
-    return os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, "metadata.json")) \
-        and any(name.startswith("mp_rank_") for name in os.listdir(folder))
+    return iteration is not None and checkpoint_format(
+        checkpoint_folder(root, iteration)) == "torch"
 
 
 def needs_gloo_dp_groups(args) -> bool:
