@@ -18,17 +18,24 @@ there, or a later compile failure (raised before the graph runs anything), switc
 merging for good, with a warning; a failure while a validated graph runs cannot be undone and
 is raised.
 
+Dynamo keeps a function's graphs, and counts them against its recompile limit (8), per code
+object. Each form and set of dtypes gets a copy of the function with a code object of its own:
+a bf16 run merges two dtype sets, 4 inductor graphs each for a run of rows (1 row or more, an
+aligned offset or not), which one shared function would hold at the limit exactly, one
+specialisation short of falling back to eager for the rest of the run.
+
 Shape key: T = query rows, H = heads, D = head dim. lse is [T, H], out is [T, H, D].
 """
 
 import os
+import types
 import warnings
 
 import torch
 
 __all__ = ["merge_into", "merged"]
 
-_FUSED = {"rows": None, "span": None, "failed": False, "validated": set()}
+_FUSED = {"compiled": {}, "failed": False, "validated": set()}
 
 
 def merged(out_TH, lse_TH, part_TH, part_lse_TH):
@@ -62,11 +69,25 @@ def _merge_span(out_TH, lse_TH, start, part_TH, part_lse_TH):
 _EAGER = {"rows": _merge_rows, "span": _merge_span}
 
 
-def _compiled(kind):
-    if _FUSED[kind] is None:
+def _own_code(fn, tag):
+    """fn with a code object of its own (dynamo's graph cache and recompile count)."""
+    name = f"{fn.__name__}_{tag}"
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def _key(kind, args):
+    """The form, device type and the dtypes of out, lse, part and part_lse."""
+    return (kind, args[0].device.type) + tuple(args[i].dtype for i in (0, 1, 3, 4))
+
+
+def _compiled(key):
+    if key not in _FUSED["compiled"]:
+        tag = "_".join(str(part).replace("torch.", "") for part in key[1:])
         # fullgraph: one graph, so a compile failure surfaces before anything is written.
-        _FUSED[kind] = torch.compile(_EAGER[kind], dynamic=True, fullgraph=True)
-    return _FUSED[kind]
+        _FUSED["compiled"][key] = torch.compile(_own_code(_EAGER[key[0]], tag),
+                                                dynamic=True, fullgraph=True)
+    return _FUSED["compiled"][key]
 
 
 def _rows_like(t, count):
@@ -98,11 +119,10 @@ def _plain(args):
     return tuple(a.detach() if torch.is_tensor(a) else a for a in args)
 
 
-def _validate(kind, args):
-    key = (kind, args[0].device.type) + tuple(args[i].dtype for i in (0, 1, 3, 4))
+def _validate(key, args):
     if key not in _FUSED["validated"]:
-        for scratch in _scratch_calls(kind, args):
-            _compiled(kind)(*_plain(scratch))
+        for scratch in _scratch_calls(key[0], args):
+            _compiled(key)(*_plain(scratch))
         _FUSED["validated"].add(key)
 
 
@@ -135,14 +155,14 @@ def merge_into(out_TH: torch.Tensor, lse_TH: torch.Tensor, rows: torch.Tensor,
     else:
         kind, args = "rows", (out_TH, lse_TH, rows, part_TH, part_lse_TH)
     if fused and not _FUSED["failed"]:
-        args = _plain(args)
+        args, key = _plain(args), _key(kind, args)
         try:
-            _validate(kind, args)
+            _validate(key, args)
         except Exception as error:  # noqa: BLE001 - no real tensor was written yet
             _give_up(error)
         else:
             try:
-                _compiled(kind)(*args)
+                _compiled(key)(*args)
                 return
             except _compile_errors() as error:  # a recompile failed: nothing ran
                 _give_up(error)

@@ -32,16 +32,16 @@ def _accumulators(dtype, seed=0):
 def test_fused_merge_equals_eager():
     """The two merges a bf16 GPU run makes, in one process as there: the steps executor's
     (float32 out and lse, the kernel's bf16 part) and the batched ring's (bf16 out, float32
-    lse).
-    (float64 is the CPU tests' dtype, merged eagerly there; a third dtype would be another
-    set of graphs past dynamo's recompile limit, and ~15 s of C++ compiles on CI.)"""
+    lse); each set of dtypes has dynamo's whole recompile limit to itself (float64 is the CPU
+    tests' dtype, merged eagerly there)."""
     # In a child process: torch.compile leaves compile workers and threads in the process
     # that ran it, and later tests fork training ranks from this one (a lock held at fork
     # time deadlocks the children: Megatron-LM's jit_fuser compiles there too).
-    # Under the CI profile through dynamo's aot_eager backend: the same graphs, guards and
-    # recompile count as inductor's (dynamo decides them), without its C++ compiles (~45 s on
-    # CI's cold cache; on GPUs inductor emits Triton, which a CPU cannot check anyway).
-    # `--hypothesis-profile=long` compiles with inductor, as a GPU run does.
+    # Under the CI profile through dynamo's aot_eager backend: dynamo's guards and recompiles,
+    # without inductor's C++ compiles (~45 s on CI's cold cache; on GPUs inductor emits Triton,
+    # which a CPU cannot check anyway); inductor adds its own guards (an aligned offset or not:
+    # 4 graphs for a run of rows where aot_eager has 2). `--hypothesis-profile=long` compiles
+    # with inductor, as a GPU run does.
     backend = "inductor" if settings.default.max_examples > 100 else "aot_eager"
     run_ranks(_fused_merges, 1, backend, daemon=False, timeout=240)
 
@@ -49,7 +49,12 @@ def test_fused_merge_equals_eager():
 def _fused_merges(rank, world, backend):
     compile_ = torch.compile
     torch.compile = lambda fn, **options: compile_(fn, backend=backend, **options)
-    _fused_merge_equals_eager(rank, world, torch.float32, 1e-6, part_dtype=torch.bfloat16)
+    graphs = _fused_merge_equals_eager(rank, world, torch.float32, 1e-6,
+                                       part_dtype=torch.bfloat16)
+    # The recompile limit down to what one dtype set compiled for one form: the second set
+    # compiles as many again, which fits only in graphs of its own (one function shared by
+    # both sets held 8 inductor graphs of 8 for a run of rows: one more and it went eager).
+    torch._dynamo.config.recompile_limit = graphs
     _fused_half_out(rank, world)
     assert not lse_module._FUSED["failed"]  # both stayed on the compiled path
 
@@ -62,6 +67,7 @@ def _fused_merge_equals_eager(rank, world, dtype, tol, part_dtype):
     # start is 0); several row counts and offsets (dynamic shapes; dynamo specialises 1 row
     # and offset 0).
     # Parts alternate between views (slices) and plain tensors: both share the graphs.
+    per_form = []
     for span in (False, True):
         compiled = None
         for i, (size, start) in enumerate(((3, 2), (5, 0), (1, 0), (1, 4), (4, 1), (2, 9))):
@@ -87,6 +93,7 @@ def _fused_merge_equals_eager(rank, world, dtype, tol, part_dtype):
             # The first merge of a form compiled every shape it meets later (no recompile).
             compiled = compiled or counters["stats"]["unique_graphs"]
             assert counters["stats"]["unique_graphs"] == compiled, ("recompiled", span, i)
+        per_form.append(compiled - sum(per_form))
     # Random accumulator sizes, offsets and row counts (a training run's variety): no graph
     # beyond those compiled up front (dynamo's recompile limit would end the fused path).
     gen = torch.Generator().manual_seed(1)
@@ -104,11 +111,12 @@ def _fused_merge_equals_eager(rank, world, dtype, tol, part_dtype):
     assert torch.equal(eager[0][0], torch.zeros_like(eager[0][0]))
     assert torch.isinf(eager[1][0]).all() and torch.isfinite(eager[1][1]).all()
     assert not lse_module._FUSED["failed"]  # it really compiled (no eager fallback)
+    return max(per_form)
 
 
 def _fake_compile(monkeypatch, fail):
     """torch.compile -> the eager function, except that `fail(args)` may raise instead."""
-    monkeypatch.setattr(lse_module, "_FUSED", {"rows": None, "span": None, "failed": False,
+    monkeypatch.setattr(lse_module, "_FUSED", {"compiled": {}, "failed": False,
                                                "validated": set()})
 
     def compile_(fn, **options):
