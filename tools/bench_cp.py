@@ -224,8 +224,10 @@ def main(argv=None):
     p.add_argument("--skip-wallclock", action="store_true")
     p.add_argument("--wall-tokens", type=int, default=4096)
     args = p.parse_args(argv)
-    if args.samples < 1 or args.wall_tokens % 4:
-        p.error("--samples must be >= 1 and --wall-tokens divisible by 4")
+    if args.samples < 1:
+        p.error(f"--samples must be >= 1, got {args.samples}")
+    if args.wall_tokens < 4 or args.wall_tokens % 4:
+        p.error(f"--wall-tokens must be a positive multiple of 4, got {args.wall_tokens}")
     bench_layouts(args.samples, args.seed)
     if not args.skip_wallclock:
         bench_wallclock(args.wall_tokens)

@@ -145,8 +145,12 @@ def main(argv=None):
     p.add_argument("--trainer-seq", type=int, default=16384)
     p.add_argument("--trainer-iters", type=int, default=6)
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.trainer_seq % 4 or args.trainer_iters < 2:
-        p.error("--repeats must be >= 1, --trainer-seq divisible by 4, --trainer-iters >= 2")
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.trainer_seq < 4 or args.trainer_seq % 4:
+        p.error(f"--trainer-seq must be a positive multiple of 4, got {args.trainer_seq}")
+    if args.trainer_iters < 2:
+        p.error(f"--trainer-iters must be >= 2, got {args.trainer_iters}")
     bench_host(args.repeats)
     if not args.skip_trainer:
         bench_trainer(args.trainer_seq, args.trainer_iters)

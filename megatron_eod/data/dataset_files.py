@@ -3,8 +3,8 @@
 One job: the paths of `{base}.bin/.idx/.json` and of their `.tmp` files, which a writer fills
 first; `install` renames a finished set into place (metadata, `.bin`, `.idx` last: a failed or
 killed run leaves the previous dataset whole, and a kill between the renames leaves a pair the
-start-up checks refuse by name), `discard` removes a failed run's `.tmp` files. Used by
-preprocess.py and merge.py.
+start-up checks refuse by name), `discard` removes a failed run's `.tmp` files; `make_output_folder` makes the folder they go
+in. Used by preprocess.py and merge.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Optional, Tuple
 
 from megatron_eod.data.sidecar import sidecar_path, write_sidecar
 
-__all__ = ["TMP", "dataset_files", "temporary_files", "scratch_files", "install", "discard"]
+__all__ = ["TMP", "dataset_files", "temporary_files", "scratch_files", "install", "discard",
+           "make_output_folder"]
 
 TMP = ".tmp"
 
@@ -55,3 +56,19 @@ def discard(base: str) -> None:
     for path in (*temporary_files(base), *scratch_files(base)):
         if os.path.exists(path):
             os.remove(path)
+
+
+def make_output_folder(output_prefix: str) -> None:
+    """Make the folder `output_prefix`'s files go in; an OSError naming --output-prefix and why
+    it cannot be made (a regular file on the path, no permission), not a bare errno."""
+    folder = os.path.dirname(os.path.abspath(output_prefix))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as err:
+        blocker = folder
+        while blocker != os.path.dirname(blocker) and not os.path.exists(blocker):
+            blocker = os.path.dirname(blocker)
+        why = (f"{blocker} is a file, not a folder" if os.path.exists(blocker)
+               and not os.path.isdir(blocker) else err.strerror or str(err))
+        raise OSError(f"--output-prefix {output_prefix}: cannot make its folder {folder} "
+                      f"({why})") from None

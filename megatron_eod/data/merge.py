@@ -31,7 +31,8 @@ from typing import List, Optional, Sequence
 import numpy
 
 from megatron_eod.data.checks import DatasetError, check_files
-from megatron_eod.data.dataset_files import discard, install, temporary_files
+from megatron_eod.data.dataset_files import (discard, install, make_output_folder,
+                                              temporary_files)
 from megatron_eod.data.index_writer import IndexWriter
 
 __all__ = ["MergeError", "MergeStats", "find_parts", "merge_datasets"]
@@ -138,7 +139,7 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str, log=None) -> Merge
                        tokens=sum(f[3] for f in facts),
                        without_metadata=[part for part, _, _, _, meta in facts if meta is None])
     temps = temporary_files(output_prefix)
-    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    make_output_folder(output_prefix)
     builder = None
     try:
         builder = IndexWriter(temps[0], temps[1], dtype)

@@ -43,8 +43,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy
 
-from megatron_eod.data.dataset_files import (dataset_files, discard, install, scratch_files,
-                                              temporary_files)
+from megatron_eod.data.dataset_files import (dataset_files, discard, install, make_output_folder,
+                                              scratch_files, temporary_files)
 from megatron_eod.data.index_writer import IndexWriter
 from megatron_eod.data.jsonl_inputs import (InputError, bounded_ordered_map, resolve_inputs,
                                              source_chunks, source_name)
@@ -219,7 +219,7 @@ def _preprocess(sources, output_prefix, tokenizer, json_keys, append_eod, worker
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     _ENCODER = _Encoder(tokenizer, json_keys, append_eod, dtype)
     stats = PreprocessStats(inputs=list(sources))
-    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    make_output_folder(output_prefix)
     bases = {key: _base(output_prefix, key) for key in json_keys}
     for base in bases.values():
         discard(base)  # a killed run's leftovers

@@ -164,6 +164,10 @@ def test_bad_inputs_and_outputs_are_named(tmp_path, shards):
         merge_datasets([str(tmp_path / "shards")], str(tmp_path / "shards" / "all"))
     with pytest.raises(MergeError, match=r"--output-prefix .*part-1_text_document is one of"):
         merge_datasets(parts[:2], parts[1])
+    (tmp_path / "FILE").touch()  # a regular file where the output's folder would be
+    with pytest.raises(OSError, match=r"--output-prefix .*FILE/sub/o: cannot make its folder "
+                                      r".*FILE/sub \(.*FILE is a file, not a folder\)"):
+        merge_datasets(parts[:1], str(tmp_path / "FILE" / "sub" / "o"))
 
 
 def test_the_tool(tmp_path, shards, capsys):

@@ -83,3 +83,15 @@ def test_a_killed_rerun_keeps_the_previous_dataset(good, tmp_path):
                      append_eod=True, log=lambda m: 0)  # ... removes them
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
     assert digests(prefix) == before
+
+
+def test_an_output_folder_it_cannot_make_is_named(tmp_path):
+    """A regular file on --output-prefix's path: one line naming the flag and the file (it
+    was a bare `[Errno 17] File exists: ...`)."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"text": "alpha"}) + "\n")
+    (tmp_path / "FILE").touch()
+    with pytest.raises(OSError, match=r"^--output-prefix .*FILE/out: cannot make its folder "
+                                      r".*FILE \(.*FILE is a file, not a folder\)$"):
+        preprocess_jsonl(str(src), str(tmp_path / "FILE" / "out"), ByteTokenizer(),
+                         log=lambda m: 0)
