@@ -1,5 +1,7 @@
 """training/eod_wiring.py: both trainers' args reach the EoD pieces the same way."""
 
+import os
+
 from megatron_eod.megatron.batch_context import EodContextRegistry
 from megatron_eod.training import eod_wiring
 from megatron_eod.training.args import parse_args
@@ -145,3 +147,44 @@ def test_sentencepiece_data_under_megatron_lm_names_the_tokenizer_that_reads_it(
             check_dataset(prefix, theirs, eod_flags=flags)
     _, advised = _megatron_lm_tokenizer(monkeypatch, "GPTSentencePieceTokenizer", model)
     check_dataset(prefix, advised, eod_flags=flags)  # EoD, vocabulary and probe digest agree
+
+
+def _check_copies(rank, world, folders):
+    """Each rank reads `d_text_document` in its own folder (a node's own copy)."""
+    from megatron_eod.data.checks import DatasetError
+    from megatron_eod.data.tokenizers import ByteTokenizer
+
+    os.chdir(folders[rank])
+    try:
+        eod_wiring.check_datasets(["d_text_document"], ByteTokenizer())
+    except DatasetError as error:
+        return str(error)
+    return None
+
+
+def test_a_rank_reading_another_copy_of_the_data_stops_every_rank(tmp_path):
+    """CP ranks on other nodes draw the same samples: a node's copy of another version (same
+    size here) would give them other layouts to plan, and their exchanges would hang or
+    mismatch. Every rank stops at start-up, naming the dataset, both ranks and hosts."""
+    import json
+    import socket
+
+    from megatron_eod.data.preprocess import preprocess_jsonl
+    from megatron_eod.data.tokenizers import ByteTokenizer
+
+    folders = []
+    for name, letter in (("node0", "a"), ("node1", "a"), ("node2", "b")):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "in.jsonl").write_text("".join(
+            json.dumps({"text": letter * (3 + i % 40)}) + "\n" for i in range(300)))
+        preprocess_jsonl(str(folder / "in.jsonl"), str(folder / "d"), ByteTokenizer(),
+                         append_eod=True, log=lambda m: 0)
+        folders.append(str(folder))
+    assert run_ranks(_check_copies, 2, folders[:2]) == [None, None]  # the same bytes
+    errors = run_ranks(_check_copies, 3, folders)
+    host = socket.gethostname()
+    assert errors == [errors[0]] * 3 and errors[0].startswith(
+        f"d_text_document: rank 2 ({host}) reads another copy of the dataset than rank 0 "
+        f"({host}): d_text_document.bin is ")
+    assert "make the copies the same" in errors[0]

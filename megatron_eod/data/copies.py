@@ -1,0 +1,63 @@
+"""Whether every rank reads the same copy of a dataset.
+
+One job: `fingerprint(prefix)` describes the `.bin` and `.idx` a rank sees (their sizes and a
+digest of 17 blocks of 4 KiB each, spread evenly from the first byte to the last), and
+`difference(prefix, reference, other, names)` says what differs between two ranks'
+fingerprints, or is None; `summary` digests a list of them, for a cheap first comparison. Ranks that draw the same samples (a context-parallel group, split over nodes) must read
+the same bytes: a node holding its own copy of another version, or a copy cut short or whose
+tail was never written (a partial transfer to a node's disk), gives them other tokens, so the
+CP ranks plan different layouts, and their exchanges hang or mismatch weeks into a run.
+
+Cheap on purpose: ~140 KiB read per dataset and rank, from files every rank opens anyway.
+What it does not do: read whole files (bytes differing only between the sampled blocks go
+unseen), or compare metadata files (data/checks.py checks each against its own pair).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Optional, Tuple
+
+__all__ = ["fingerprint", "summary", "difference"]
+
+BLOCK = 4096
+BLOCKS = 17
+
+
+def _file_fingerprint(path: str) -> Tuple[int, str]:
+    """(size, digest of BLOCKS blocks of BLOCK bytes at evenly spaced offsets)."""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        last = max(size - BLOCK, 0)
+        for i in range(BLOCKS):
+            digest.update(os.pread(f.fileno(), BLOCK, last * i // (BLOCKS - 1)))
+    return size, digest.hexdigest()
+
+
+def fingerprint(prefix: str) -> dict:
+    """{".bin": (size, digest), ".idx": (size, digest)} of `prefix`'s files on this rank."""
+    return {ext: _file_fingerprint(prefix + ext) for ext in (".bin", ".idx")}
+
+
+def summary(fingerprints) -> Optional[str]:
+    """A short digest of a list of fingerprints (None for None), for ranks to compare first."""
+    if fingerprints is None:
+        return None
+    return hashlib.blake2b(repr(fingerprints).encode(), digest_size=16).hexdigest()
+
+
+def difference(prefix: str, reference: dict, other: dict, names=("one", "the other")
+               ) -> Optional[str]:
+    """What differs between two fingerprints of `prefix`, in words using `names` for where
+    each was taken (e.g. ("rank 0 on node-a", "rank 8 on node-b")), or None."""
+    for ext in (".bin", ".idx"):
+        (size, digest), (other_size, other_digest) = reference[ext], other[ext]
+        if size != other_size:
+            return (f"{prefix}{ext} is {size} bytes on {names[0]} and {other_size} bytes on "
+                    f"{names[1]}")
+        if digest != other_digest:
+            return (f"{prefix}{ext} is {size} bytes on both but holds other bytes (compared "
+                    f"every ~{max(size // (BLOCKS - 1), 1)} bytes)")
+    return None
