@@ -26,7 +26,8 @@ import numpy
 
 from megatron_eod.data.sidecar import probe_digest, read_sidecar, sidecar_path
 
-__all__ = ["DatasetError", "SCAN_TOKENS", "check_dataset", "check_files", "sequence_count"]
+__all__ = ["DatasetError", "SCAN_TOKENS", "check_dataset", "check_files", "sequence_count",
+           "largest_token", "document_ends"]
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _HEADER = len(_MAGIC) + 8 + 1 + 8 + 8  # magic, version, dtype code, sequences, documents
@@ -118,6 +119,29 @@ def sequence_count(prefix: str) -> int:
     with open(prefix + ".idx", "rb") as f:
         head = f.read(_HEADER)
     return int(numpy.frombuffer(head, numpy.uint64, 1, 18)[0])
+
+
+def largest_token(prefix: str, eod: int, scan_tokens: int = SCAN_TOKENS) -> int:
+    """The largest token id of `prefix` in a bounded scan (the whole file when smaller)."""
+    dtype, _, tokens, _ = check_files(prefix)
+    return _scan(prefix + ".bin", dtype, tokens, eod, scan_tokens)[0] if tokens else -1
+
+
+def document_ends(prefix: str, limit: int = 1000) -> numpy.ndarray:
+    """The last token of up to `limit` non-empty documents of `prefix`, spread evenly."""
+    dtype, lengths, pointers, documents = _read_index(prefix + ".idx")
+    last = documents[1:] - 1  # each document's last sequence
+    has = (documents[1:] > documents[:-1])
+    has[has] = lengths[last[has]] > 0
+    chosen = last[has]
+    chosen = chosen[numpy.linspace(0, len(chosen) - 1, min(len(chosen), limit)).astype(int)]
+    if not len(chosen):
+        return numpy.zeros(0, dtype=dtype)
+    data = numpy.memmap(prefix + ".bin", dtype=dtype, mode="r")
+    at = pointers[chosen] // numpy.dtype(dtype).itemsize + lengths[chosen] - 1
+    ends = numpy.array(data[at])
+    del data
+    return ends
 
 
 def _read_index(idx: str):

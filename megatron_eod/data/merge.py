@@ -10,7 +10,9 @@ Added to Megatron's tool, which asserts only equal dtypes:
 - each part is checked first (checks.check_files: a truncated `.bin`, a damaged `.idx`, a pair
   its metadata does not describe) and named when it fails;
 - parts whose metadata names another tokenizer, or another token dtype, are refused by name
-  (their ids would mean different text in one dataset);
+  (their ids would mean different text in one dataset); a part without metadata merged with
+  parts that have it is checked against their tokenizer (ids past its vocabulary; documents
+  not ending with its EoD id where theirs do);
 - the merged dataset gets a metadata file (sums, largest id) when every part has one; where
   some part has none (Megatron's own tool made it), it gets none, the start-up checks scan it,
   and the log says so;
@@ -30,7 +32,7 @@ from typing import List, Optional, Sequence
 
 import numpy
 
-from megatron_eod.data.checks import DatasetError, check_files
+from megatron_eod.data.checks import DatasetError, check_files, document_ends, largest_token
 from megatron_eod.data.dataset_files import (discard, install, make_output_folder,
                                               temporary_files)
 from megatron_eod.data.index_writer import IndexWriter
@@ -109,6 +111,33 @@ def _tokenizer_difference(a: dict, b: dict) -> Optional[str]:
     return ", ".join(f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in keys) or None
 
 
+def _check_without_metadata(parts: Sequence[str], reference: str, meta: dict) -> None:
+    """Parts without a metadata file (Megatron's own tool made them), merged with parts that
+    have one, against the tokenizer that names: a token id past its vocabulary (a bounded
+    scan), or documents that do not end with its EoD id where `reference`'s do (made with
+    another tokenizer, or without --append-eod), are refused by name."""
+    made = meta.get("tokenizer", {})
+    vocab, eod = made.get("vocab_size"), made.get("eod")
+    if not isinstance(vocab, int) or not isinstance(eod, int):
+        return
+    tokenizer = f"{made.get('class')} (vocab {vocab}, EoD {eod}) that {reference} was made with"
+    reference_ends = document_ends(reference)
+    eod_ends = len(reference_ends) and (reference_ends == eod).all()
+    for part in parts:
+        largest = largest_token(part, eod)
+        if largest >= vocab:
+            raise MergeError(f"{part} (no metadata file) holds token id {largest}, outside the "
+                             f"vocabulary of the {tokenizer}: made with another tokenizer; "
+                             f"merge datasets of one tokenizer")
+        ends = document_ends(part)
+        if eod_ends and 2 * int((ends == eod).sum()) < len(ends):
+            raise MergeError(f"{part} (no metadata file): {int((ends == eod).sum())} of the "
+                             f"{len(ends)} documents checked end with EoD id {eod}, where every "
+                             f"document of {reference} does ({tokenizer}): made with another "
+                             f"tokenizer, or without --append-eod (its documents would run "
+                             f"together under EoD reset); merge datasets made alike")
+
+
 def merge_datasets(inputs: Sequence[str], output_prefix: str, log=None) -> MergeStats:
     """Merge the datasets `inputs` names (find_parts) into `output_prefix`.bin/.idx/.json."""
     log = log or (lambda msg: None)
@@ -138,6 +167,8 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str, log=None) -> Merge
     stats = MergeStats(parts=list(parts), documents=sum(f[2] for f in facts),
                        tokens=sum(f[3] for f in facts),
                        without_metadata=[part for part, _, _, _, meta in facts if meta is None])
+    if metas and stats.without_metadata:
+        _check_without_metadata(stats.without_metadata, *metas[0])
     temps = temporary_files(output_prefix)
     make_output_folder(output_prefix)
     builder = None

@@ -73,6 +73,34 @@ def test_a_part_without_metadata_gives_a_merge_without_it(tmp_path, shards):
     check_dataset(out, ByteTokenizer())  # checked by a scan now
 
 
+def test_a_part_without_metadata_of_another_tokenizer_or_without_eods_is_refused(
+        tmp_path, shards):
+    """Megatron's own tool writes no metadata: such a part is checked against the tokenizer
+    the other parts' metadata names (before, merged: the trainer's start-up scan finds ids
+    past the vocabulary only, never documents without the EoD that separates them)."""
+    parts, _ = shards
+    null = make(tmp_path, "null", ['{"text": "1 2 3"}\n'] * 4, build_tokenizer(
+        "NullTokenizer", vocab_size=300), folder="other")
+    os.remove(sidecar_path(null))
+    with pytest.raises(MergeError, match=r"null_text_document \(no metadata file\) holds "
+                                         r"token id (299|300), outside the vocabulary of the "
+                                         r".*ByteTokenizer \(vocab 258, EoD 256\) that "
+                                         r".*part-0_text_document"):
+        merge_datasets([parts[0], null], str(tmp_path / "o"))
+    src = tmp_path / "plain.jsonl"  # the same tokenizer, without --append-eod
+    src.write_text("".join(shard_lines(5, 30)))
+    preprocess_jsonl(str(src), str(tmp_path / "other" / "plain"), ByteTokenizer(),
+                     append_eod=False, log=lambda m: 0)
+    plain = str(tmp_path / "other" / "plain_text_document")
+    os.remove(sidecar_path(plain))
+    with pytest.raises(MergeError, match=r"plain_text_document \(no metadata file\): 0 of the 25 "
+                                         r"documents checked end with EoD id 256, where every "
+                                         r"document of .*part-0_text_document does .*without "
+                                         r"--append-eod"):
+        merge_datasets([parts[0], plain], str(tmp_path / "o"))
+    assert not os.path.exists(tmp_path / "o.bin")
+
+
 def test_parts_of_different_tokenizers_are_refused(tmp_path, shards):
     parts, _ = shards
     null = make(tmp_path, "null", ['{"text": "1 2 3"}\n'], build_tokenizer(
