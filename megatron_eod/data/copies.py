@@ -19,6 +19,8 @@ import hashlib
 import os
 from typing import Optional, Tuple
 
+from megatron_eod.data.checks import DatasetError
+
 __all__ = ["fingerprint", "summary", "difference"]
 
 BLOCK = 4096
@@ -37,8 +39,14 @@ def _file_fingerprint(path: str) -> Tuple[int, str]:
 
 
 def fingerprint(prefix: str) -> dict:
-    """{".bin": (size, digest), ".idx": (size, digest)} of `prefix`'s files on this rank."""
-    return {ext: _file_fingerprint(prefix + ext) for ext in (".bin", ".idx")}
+    """{".bin": (size, digest), ".idx": (size, digest)} of `prefix`'s files on this rank; a
+    file it cannot read is a DatasetError naming it (the caller gathers errors from every
+    rank: an OSError on one would leave the others waiting)."""
+    try:
+        return {ext: _file_fingerprint(prefix + ext) for ext in (".bin", ".idx")}
+    except OSError as err:
+        raise DatasetError(f"{err.filename or prefix}: cannot be read ({err.strerror or err})"
+                           ) from None
 
 
 def summary(fingerprints) -> Optional[str]:

@@ -65,3 +65,17 @@ def test_a_copy_cut_short_differs_by_size(pair):
     size = os.path.getsize(pair[0] + ".idx")
     assert _differs(*pair) == (f"P.idx is {size} bytes on rank 0 (n1) and {size + 8} bytes on "
                                f"rank 5 (n2)")
+
+
+def test_a_file_it_cannot_read_is_a_dataset_error(pair, monkeypatch):
+    """Raised as the start-up checks' error, which every rank gathers (an OSError on one rank
+    would leave the others waiting in the gather)."""
+    from megatron_eod.data.checks import DatasetError
+
+    def denied(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr("builtins.open", denied)
+    with pytest.raises(DatasetError, match=r"d_text_document\.bin: cannot be read \(Permission "
+                                           r"denied\)"):
+        copies.fingerprint(pair[0])
