@@ -128,20 +128,54 @@ def largest_token(prefix: str, eod: int, scan_tokens: int = SCAN_TOKENS) -> int:
 
 
 def document_ends(prefix: str, limit: int = 1000) -> numpy.ndarray:
-    """The last token of up to `limit` non-empty documents of `prefix`, spread evenly."""
+    """The last token of the non-empty ones among up to `limit` documents of `prefix`, spread
+    evenly (reads ~3 `limit` index entries, not the tables)."""
     dtype, lengths, pointers, documents = _read_index(prefix + ".idx")
-    last = documents[1:] - 1  # each document's last sequence
-    has = (documents[1:] > documents[:-1])
-    has[has] = lengths[last[has]] > 0
-    chosen = last[has]
-    chosen = chosen[numpy.linspace(0, len(chosen) - 1, min(len(chosen), limit)).astype(int)]
-    if not len(chosen):
+    count = len(documents) - 1
+    picks = numpy.unique(numpy.linspace(0, count - 1, min(count, limit)).astype(numpy.int64))
+    first, after = numpy.asarray(documents[picks]), numpy.asarray(documents[picks + 1])
+    last = (after - 1)[after > first]  # each picked document's last sequence
+    last = last[numpy.asarray(lengths[last]) > 0]
+    if not len(last):
         return numpy.zeros(0, dtype=dtype)
+    at = numpy.asarray(pointers[last]) // numpy.dtype(dtype).itemsize + lengths[last] - 1
     data = numpy.memmap(prefix + ".bin", dtype=dtype, mode="r")
-    at = pointers[chosen] // numpy.dtype(dtype).itemsize + lengths[chosen] - 1
     ends = numpy.array(data[at])
     del data
     return ends
+
+
+# Index entries per step of the checks below: memory stays ~100 MB however large the index
+# (a billion documents: ~20 GB of tables, on every rank of a node at once).
+_CHUNK = 1 << 22
+
+
+def _table(idx, dtype, count, offset):
+    """A memory-mapped table of the index (read as the checks walk it, never all at once)."""
+    if count == 0:
+        return numpy.zeros(0, dtype)
+    return numpy.memmap(idx, dtype, mode="r", offset=offset, shape=(count,))
+
+
+def _offsets_follow_lengths(lengths, pointers, itemsize) -> bool:
+    """pointers[0] == 0, lengths >= 0, pointers[i + 1] - pointers[i] == lengths[i] * itemsize,
+    a chunk at a time."""
+    if len(lengths) and pointers[0] != 0:
+        return False
+    for start in range(0, len(lengths), _CHUNK):
+        stop = min(start + _CHUNK, len(lengths))
+        chunk = numpy.asarray(lengths[start:stop])
+        steps = numpy.diff(numpy.asarray(pointers[start:stop + 1]))
+        if (chunk < 0).any() or (steps != chunk[:len(steps)].astype(numpy.int64) * itemsize
+                                 ).any():
+            return False
+    return True
+
+
+def _ascending(table) -> bool:
+    """No entry below the one before it, a chunk at a time."""
+    return all((numpy.diff(numpy.asarray(table[start:start + _CHUNK + 1])) >= 0).all()
+               for start in range(0, len(table), _CHUNK))
 
 
 def _read_index(idx: str):
@@ -170,17 +204,13 @@ def _read_index(idx: str):
         raise DatasetError(f"{idx}: {size} bytes, but its header ({sequences} sequences, "
                            f"{docs - 1 if docs else 0} documents) needs {expected}; the index "
                            f"is damaged")
-    lengths = numpy.fromfile(idx, numpy.int32, sequences, offset=_HEADER)
-    pointers = numpy.fromfile(idx, numpy.int64, sequences, offset=_HEADER + 4 * sequences)
-    documents = numpy.fromfile(idx, numpy.int64, docs, offset=_HEADER + 12 * sequences)
-    itemsize = numpy.dtype(_DTYPES[code]).itemsize
-    steps = pointers[1:] - pointers[:-1]
-    if (len(lengths) and (pointers[0] != 0 or (lengths < 0).any()
-                          or (steps != lengths[:-1].astype(numpy.int64) * itemsize).any())):
+    lengths = _table(idx, numpy.int32, sequences, _HEADER)
+    pointers = _table(idx, numpy.int64, sequences, _HEADER + 4 * sequences)
+    documents = _table(idx, numpy.int64, docs, _HEADER + 12 * sequences)
+    if not _offsets_follow_lengths(lengths, pointers, numpy.dtype(_DTYPES[code]).itemsize):
         raise DatasetError(f"{idx}: sequence offsets do not follow the sequence lengths; the "
                            f"index is damaged")
-    if (docs == 0 or documents[0] != 0 or documents[-1] != sequences
-            or (numpy.diff(documents) < 0).any()):
+    if docs == 0 or documents[0] != 0 or documents[-1] != sequences or not _ascending(documents):
         raise DatasetError(f"{idx}: the document table does not cover the {sequences} "
                            f"sequences; the index is damaged")
     return _DTYPES[code], lengths, pointers, documents

@@ -216,3 +216,70 @@ def test_the_probe_digest_ignores_the_special_ids_a_wrapper_adds():
             return [self.bos_id] + super().tokenize(text) + [self.eod]
 
     assert probe_digest(WithBos()) == probe_digest(ByteTokenizer()) is not None
+
+
+def _index(prefix, lengths, documents, code=8, itemsize=2, pointers=None):
+    """A .idx written field by field (and a sparse .bin of the size it points at)."""
+    lengths = numpy.asarray(lengths, numpy.int32)
+    if pointers is None:
+        pointers = numpy.concatenate([[0], numpy.cumsum(lengths[:-1], dtype=numpy.int64)])
+        pointers = pointers * itemsize
+    documents = numpy.asarray(documents, numpy.int64)
+    with open(prefix + ".idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + numpy.uint64(1).tobytes() + bytes([code]))
+        f.write(numpy.uint64(len(lengths)).tobytes() + numpy.uint64(len(documents)).tobytes())
+        for table in (lengths, numpy.asarray(pointers, numpy.int64), documents):
+            table.tofile(f)
+    with open(prefix + ".bin", "wb") as f:
+        f.truncate(int(pointers[-1]) + int(lengths[-1]) * itemsize if len(lengths) else 0)
+    return prefix
+
+
+@pytest.mark.parametrize("at", [0, 63, 64, 65, 127, 128, 999])
+def test_a_damaged_table_entry_is_found_at_any_chunk_edge(tmp_path, monkeypatch, at):
+    """The index tables are checked 64 entries at a time here (4M in a run): an entry broken
+    on either side of a chunk's edge, or at either end, is still found."""
+    from megatron_eod.data import checks
+
+    monkeypatch.setattr(checks, "_CHUNK", 64)
+    rng = numpy.random.default_rng(at)
+    lengths = rng.integers(0, 9, 1000)
+    documents = numpy.concatenate([[0], numpy.sort(rng.integers(0, 1001, 400)), [1000]])
+    prefix = _index(str(tmp_path / "good"), lengths, documents)
+    assert checks.check_files(prefix)[1:3] == (401, int(lengths.sum()))
+    pointers = numpy.concatenate([[0], numpy.cumsum(lengths[:-1])]) * 2
+    pointers[at] += 2  # an offset that does not follow the lengths before it
+    _index(str(tmp_path / "ptr"), lengths, documents, pointers=pointers)
+    with pytest.raises(DatasetError, match="offsets do not follow the sequence lengths"):
+        checks.check_files(str(tmp_path / "ptr"))
+    negative = lengths.copy()
+    negative[at] = -1
+    with pytest.raises(DatasetError, match="offsets do not follow|bytes, but"):
+        checks.check_files(_index(str(tmp_path / "neg"), negative, documents,
+                                  pointers=numpy.concatenate([[0], numpy.cumsum(
+                                      lengths[:-1])]) * 2))
+    backwards = numpy.arange(1001)
+    backwards[min(at, 998) + 1] -= 2  # a document table entry below the one before it
+    with pytest.raises(DatasetError, match="document table does not cover"):
+        checks.check_files(_index(str(tmp_path / "docs"), lengths, backwards))
+
+
+def test_the_index_checks_hold_a_chunk_of_the_tables_not_the_tables(tmp_path, monkeypatch):
+    """A billion-document index is ~20 GB of tables, checked on every rank of a node at start-up:
+    the checks walk memory-mapped tables a chunk at a time (before: read whole, with
+    temporaries; 50M documents: 1.76 GB allocated and 5.7 s, after: 68 MB and 0.5 s)."""
+    import tracemalloc
+
+    from megatron_eod.data import checks
+
+    monkeypatch.setattr(checks, "_CHUNK", 1 << 14)
+    n = 1 << 21  # 40 MB of tables
+    prefix = _index(str(tmp_path / "big"), numpy.full(n, 3), numpy.arange(n + 1))
+    tracemalloc.start()
+    try:
+        assert checks.check_files(prefix)[1:3] == (n, 3 * n)
+        assert len(checks.document_ends(prefix)) == 1000
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"{peak / 2 ** 20:.1f} MiB allocated for 40 MiB of tables"
