@@ -70,9 +70,10 @@ _EAGER = {"rows": _merge_rows, "span": _merge_span}
 
 
 def _own_code(fn, tag):
-    """fn with a code object of its own (dynamo's graph cache and recompile count)."""
+    """fn with a code object of its own (dynamo's graph cache and recompile count). Only
+    co_name changes: co_qualname is not a replace() argument before Python 3.11."""
     name = f"{fn.__name__}_{tag}"
-    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    code = fn.__code__.replace(co_name=name)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 

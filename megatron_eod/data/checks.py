@@ -122,15 +122,19 @@ def sequence_count(prefix: str) -> int:
 
 
 def largest_token(prefix: str, eod: int, scan_tokens: int = SCAN_TOKENS) -> int:
-    """The largest token id of `prefix` in a bounded scan (the whole file when smaller)."""
-    dtype, _, tokens, _ = check_files(prefix)
+    """The largest token id of `prefix` (a dataset check_files passed) in a bounded scan (the
+    whole file when smaller); -1 without tokens. Reads the index's header and last entries."""
+    dtype, lengths, pointers, _ = _open_index(prefix + ".idx")
+    if not len(lengths):
+        return -1
+    tokens = int(pointers[-1]) // numpy.dtype(dtype).itemsize + int(lengths[-1])
     return _scan(prefix + ".bin", dtype, tokens, eod, scan_tokens)[0] if tokens else -1
 
 
 def document_ends(prefix: str, limit: int = 1000) -> numpy.ndarray:
-    """The last token of the non-empty ones among up to `limit` documents of `prefix`, spread
-    evenly (reads ~3 `limit` index entries, not the tables)."""
-    dtype, lengths, pointers, documents = _read_index(prefix + ".idx")
+    """The last token of the non-empty ones among up to `limit` documents of `prefix` (a
+    dataset check_files passed), spread evenly; reads ~3 `limit` index entries."""
+    dtype, lengths, pointers, documents = _open_index(prefix + ".idx")
     count = len(documents) - 1
     picks = numpy.unique(numpy.linspace(0, count - 1, min(count, limit)).astype(numpy.int64))
     first, after = numpy.asarray(documents[picks]), numpy.asarray(documents[picks + 1])
@@ -179,6 +183,21 @@ def _ascending(table) -> bool:
 
 
 def _read_index(idx: str):
+    """_open_index, then its tables walked (a chunk at a time) for consistency."""
+    dtype, lengths, pointers, documents = _open_index(idx)
+    if not _offsets_follow_lengths(lengths, pointers, numpy.dtype(dtype).itemsize):
+        raise DatasetError(f"{idx}: sequence offsets do not follow the sequence lengths; the "
+                           f"index is damaged")
+    if (len(documents) == 0 or documents[0] != 0 or documents[-1] != len(lengths)
+            or not _ascending(documents)):
+        raise DatasetError(f"{idx}: the document table does not cover the {len(lengths)} "
+                           f"sequences; the index is damaged")
+    return dtype, lengths, pointers, documents
+
+
+def _open_index(idx: str):
+    """(dtype, lengths, pointers, documents) of `idx`, its header and size checked, the
+    tables memory-mapped."""
     try:
         with open(idx, "rb") as f:
             head = f.read(_HEADER)
@@ -207,12 +226,6 @@ def _read_index(idx: str):
     lengths = _table(idx, numpy.int32, sequences, _HEADER)
     pointers = _table(idx, numpy.int64, sequences, _HEADER + 4 * sequences)
     documents = _table(idx, numpy.int64, docs, _HEADER + 12 * sequences)
-    if not _offsets_follow_lengths(lengths, pointers, numpy.dtype(_DTYPES[code]).itemsize):
-        raise DatasetError(f"{idx}: sequence offsets do not follow the sequence lengths; the "
-                           f"index is damaged")
-    if docs == 0 or documents[0] != 0 or documents[-1] != sequences or not _ascending(documents):
-        raise DatasetError(f"{idx}: the document table does not cover the {sequences} "
-                           f"sequences; the index is damaged")
     return _DTYPES[code], lengths, pointers, documents
 
 

@@ -1,12 +1,14 @@
 """Whether every rank reads the same copy of a dataset.
 
 One job: `fingerprint(prefix)` describes the `.bin` and `.idx` a rank sees (their sizes and a
-digest of 17 blocks of 4 KiB each, spread evenly from the first byte to the last), and
-`difference(prefix, reference, other, names)` says what differs between two ranks'
-fingerprints, or is None; `summary` digests a list of them, for a cheap first comparison. Ranks that draw the same samples (a context-parallel group, split over nodes) must read
-the same bytes: a node holding its own copy of another version, or a copy cut short or whose
-tail was never written (a partial transfer to a node's disk), gives them other tokens, so the
-CP ranks plan different layouts, and their exchanges hang or mismatch weeks into a run.
+digest of 17 blocks of 4 KiB each, spread evenly from the first byte to the last: the whole
+file up to 68 KiB), `difference(reference, other, names)` says what differs between two
+fingerprints or is None, and `summary` digests a list of them, for a cheap first comparison.
+Ranks that draw the same samples (a context-parallel group, split over nodes) must read the
+same bytes: a node holding its own copy of another version, or a preallocated copy whose tail
+was never written (a transfer to a node's disk that stopped), gives them other tokens, so the
+CP ranks plan different layouts, and their exchanges hang or mismatch. (A copy whose files are
+cut short is refused on its own rank already: data/checks.py.)
 
 Cheap on purpose: ~140 KiB read per dataset and rank, from files every rank opens anyway.
 What it does not do: read whole files (bytes differing only between the sampled blocks go
@@ -56,16 +58,15 @@ def summary(fingerprints) -> Optional[str]:
     return hashlib.blake2b(repr(fingerprints).encode(), digest_size=16).hexdigest()
 
 
-def difference(prefix: str, reference: dict, other: dict, names=("one", "the other")
-               ) -> Optional[str]:
-    """What differs between two fingerprints of `prefix`, in words using `names` for where
-    each was taken (e.g. ("rank 0 on node-a", "rank 8 on node-b")), or None."""
+def difference(reference: dict, other: dict, names=("one", "the other")) -> Optional[str]:
+    """What differs between two fingerprints of a dataset, in words using `names` for where
+    each was taken (e.g. ("rank 0 (node-a)", "rank 8 (node-b)")), or None."""
     for ext in (".bin", ".idx"):
         (size, digest), (other_size, other_digest) = reference[ext], other[ext]
         if size != other_size:
-            return (f"{prefix}{ext} is {size} bytes on {names[0]} and {other_size} bytes on "
-                    f"{names[1]}")
+            return f"its {ext} is {size} bytes on {names[0]}, {other_size} on {names[1]}"
         if digest != other_digest:
-            return (f"{prefix}{ext} is {size} bytes on both but holds other bytes (compared "
-                    f"every ~{max(size // (BLOCKS - 1), 1)} bytes)")
+            compared = ("compared whole" if size <= BLOCK * BLOCKS else
+                        f"{BLOCKS} blocks of {BLOCK // 1024} KiB compared")
+            return (f"its {ext} is {size} bytes on both, with other bytes ({compared})")
     return None

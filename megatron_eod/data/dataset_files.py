@@ -3,8 +3,8 @@
 One job: the paths of `{base}.bin/.idx/.json` and of their `.tmp` files, which a writer fills
 first; `install` renames a finished set into place (metadata, `.bin`, `.idx` last: a failed or
 killed run leaves the previous dataset whole, and a kill between the renames leaves a pair the
-start-up checks refuse by name), `discard` removes a failed run's `.tmp` files; `make_output_folder` makes the folder they go
-in. Used by preprocess.py and merge.py.
+start-up checks refuse by name), `discard` removes a failed run's `.tmp` files;
+`make_output_folder` makes the folder they go in. Used by preprocess.py and merge.py.
 """
 
 from __future__ import annotations

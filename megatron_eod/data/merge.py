@@ -123,6 +123,8 @@ def _check_without_metadata(parts: Sequence[str], reference: str, meta: dict) ->
     tokenizer = f"{made.get('class')} (vocab {vocab}, EoD {eod}) that {reference} was made with"
     reference_ends = document_ends(reference)
     eod_ends = len(reference_ends) and (reference_ends == eod).all()
+    # Half: with the right tokenizer and --append-eod every document ends with its EoD id; with
+    # another, only those whose last token happens to have that id (a common token of it).
     for part in parts:
         largest = largest_token(part, eod)
         if largest >= vocab:
@@ -132,10 +134,11 @@ def _check_without_metadata(parts: Sequence[str], reference: str, meta: dict) ->
         ends = document_ends(part)
         if eod_ends and 2 * int((ends == eod).sum()) < len(ends):
             raise MergeError(f"{part} (no metadata file): {int((ends == eod).sum())} of the "
-                             f"{len(ends)} documents checked end with EoD id {eod}, where every "
-                             f"document of {reference} does ({tokenizer}): made with another "
-                             f"tokenizer, or without --append-eod (its documents would run "
-                             f"together under EoD reset); merge datasets made alike")
+                             f"{len(ends)} documents checked end with EoD id {eod}, where all "
+                             f"{len(reference_ends)} checked of {reference} do ({tokenizer}): "
+                             f"made with another tokenizer, or without --append-eod (its "
+                             f"documents would run together under EoD reset); merge datasets "
+                             f"made alike")
 
 
 def merge_datasets(inputs: Sequence[str], output_prefix: str, log=None) -> MergeStats:

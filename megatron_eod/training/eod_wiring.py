@@ -175,8 +175,8 @@ def check_datasets(prefixes, tokenizer, eod_flags=None, cache_path=None,
     node may hold its own, damaged copy), the bounded token scan on rank 0 only (no heavy
     reads multiplied by the world size) and the cached indices' stamp (data/index_cache.py)
     on rank 0 only; then every rank's copy of each dataset against rank 0's (data/copies.py:
-    a node's copy of another version, or cut short). Every rank raises the first rank's
-    error, so none is left waiting in the dataset builder's collectives."""
+    a node's copy of another version, or with a tail never written). Every rank raises the
+    first rank's error, so none is left waiting in the dataset builder's collectives."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     error, fingerprints = None, None
     try:
@@ -189,13 +189,14 @@ def check_datasets(prefixes, tokenizer, eod_flags=None, cache_path=None,
     except DatasetError as found:
         error = str(found)
     if dist.is_initialized():
-        # Round one gathers a digest of each rank's fingerprints (a few bytes a rank, where
-        # the fingerprints of a blend of 1,000 datasets are ~150 KB); only when two differ,
-        # every rank gathers the fingerprints themselves to say what differs.
+        # Round one gathers a digest of each rank's fingerprints (a few bytes a rank); only
+        # when two differ, rank 0 sends its fingerprints and each rank gathers what differs
+        # on it in words (None where nothing does).
         found = _gathered((error, copies.summary(fingerprints)))
         error = next((e for e, _ in found if e is not None), None)
         if error is None and len({digest for _, digest in found}) > 1:
-            error = _other_copy(prefixes, _gathered((fingerprints, socket.gethostname())))
+            error = next((e for e in _gathered(_other_copy(prefixes, fingerprints))
+                          if e is not None), None)
     if error is not None:
         raise DatasetError(error)
 
@@ -206,19 +207,21 @@ def _gathered(item):
     return found
 
 
-def _other_copy(prefixes, found):
-    """The first dataset a rank reads another copy of than rank 0 does, in words."""
-    reference, host = found[0]
-    for rank, (theirs, their_host) in enumerate(found[1:], start=1):
-        names = (f"rank 0 ({host})", f"rank {rank} ({their_host})")
-        for prefix, ours, other in zip(prefixes, reference, theirs):
-            what = copies.difference(prefix, ours, other, names)
-            if what is not None:
-                return (f"{prefix}: {names[1]} reads another copy of the dataset than "
-                        f"{names[0]}: {what}. Ranks that draw the same samples must read the "
-                        f"same bytes: make the copies the same (or read the data from a "
-                        f"shared file system)")
-    raise AssertionError("the fingerprints' digests differ, the fingerprints do not")
+def _other_copy(prefixes, fingerprints):
+    """The first dataset this rank reads another copy of than rank 0 does, in words, or None
+    (every rank calls it: rank 0 broadcasts its fingerprints)."""
+    sent = [(fingerprints, socket.gethostname())]
+    dist.broadcast_object_list(sent, src=0)
+    reference, host = sent[0]
+    names = (f"rank 0 ({host})", f"rank {dist.get_rank()} ({socket.gethostname()})")
+    for prefix, ours, theirs in zip(prefixes, reference, fingerprints):
+        what = copies.difference(ours, theirs, names)
+        if what is not None:
+            return (f"{prefix}: {names[1]} and {names[0]} read different copies of the "
+                    f"dataset ({what}). Ranks that draw the same samples must read the same "
+                    f"bytes: make the copies the same (or read the data from a shared file "
+                    f"system)")
+    return None
 
 
 def steps(args, registry, eod_token_id: int, pad_token_id, plan_ahead: bool) -> EodGPTSteps:

@@ -248,10 +248,12 @@ def test_a_damaged_table_entry_is_found_at_any_chunk_edge(tmp_path, monkeypatch,
     prefix = _index(str(tmp_path / "good"), lengths, documents)
     assert checks.check_files(prefix)[1:3] == (401, int(lengths.sum()))
     pointers = numpy.concatenate([[0], numpy.cumsum(lengths[:-1])]) * 2
-    pointers[at] += 2  # an offset that does not follow the lengths before it
-    _index(str(tmp_path / "ptr"), lengths, documents, pointers=pointers)
-    with pytest.raises(DatasetError, match="offsets do not follow the sequence lengths"):
-        checks.check_files(str(tmp_path / "ptr"))
+    for moved in (slice(at, at + 1), slice(at, None)):  # one offset; or all from it on,
+        broken = pointers.copy()  # which breaks only the step into `at` (a chunk's edge)
+        broken[moved] += 2
+        _index(str(tmp_path / "ptr"), lengths, documents, pointers=broken)
+        with pytest.raises(DatasetError, match="offsets do not follow the sequence lengths"):
+            checks.check_files(str(tmp_path / "ptr"))
     negative = lengths.copy()
     negative[at] = -1
     with pytest.raises(DatasetError, match="offsets do not follow|bytes, but"):

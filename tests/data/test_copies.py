@@ -1,6 +1,6 @@
 """data/copies.py: two copies of a dataset compare equal only when their sampled bytes and
-sizes agree; another version of the same size, a copy cut short and one whose tail was never
-written (zeros where a partial transfer stopped) each differ, in words naming the file."""
+sizes agree; another version of the same size or of another size, and a preallocated copy
+whose bytes were never written where a transfer stopped, each differ, in words."""
 
 import json
 import os
@@ -12,8 +12,10 @@ from megatron_eod.data import copies
 from megatron_eod.data.preprocess import preprocess_jsonl
 from megatron_eod.data.tokenizers import ByteTokenizer
 
+NAMES = ("rank 0 (n1)", "rank 5 (n2)")
 
-def _dataset(folder, letter, documents=400):
+
+def _dataset(folder, letter, documents=3000):
     folder.mkdir()
     src = folder / "in.jsonl"
     src.write_text("".join(json.dumps({"text": letter * (5 + i % 50)}) + "\n"
@@ -32,39 +34,50 @@ def pair(tmp_path):
 
 
 def _differs(a, b):
-    return copies.difference("P", copies.fingerprint(a), copies.fingerprint(b),
-                             ("rank 0 (n1)", "rank 5 (n2)"))
+    return copies.difference(copies.fingerprint(a), copies.fingerprint(b), NAMES)
 
 
 def test_identical_copies_agree(pair):
     assert _differs(*pair) is None
+    assert copies.summary([copies.fingerprint(p) for p in pair]) == copies.summary(
+        [copies.fingerprint(p) for p in reversed(pair)])
 
 
 def test_another_version_of_the_same_size_differs(tmp_path, pair):
     other = _dataset(tmp_path / "c", "y")  # same lengths, other letters
-    assert os.path.getsize(other + ".bin") == os.path.getsize(pair[0] + ".bin")
+    size = os.path.getsize(other + ".bin")
+    assert size == os.path.getsize(pair[0] + ".bin") and size > 17 * 4096
     assert _differs(pair[0], other) == (
-        f"P.bin is {os.path.getsize(other + '.bin')} bytes on both but holds other bytes "
-        f"(compared every ~{os.path.getsize(other + '.bin') // 16} bytes)")
+        f"its .bin is {size} bytes on both, with other bytes (17 blocks of 4 KiB compared)")
+    assert copies.summary([copies.fingerprint(pair[0])]) != copies.summary(
+        [copies.fingerprint(other)])
+
+
+def test_another_version_of_another_size_differs(tmp_path, pair):
+    other = _dataset(tmp_path / "c", "x", documents=3001)
+    assert _differs(pair[0], other) == (
+        f"its .bin is {os.path.getsize(pair[0] + '.bin')} bytes on rank 0 (n1), "
+        f"{os.path.getsize(other + '.bin')} on rank 5 (n2)")
 
 
 @pytest.mark.parametrize("where", ["first", "last", "middle"])
 def test_a_copy_whose_bytes_were_never_written_differs(pair, where):
-    """A partial transfer that preallocated the file leaves zeros where it stopped (here: any byte changed)."""
+    """A transfer that preallocated the file and stopped leaves zeros (here: a byte of the
+    last token, which is not zero) where it stopped."""
     size = os.path.getsize(pair[1] + ".bin")
-    at = {"first": 0, "last": size - 1, "middle": size // 2}[where]
+    at = {"first": 0, "last": size - 2, "middle": size // 2}[where]
     with open(pair[1] + ".bin", "r+b") as f:
         f.seek(at)
-        f.write(b"\xff")
-    assert "P.bin is" in _differs(*pair) and "holds other bytes" in _differs(*pair)
+        assert f.read(1) != b"\0"
+        f.seek(at)
+        f.write(b"\0")
+    assert _differs(*pair).startswith(f"its .bin is {size} bytes on both, with other bytes")
 
 
-def test_a_copy_cut_short_differs_by_size(pair):
-    with open(pair[1] + ".idx", "ab") as f:
-        f.write(b"\0" * 8)
-    size = os.path.getsize(pair[0] + ".idx")
-    assert _differs(*pair) == (f"P.idx is {size} bytes on rank 0 (n1) and {size + 8} bytes on "
-                               f"rank 5 (n2)")
+def test_a_small_file_is_compared_whole(tmp_path):
+    small, other = _dataset(tmp_path / "a", "x", 20), _dataset(tmp_path / "b", "y", 20)
+    assert os.path.getsize(small + ".bin") < 17 * 4096
+    assert _differs(small, other).endswith("with other bytes (compared whole)")
 
 
 def test_a_file_it_cannot_read_is_a_dataset_error(pair, monkeypatch):

@@ -94,8 +94,8 @@ def test_a_part_without_metadata_of_another_tokenizer_or_without_eods_is_refused
     plain = str(tmp_path / "other" / "plain_text_document")
     os.remove(sidecar_path(plain))
     with pytest.raises(MergeError, match=r"plain_text_document \(no metadata file\): 0 of the 25 "
-                                         r"documents checked end with EoD id 256, where every "
-                                         r"document of .*part-0_text_document does .*without "
+                                         r"documents checked end with EoD id 256, where all 50 "
+                                         r"checked of .*part-0_text_document do .*without "
                                          r"--append-eod"):
         merge_datasets([parts[0], plain], str(tmp_path / "o"))
     assert not os.path.exists(tmp_path / "o.bin")

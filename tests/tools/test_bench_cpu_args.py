@@ -34,3 +34,17 @@ def test_a_size_it_cannot_run_names_the_flag(capsys, monkeypatch, tool, argv, me
     with pytest.raises(SystemExit) as stop:
         tool.main(argv)
     assert stop.value.code == 2 and re.search(re.escape(message), capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("tool,argv,started", [
+    (bench_cp, ["--wall-tokens", "4", "--samples", "1"], ("bench_wallclock", 4)),
+    (bench_plan, ["--trainer-seq", "4", "--repeats", "1", "--trainer-iters", "2"],
+     ("bench_trainer", 4)),
+])
+def test_the_smallest_sizes_start_the_benchmark(monkeypatch, tool, argv, started):
+    calls = []
+    for name in ("bench_layouts", "bench_wallclock", "bench_host", "bench_trainer"):
+        if hasattr(tool, name):
+            monkeypatch.setattr(tool, name, lambda *a, name=name: calls.append((name, a[0])))
+    tool.main(argv)
+    assert started in calls
