@@ -146,6 +146,9 @@ for stage in "${STAGES[@]}"; do
       *) grep -o '\[figure\].*' "$log" | sed 's/^\[figure\] /- /'
          grep -E '^(FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed|skipped|error)' "$log" | tail -n 20 ;;
     esac
+    # A stage can pass and still have run slower than it should: attention/lse.py's fused
+    # merge falling back to eager (a compile failure, dynamo's recompile limit) says so once.
+    grep -o -m 3 'fused log-sum-exp merge unavailable.*' "$log" | sed 's/^/- WARNING: /'
   } >> "$FIGURES"
   write_summary
 done

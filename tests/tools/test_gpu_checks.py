@@ -16,7 +16,7 @@ SCRIPT = os.path.join(REPO, "scripts", "gpu_checks.sh")
 
 
 def checks(*args, env=None, tmp_path=None):
-    env = dict(os.environ, PYTHON=sys.executable, **(env or {}))
+    env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
     if tmp_path is not None:  # no offline wheels, logs in the test's folder
         env.update(OFFLINE_DIR=str(tmp_path / "offline"), GPU_CHECKS_OUT=str(tmp_path / "out"),
                    TMPDIR=str(tmp_path))
@@ -132,6 +132,19 @@ def test_without_a_gpu_the_env_stage_fails_and_stops_the_rest(tmp_path):
     assert "| env | FAILED (exit 1) |" in summary
     assert "| kernels | not started: the env stage failed | 0 |" in summary
     assert "sees no CUDA device" in (tmp_path / "out" / "env.log").read_text()
+
+
+def test_a_stage_that_merged_eagerly_is_flagged_in_the_summary(tmp_path):
+    """The fused merge's fallback warning (a run that passes, slower) reaches summary.md."""
+    python = tmp_path / "python"
+    python.write_text("#!/bin/bash\necho 'lse.py:140: UserWarning: fused log-sum-exp merge "
+                      "unavailable (FailOnRecompileLimitHit: limit); merging eagerly'\n")
+    python.chmod(0o755)
+    result = checks("env", env={"PYTHON": str(python)}, tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert ("- WARNING: fused log-sum-exp merge unavailable (FailOnRecompileLimitHit: limit); "
+            "merging eagerly") in summary
 
 
 def test_env_report_runs_its_kernel_check_on_cpu(capsys):
