@@ -28,7 +28,7 @@ from megatron_eod.plan import ulysses_degree_for
 __all__ = ["CONCURRENT_CALLS_HELP", "CP_ALGO_ALIASES", "FlagError", "RING_EXCHANGES",
            "RING_EXCHANGE_HELP", "check_context_parallel", "check_gloo_on_cuda",
            "check_gpu_attention", "check_hybrid_degree", "check_query_groups",
-           "check_sequence_parallel_rows", "exit_with_error"]
+           "check_sequence_parallel_rows", "exit_with_error", "say_error"]
 
 RING_EXCHANGE_HELP = ("how ring and hybrid CP move keys/values: batched (default: all of a "
                       "layer's transfers at once, 2 attention calls per direction), "
@@ -65,8 +65,16 @@ def exit_with_error(error, code: int):
     same data, a gathered check), and torchrun ends the others as soon as the first exits, so
     rank 0's line was lost whenever another rank got there first (a rank 0 starting 3 s late
     lost it every time)."""
-    print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+    say_error(f"pretrain_gpt.py: error: {error}")
     raise SystemExit(code) from None
+
+
+def say_error(line: str) -> None:
+    """`line` and its newline on stderr in ONE write: every rank says the same error at once,
+    and print's two writes (the text, then the newline; stderr is unbuffered under torchrun)
+    ran the ranks' lines together."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def check_query_groups(args) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import time
 import traceback
 
@@ -35,7 +34,7 @@ from megatron_eod.data.checks import DatasetError
 from megatron_eod.data.tokenizers import padded_vocab_size
 from megatron_eod.training.args import FlagError, parse_args
 from megatron_eod.training.args_megatron_lm_only import no_effect_notice
-from megatron_eod.training.cp_flags import exit_with_error
+from megatron_eod.training.cp_flags import exit_with_error, say_error
 from megatron_eod.megatron.batch_context import EodContextRegistry
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.megatron.steps import is_dataset_built_on_rank
@@ -86,10 +85,10 @@ def pretrain(argv=None):
         if "timed out" not in str(error).lower():
             raise
         # Every rank that waited says so: the stuck one may be any of them.
-        print(f"pretrain_gpt.py: error: rank {dist.get_rank()}: a collective waited longer "
-              f"than --distributed-timeout-minutes {args.distributed_timeout_minutes} (a "
-              f"rank stopped answering or died) in {_where(error)}: {error}",
-              file=sys.stderr, flush=True)
+        say_error(f"pretrain_gpt.py: error: rank {dist.get_rank()}: a collective waited "
+                  f"longer than --distributed-timeout-minutes "
+                  f"{args.distributed_timeout_minutes} (a rank stopped answering or died) in "
+                  f"{_where(error)}: {error}")
         raise SystemExit(1) from None
     finally:
         controls.close()

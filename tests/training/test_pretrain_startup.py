@@ -41,3 +41,28 @@ def test_every_rank_says_why(monkeypatch, capsys):
                             "--seq-length", "130"))
     assert stop.value.code == 2
     assert capsys.readouterr().err.startswith("pretrain_gpt.py: error: --seq-length 130")
+
+
+def test_each_rank_writes_its_error_line_whole(monkeypatch):
+    """Every rank writes the same error at once; under torchrun stderr is unbuffered, and
+    print's two writes (the text, then the newline) ran the ranks' lines together
+    ("...file system)pretrain_gpt.py: error: ..."). One write a line, newline included."""
+    import sys
+
+    from megatron_eod.training.cp_flags import exit_with_error
+
+    class Writes:
+        def __init__(self):
+            self.calls = []
+
+        def write(self, text):
+            self.calls.append(text)
+
+        def flush(self):
+            pass
+
+    writes = Writes()
+    monkeypatch.setattr(sys, "stderr", writes)
+    with pytest.raises(SystemExit):
+        exit_with_error("d_text_document: other copies", 2)
+    assert writes.calls == ["pretrain_gpt.py: error: d_text_document: other copies\n"]
