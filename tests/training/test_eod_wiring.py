@@ -1,6 +1,7 @@
 """training/eod_wiring.py: both trainers' args reach the EoD pieces the same way."""
 
 import os
+import re
 
 from megatron_eod.megatron.batch_context import EodContextRegistry
 from megatron_eod.training import eod_wiring
@@ -190,3 +191,49 @@ def test_a_rank_reading_another_copy_of_the_data_stops_every_rank(tmp_path):
         f" bytes on both, with other bytes (compared whole)). Ranks that draw the "
         f"same samples must read the same bytes: make the copies the same (or read the data "
         f"from a shared file system)")
+
+
+def _scan_counts(rank, world, prefixes):
+    from megatron_eod.data import checks
+    from megatron_eod.data.checks import DatasetError
+    from megatron_eod.data.tokenizers import ByteTokenizer
+
+    scanned, scan = [], checks._scan
+    checks._scan = lambda bin_, *args: scanned.append(bin_) or scan(bin_, *args)
+    try:
+        eod_wiring.check_datasets(prefixes, ByteTokenizer())
+    except DatasetError as error:
+        return scanned, str(error)
+    return scanned, None
+
+
+def test_datasets_without_metadata_are_scanned_once_each_spread_over_the_ranks(tmp_path):
+    """Megatron's own tool writes no metadata, so each of its datasets gets a bounded token
+    scan at start-up: rank 0 read every one of a blend (minutes for 1,000 shards, at every
+    restart); now prefix i is scanned on rank i mod world, and an error any rank finds stops
+    every rank."""
+    import json
+
+    from megatron_eod.data.preprocess import preprocess_jsonl
+    from megatron_eod.data.sidecar import sidecar_path
+    from megatron_eod.data.tokenizers import ByteTokenizer, NullTokenizer
+
+    prefixes = []
+    for i in range(5):
+        (tmp_path / f"{i}.jsonl").write_text(json.dumps({"text": f"doc {i} " * 9}) + "\n")
+        tokenizer = NullTokenizer(300) if i == 3 else ByteTokenizer()
+        if i == 3:  # ids past the byte vocabulary, from another tokenizer
+            (tmp_path / "3.jsonl").write_text(json.dumps({"text": "299 1 299"}) + "\n")
+        preprocess_jsonl(str(tmp_path / f"{i}.jsonl"), str(tmp_path / f"d{i}"), tokenizer,
+                         append_eod=True, log=lambda m: 0)
+        prefixes.append(str(tmp_path / f"d{i}_text_document"))
+        os.remove(sidecar_path(prefixes[-1]))
+    results = run_ranks(_scan_counts, 2, prefixes[:3] + prefixes[4:])
+    assert [scanned for scanned, _ in results] == [
+        [prefixes[0] + ".bin", prefixes[2] + ".bin"], [prefixes[1] + ".bin", prefixes[4] + ".bin"]]
+    assert [error for _, error in results] == [None, None]
+    results = run_ranks(_scan_counts, 2, prefixes)  # d3 is scanned on rank 1
+    assert results[1][0] == [prefixes[1] + ".bin", prefixes[3] + ".bin"]
+    assert results[0][1] == results[1][1]
+    assert re.search(r"d3_text_document\.bin: token id (299|300) is outside the training "
+                     r"tokenizer's vocabulary \(258\)", results[0][1])
