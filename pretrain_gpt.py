@@ -27,6 +27,7 @@ def main(argv=None):
     chooser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     chooser.add_argument("--trainer", choices=("auto", "megatron-lm", "lean"), default="auto")
     chosen, _ = chooser.parse_known_args(argv)
+    from megatron_eod.training.cp_flags import exit_with_error
     from megatron_eod.training.megatron_lm_run import megatron_lm_available, run
 
     trainer = chosen.trainer
@@ -34,11 +35,9 @@ def main(argv=None):
         trainer = "megatron-lm" if megatron_lm_available() else "lean"
     if trainer == "megatron-lm":
         if not megatron_lm_available():
-            print("pretrain_gpt.py: error: --trainer megatron-lm needs Megatron-LM's "
-                  "megatron.training: put a Megatron-LM checkout on PYTHONPATH (e.g. "
-                  "../shared/megatron-lm) or install megatron-core >= 0.17 (Python >= 3.12)",
-                  file=sys.stderr, flush=True)
-            raise SystemExit(2)
+            exit_with_error("--trainer megatron-lm needs Megatron-LM's megatron.training: put "
+                            "a Megatron-LM checkout on PYTHONPATH (e.g. ../shared/megatron-lm) "
+                            "or install megatron-core >= 0.17 (Python >= 3.12)", 2)
         return run(argv)
     from megatron_eod.training.pretrain import pretrain
 
