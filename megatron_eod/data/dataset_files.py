@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 from megatron_eod.data.sidecar import sidecar_path, write_sidecar
 
 __all__ = ["TMP", "dataset_files", "temporary_files", "scratch_files", "install", "discard",
-           "make_output_folder"]
+           "make_output_folder", "blocking_path"]
 
 TMP = ".tmp"
 
@@ -65,10 +65,19 @@ def make_output_folder(output_prefix: str) -> None:
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as err:
-        blocker = folder
-        while blocker != os.path.dirname(blocker) and not os.path.exists(blocker):
-            blocker = os.path.dirname(blocker)
-        why = (f"{blocker} is a file, not a folder" if os.path.exists(blocker)
-               and not os.path.isdir(blocker) else err.strerror or str(err))
+        blocker = blocking_path(folder)
+        why = (f"{blocker} is {'a link to nowhere' if os.path.islink(blocker) else 'a file'}, "
+               f"not a folder" if blocker else err.strerror or str(err))
         raise OSError(f"--output-prefix {output_prefix}: cannot make its folder {folder} "
                       f"({why})") from None
+
+
+def blocking_path(folder: str) -> Optional[str]:
+    """The path on the way to `folder` that is there but is not a folder (a regular file, a
+    link to nowhere), where making `folder` fails; None where there is none."""
+    path = folder
+    while os.path.dirname(path) != path:
+        if os.path.lexists(path) and not os.path.isdir(path):
+            return path
+        path = os.path.dirname(path)
+    return None

@@ -21,6 +21,7 @@ import os
 from typing import List, Optional
 
 from megatron_eod.data.checks import DatasetError
+from megatron_eod.data.dataset_files import blocking_path
 
 __all__ = ["check_index_cache", "cache_folder"]
 
@@ -95,12 +96,7 @@ def check_index_cache(prefix: str, data_cache_path: Optional[str]) -> None:
     try:
         os.makedirs(folder, exist_ok=True)
     except (FileExistsError, NotADirectoryError):  # megatron-core's makedirs fails too
-        blocker = folder  # the first path on the way that is there but not a folder
-        while os.path.dirname(blocker) != blocker and not (
-                os.path.lexists(blocker) and not os.path.isdir(blocker)):
-            blocker = os.path.dirname(blocker)
-        if os.path.dirname(blocker) == blocker:
-            blocker = folder
+        blocker = blocking_path(folder) or folder
         given = (f"--data-cache-path {data_cache_path}" if data_cache_path else
                  f"megatron-core's index cache of {prefix} ({folder})")
         what = "a link to nowhere" if os.path.islink(blocker) else "a file"

@@ -132,8 +132,9 @@ def _check_without_metadata(parts: Sequence[str], reference: str, meta: dict) ->
                              f"vocabulary of the {tokenizer}: made with another tokenizer; "
                              f"merge datasets of one tokenizer")
         ends = document_ends(part)
-        if eod_ends and 2 * int((ends == eod).sum()) < len(ends):
-            raise MergeError(f"{part} (no metadata file): {int((ends == eod).sum())} of the "
+        ending = int((ends == eod).sum())
+        if eod_ends and 2 * ending < len(ends):
+            raise MergeError(f"{part} (no metadata file): {ending} of the "
                              f"{len(ends)} documents checked end with EoD id {eod}, where all "
                              f"{len(reference_ends)} checked of {reference} do ({tokenizer}): "
                              f"made with another tokenizer, or without --append-eod (its "
