@@ -1,16 +1,16 @@
 """Start-up: process group, megatron-core parallel state, CPU compat, hybrid groups, seeds.
 
 One job: bring a rank from "launched by torchrun" (or "forked by a test with a process group
-already up") to "ready to build the model". NCCL on GPUs, gloo on CPUs; on a machine without
-CUDA the megatron-core CPU patches are applied (cpu_compat), and gloo on CUDA gets its two
-stand-ins (gloo_on_cuda). For Hybrid CP, parallel_state
-builds the Ulysses (consecutive) and Ring (strided) sub-groups as its hierarchical CP groups
-and they are handed to the attention (`register_hybrid_groups`). megatron-core's
-micro-batch calculator is set up for --global-batch-size / --rampup-batch-size (as a step
-schedule where megatron-core >= 0.18 ignores the ramp). --deterministic-mode turns
-torch's deterministic algorithms on for the run. Seeds follow Megatron:
-seed + 100 * pipeline rank for the default generators, and megatron-core's model-parallel
-RNG tracker (`model_parallel_cuda_manual_seed`).
+already up") to "ready to build the model". Every rank's flags and versions are compared with
+rank 0's first (same_flags), before any group is made. NCCL on GPUs, gloo on CPUs; on a
+machine without CUDA the megatron-core CPU patches are applied (cpu_compat), and gloo on CUDA
+gets its two stand-ins (gloo_on_cuda). For Hybrid CP, parallel_state builds the Ulysses
+(consecutive) and Ring (strided) sub-groups as its hierarchical CP groups and they are handed
+to the attention (`register_hybrid_groups`). megatron-core's micro-batch calculator is set up
+for --global-batch-size / --rampup-batch-size (as a step schedule where megatron-core >= 0.18
+ignores the ramp). --deterministic-mode turns torch's deterministic algorithms on for the
+run. Seeds follow Megatron: seed + 100 * pipeline rank for the default generators, and
+megatron-core's model-parallel RNG tracker (`model_parallel_cuda_manual_seed`).
 
 What it does not do: no teardown of a process group it did not create (`shutdown`).
 """
@@ -31,6 +31,7 @@ from megatron_eod.training import eod_wiring as wiring
 from megatron_eod.training.args_optim import ramp_as_step_schedule
 from megatron_eod.training.checkpointing import needs_gloo_dp_groups
 from megatron_eod.training.parent_watch import exit_with_parent, launched_by_torchrun
+from megatron_eod.training.same_flags import check_same_flags
 
 __all__ = ["initialize", "shutdown"]
 
@@ -38,7 +39,7 @@ _OWNS_PROCESS_GROUP = False
 _DETERMINISTIC_BEFORE = None  # (mode, warn_only) to give back, set by --deterministic-mode
 
 
-def initialize(args):
+def initialize(args, argv=()):
     global _OWNS_PROCESS_GROUP, _DETERMINISTIC_BEFORE
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
@@ -60,6 +61,7 @@ def initialize(args):
     if dist.get_world_size() != args.world_size:
         raise ValueError(f"the process group has {dist.get_world_size()} ranks but the flags "
                          f"were validated for WORLD_SIZE {args.world_size}")
+    check_same_flags(args, argv)  # before any group: sizes differing would hang there
     ps = import_megatron("megatron.core.parallel_state")
     if getattr(args, "gloo_dp_groups", None) is None:  # pretrain() decides it at start-up
         args.gloo_dp_groups = needs_gloo_dp_groups(args)

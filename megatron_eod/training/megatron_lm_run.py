@@ -10,6 +10,8 @@ providers, on any Megatron-LM from core_v0.16 to 0.19:
   `pretrain(cfg_container, datasets, ..., model_provider=...)` (always by keyword);
 * our flag rules run right after Megatron-LM's `validate_args` (before it builds the
   process groups, so hybrid's hierarchical CP groups come from --ulysses-degree-in-cp too);
+* every rank's flags and versions are compared with rank 0's (same_flags) right before
+  Megatron-LM makes its groups (`initialize_model_parallel`), its first collective;
 * `--metrics-file` gets one JSON line per iteration (from Megatron-LM's `training_log`, so
   the loss is the iteration's own, not its log-interval average) and per evaluation;
 * megatron-core wheels ship the dataset helpers prebuilt and no Makefile: Megatron-LM's
@@ -24,6 +26,7 @@ What it does not do: no flag parsing of its own (Megatron-LM's parser with add_e
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import importlib.util
 import inspect
@@ -48,6 +51,7 @@ from megatron_eod.training.megatron_lm import EodProviders
 from megatron_eod.training.megatron_lm_args import (add_eod_args, check_before_megatron,
                                                     eod_args_from_megatron)
 from megatron_eod.training.parent_watch import exit_with_parent, launched_by_torchrun
+from megatron_eod.training.same_flags import check_same_flags
 
 __all__ = ["megatron_lm_assertion", "megatron_lm_available", "run"]
 
@@ -88,19 +92,40 @@ def run(argv=None):
                   forward_step_func=providers.forward_step, store=store,
                   get_embedding_ranks=_embedding_ranks)
     try:
-        if "cfg_container" in inspect.signature(training.pretrain).parameters:  # >= 0.18
-            arguments = importlib.import_module("megatron.training.arguments")
-            args = arguments.parse_and_validate_args(extra_args_provider=add_eod_args,
-                                                     args_defaults=ARGS_DEFAULTS)
-            config = importlib.import_module("megatron.training.argument_utils")
-            pretrain(config.pretrain_cfg_container_from_args(args), **kwargs)
-        else:
-            pretrain(extra_args_provider=add_eod_args, args_defaults=ARGS_DEFAULTS, **kwargs)
+        with _flags_compared_before_groups():
+            if "cfg_container" in inspect.signature(training.pretrain).parameters:  # >= 0.18
+                arguments = importlib.import_module("megatron.training.arguments")
+                args = arguments.parse_and_validate_args(extra_args_provider=add_eod_args,
+                                                         args_defaults=ARGS_DEFAULTS)
+                config = importlib.import_module("megatron.training.argument_utils")
+                pretrain(config.pretrain_cfg_container_from_args(args), **kwargs)
+            else:
+                pretrain(extra_args_provider=add_eod_args, args_defaults=ARGS_DEFAULTS, **kwargs)
     except (FlagError, DatasetError, CheckpointError) as error:  # raised on every rank
         exit_with_error(error, 2)
     finally:
         if providers._steps is not None:
             providers._steps.close()
+
+
+@contextlib.contextmanager
+def _flags_compared_before_groups():
+    """While Megatron-LM's pretrain() runs, its first `initialize_model_parallel` checks every
+    rank's flags against rank 0's first (sizes differing would leave the ranks waiting in
+    it; another --lr on some ranks would train on silently)."""
+    ps = importlib.import_module("megatron.core.parallel_state")
+    original = ps.initialize_model_parallel
+
+    def initialize_model_parallel(*args, **kwargs):
+        ps.initialize_model_parallel = original  # once
+        check_same_flags(importlib.import_module("megatron.training").get_args(), sys.argv[1:])
+        return original(*args, **kwargs)
+
+    ps.initialize_model_parallel = initialize_model_parallel
+    try:
+        yield
+    finally:
+        ps.initialize_model_parallel = original
 
 
 def _use_prebuilt_dataset_helpers() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 import traceback
 
@@ -68,10 +69,12 @@ def pretrain(argv=None):
     except FlagError as error:
         exit_with_error(error, 2)
     try:
-        initialize(args)
-    except BaseException:
+        initialize(args, sys.argv[1:] if argv is None else argv)
+    except BaseException as error:
         with contextlib.suppress(Exception):  # the start-up's own error is the one to see
             shutdown()  # what it set so far: deterministic algorithms, the CPU patches
+        if isinstance(error, FlagError):  # the ranks' flags differ: said on every rank
+            exit_with_error(error, 2)
         raise
     for notice in (checkpoint_args_notice(args), no_effect_notice(args)):
         if notice and dist.get_rank() == 0:

@@ -1,0 +1,110 @@
+"""Every rank is launched with the same flags and versions (training/same_flags.py): a rank
+given another value stops every rank at start-up, naming the flag, both ranks and values,
+before any group is made (both trainers)."""
+
+import argparse
+import socket
+
+import pytest
+import torch
+
+from megatron_eod.training.cp_flags import FlagError
+from megatron_eod.training.same_flags import check_same_flags, comparable_values, difference
+from tests.functional.tiny_gpt import tiny_flags
+from tests.harness import run_ranks
+from tests.training.test_nan_stop import _train
+
+
+def _args(**values):
+    base = dict(lr=3e-4, seed=1234, rank=0, local_rank=0, params_dtype=torch.bfloat16,
+                data_path=["1.0", "a_text_document"], mmap_bin_files=True, make=object())
+    return argparse.Namespace(**{**base, **values})
+
+
+def test_the_compared_values():
+    values = comparable_values(_args(rank=5, local_rank=3))
+    assert values == comparable_values(_args())  # the rank's own numbers are not compared
+    assert {"lr", "seed", "params_dtype", "data_path", "mmap_bin_files"} <= values.keys()
+    assert "make" not in values  # an object: its repr could differ without meaning anything
+    assert values["the torch version"] == str(torch.__version__)
+    assert values["the megatron-core version"].startswith("0.")
+
+
+def test_the_difference_in_words():
+    one, other = comparable_values(_args()), comparable_values(_args(lr=6e-4))
+    assert difference(one, one) is None
+    names = ("rank 0 (a)", "rank 9 (b)")
+    argv = ["--lr", "6e-4"], ["--lr=3e-4"]
+    assert difference(one, other, argv, names) == (
+        "rank 9 (b) has --lr 0.0006 where rank 0 (a) has 0.0003")
+    # Not on either command line: a default, or a value set from other flags.
+    assert difference(one, other, (), names) == (
+        "rank 9 (b) has lr (a default, or set from other flags) 0.0006 where rank 0 (a) has "
+        "0.0003")
+    # A --no- flag, a value only one rank's version has, the count past three, flags first.
+    other = comparable_values(_args(mmap_bin_files=False, extra=1, lr=1.0, seed=1, zeta=2))
+    said = difference(one, other, (["--no-mmap-bin-files", "--seed", "1"], ()), names)
+    assert said == ("rank 9 (b) has --no-mmap-bin-files False where rank 0 (a) has True; "
+                    "--seed 1 where rank 0 (a) has 1234; extra (a default, or set from other "
+                    "flags) 1 where rank 0 (a) has (not set) and 2 more")
+    versions = dict(one, **{"the torch version": "2.0.0"})
+    assert difference(one, versions, (), names) == (
+        f"rank 9 (b) has the torch version 2.0.0 where rank 0 (a) has "
+        f"{one['the torch version']}")
+
+
+def _check(rank, world, lrs):
+    try:
+        check_same_flags(_args(lr=lrs[rank], rank=rank), ["--lr", str(lrs[rank])])
+    except FlagError as error:
+        return str(error)
+    return None
+
+
+def test_every_rank_raises_the_first_difference():
+    assert run_ranks(_check, 3, [3e-4] * 3) == [None] * 3
+    errors = run_ranks(_check, 4, [3e-4, 3e-4, 6e-4, 1e-3])
+    host = socket.gethostname()
+    assert errors == [errors[0]] * 4 and errors[0] == (
+        f"the ranks were launched with different flags: rank 2 ({host}) has --lr 0.0006 where "
+        f"rank 0 ({host}) has 0.0003 (2 of 4 ranks differ from rank 0). Every rank must run "
+        f"with the same flags and versions: check what the launch script computes on each "
+        f"node")
+
+
+def _train_with_argv_per_rank(rank, world, argvs):
+    return _train(rank, world, argvs[rank])
+
+
+@pytest.mark.parametrize("flag", [("--lr", "1e-3"), ("--context-parallel-size", "1")])
+def test_the_lean_trainer_stops_every_rank(tiny_data, flag):
+    """Another --lr on a rank trained on silently (its replica drifting); another CP size
+    left the ranks waiting in megatron-core's group creation until the timeout."""
+    argv = tiny_flags(tiny_data, "--context-parallel-size", "2")
+    results = run_ranks(_train_with_argv_per_rank, 2, [argv, argv + list(flag)])
+    assert [code for code, _, _ in results] == [2, 2]
+    for _, text, _ in results:
+        assert "pretrain_gpt.py: error: the ranks were launched with different flags: rank 1 " \
+            in text and f"has {flag[0]} " in text, text[-2000:]
+
+
+def _start_megatron_lm(rank, world, argvs):
+    from tests.training.test_megatron_lm_pretrain import _start
+
+    return _start(rank, world, argvs[rank])
+
+
+def test_megatron_lm_trainer_stops_every_rank(short_docs_data, tmp_path):
+    """Under Megatron-LM's pretrain() the check runs right before its groups are made."""
+    from tests.training.megatron_lm_checkout import import_megatron_lm
+    from tests.training.test_megatron_lm_pretrain import flags
+
+    import_megatron_lm()
+    argv = flags(short_docs_data, str(tmp_path / "m.jsonl"))
+    results = run_ranks(_start_megatron_lm, 2, [argv, argv + ["--seed", "7"]], timeout=240,
+                        daemon=False)
+    assert [code for code, _ in results] == [2, 2], results
+    for _, text in results:
+        assert "pretrain_gpt.py: error: the ranks were launched with different flags: rank 1 " \
+            f"({socket.gethostname()}) has --seed 7 where rank 0" in text, text[-2000:]
+        assert "Traceback" not in text
