@@ -12,7 +12,9 @@ Added to Megatron's tool, which asserts only equal dtypes:
 - parts whose metadata names another tokenizer, or another token dtype, are refused by name
   (their ids would mean different text in one dataset); a part without metadata merged with
   parts that have it is checked against their tokenizer (ids past its vocabulary; documents
-  not ending with its EoD id where theirs do);
+  not ending with its EoD id where theirs do); parts that all lack one are checked against each
+  other (documents not ending with the id that ends every checked document of the first part
+  whose documents all end alike);
 - the merged dataset gets a metadata file (sums, largest id) when every part has one; where
   some part has none (Megatron's own tool made it), it gets none, the start-up checks scan it,
   and the log says so;
@@ -121,25 +123,56 @@ def _check_without_metadata(parts: Sequence[str], reference: str, meta: dict) ->
     if not isinstance(vocab, int) or not isinstance(eod, int):
         return
     tokenizer = f"{made.get('class')} (vocab {vocab}, EoD {eod}) that {reference} was made with"
-    reference_ends = document_ends(reference)
-    eod_ends = len(reference_ends) and (reference_ends == eod).all()
-    # Half: with the right tokenizer and --append-eod every document ends with its EoD id; with
-    # another, only those whose last token happens to have that id (a common token of it).
     for part in parts:
         largest = largest_token(part, eod)
         if largest >= vocab:
             raise MergeError(f"{part} (no metadata file) holds token id {largest}, outside the "
                              f"vocabulary of the {tokenizer}: made with another tokenizer; "
                              f"merge datasets of one tokenizer")
+    _check_document_ends(parts, reference, eod, f"EoD id {eod}", f"({tokenizer})")
+
+
+def _check_ends_alike(parts: Sequence[str]) -> None:
+    """Parts that all lack a metadata file, against each other: the first part whose checked
+    documents all end with one id (its EoD id, made with --append-eod; or a text's common
+    last token, made without) is the reference; another part whose documents all end with
+    another id, or mostly not with this one, is refused."""
+    ends = {part: document_ends(part) for part in parts}
+    uniform = [part for part in parts if len(ends[part]) and (ends[part] == ends[part][0]).all()]
+    if not uniform:
+        return
+    reference = uniform[0]
+    eod = int(ends[reference][0])
+    for part in uniform[1:]:
+        if int(ends[part][0]) != eod:
+            raise MergeError(f"{part} (no metadata file): all {len(ends[part])} documents "
+                             f"checked end with token id {ends[part][0]}, where all "
+                             f"{len(ends[reference])} checked of {reference} end with token id "
+                             f"{eod} (no part has a metadata file): with --append-eod every "
+                             f"document ends with the tokenizer's EoD id, so they were made with "
+                             f"other tokenizers, or one without --append-eod (its documents "
+                             f"would run together under EoD reset); merge datasets made alike")
+    _check_document_ends(parts, reference, eod, f"token id {eod}",
+                         "(its EoD id, it seems; no part has a metadata file)")
+
+
+def _check_document_ends(parts, reference: str, eod: int, named: str, why: str) -> None:
+    """Refuse a part fewer than half of whose checked documents end with `eod` where every
+    checked document of `reference` does. Half: with the same tokenizer and --append-eod every
+    document ends with its EoD id; with another, only those whose last token happens to have
+    that id (a common token of it)."""
+    reference_ends = document_ends(reference)
+    if not len(reference_ends) or not (reference_ends == eod).all():
+        return
+    for part in parts:
         ends = document_ends(part)
         ending = int((ends == eod).sum())
-        if eod_ends and 2 * ending < len(ends):
-            raise MergeError(f"{part} (no metadata file): {ending} of the "
-                             f"{len(ends)} documents checked end with EoD id {eod}, where all "
-                             f"{len(reference_ends)} checked of {reference} do ({tokenizer}): "
-                             f"made with another tokenizer, or without --append-eod (its "
-                             f"documents would run together under EoD reset); merge datasets "
-                             f"made alike")
+        if 2 * ending < len(ends):
+            raise MergeError(f"{part} (no metadata file): {ending} of the {len(ends)} documents "
+                             f"checked end with {named}, where all {len(reference_ends)} "
+                             f"checked of {reference} do {why}: made with another tokenizer, "
+                             f"or without --append-eod (its documents would run together "
+                             f"under EoD reset); merge datasets made alike")
 
 
 def merge_datasets(inputs: Sequence[str], output_prefix: str, log=None) -> MergeStats:
@@ -173,6 +206,8 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str, log=None) -> Merge
                        without_metadata=[part for part, _, _, _, meta in facts if meta is None])
     if metas and stats.without_metadata:
         _check_without_metadata(stats.without_metadata, *metas[0])
+    elif not metas:
+        _check_ends_alike(parts)
     temps = temporary_files(output_prefix)
     make_output_folder(output_prefix)
     builder = None

@@ -101,6 +101,50 @@ def test_a_part_without_metadata_of_another_tokenizer_or_without_eods_is_refused
     assert not os.path.exists(tmp_path / "o.bin")
 
 
+def test_parts_all_without_metadata_are_checked_against_each_other(tmp_path, shards):
+    """With no metadata file anywhere (every part made by Megatron's own tool), the parts'
+    document ends are compared: the first part whose checked documents all end with one id
+    (its EoD) is the reference (before: merged unchecked)."""
+    parts, _ = shards
+    for part in parts:
+        os.remove(sidecar_path(part))
+    assert merge_datasets(parts, str(tmp_path / "all")).without_metadata == parts  # alike
+
+    def without_eod(name, texts):  # the same tokenizer, without --append-eod
+        src = tmp_path / f"{name}.jsonl"
+        src.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+        preprocess_jsonl(str(src), str(tmp_path / "other" / name), ByteTokenizer(),
+                         append_eod=False, log=lambda m: 0)
+        os.remove(sidecar_path(str(tmp_path / "other" / f"{name}_text_document")))
+        return str(tmp_path / "other" / f"{name}_text_document")
+
+    varied = without_eod("varied", [f"text number {i}" for i in range(30)])
+    with pytest.raises(MergeError, match=r"varied_text_document \(no metadata file\): 0 of the "
+                                         r"30 documents checked end with token id 256, where all "
+                                         r"50 checked of .*part-0_text_document do \(its EoD id, "
+                                         r"it seems; no part has a metadata file\): made with "
+                                         r"another tokenizer, or without --append-eod"):
+        merge_datasets([parts[0], parts[2], varied], str(tmp_path / "o"))
+    # Documents that all end alike with another id (the text's last character, another
+    # tokenizer's EoD) are named against the first part that ends alike, in either order.
+    spaced = without_eod("spaced", ["a text ending with a space "] * 20)
+    null = make(tmp_path, "null", ['{"text": "1 2 3"}\n'] * 4, build_tokenizer(
+        "NullTokenizer", vocab_size=300), folder="other")
+    os.remove(sidecar_path(null))
+    for order, (part, count, id_), (first, first_count, first_id) in (
+            ([parts[0], spaced], ("spaced", 20, "32"), ("part-0", 50, "256")),
+            ([varied, spaced, parts[0]], ("part-0", 50, "256"), ("spaced", 20, "32")),
+            ([parts[1], null], ("null", 4, "(299|300)"), ("part-1", 5, "256"))):
+        with pytest.raises(MergeError, match=rf"{part}_text_document \(no metadata file\): all "
+                                             rf"{count} documents checked end with token id "
+                                             rf"{id_}, where all {first_count} checked of "
+                                             rf".*{first}_text_document end with token id "
+                                             rf"{first_id} .*made with other tokenizers, or one "
+                                             rf"without --append-eod"):
+            merge_datasets(order, str(tmp_path / "o"))
+    assert not os.path.exists(tmp_path / "o.bin")
+
+
 def test_parts_of_different_tokenizers_are_refused(tmp_path, shards):
     parts, _ = shards
     null = make(tmp_path, "null", ['{"text": "1 2 3"}\n'], build_tokenizer(
