@@ -67,10 +67,11 @@ def _spelled(name: str, argvs: Sequence[Sequence[str]]) -> str:
     if name.startswith("the "):
         return name
     dashed = name.replace("_", "-")
-    for option in (f"--{dashed}", f"--no-{dashed}"):
-        if any(token == option or token.startswith(option + "=")
-               for argv in argvs for token in argv):
-            return option
+    for argv in argvs:
+        for token in argv:
+            option = token.split("=", 1)[0]  # as spelled (--override-opt_param-scheduler)
+            if option.replace("_", "-") in (f"--{dashed}", f"--no-{dashed}"):
+                return option
     return f"{name} (a default, or set from other flags)"
 
 

@@ -47,6 +47,10 @@ def test_the_difference_in_words():
     assert said == ("rank 9 (b) has --no-mmap-bin-files False where rank 0 (a) has True; "
                     "--seed 1 where rank 0 (a) has 1234; extra (a default, or set from other "
                     "flags) 1 where rank 0 (a) has (not set) and 2 more")
+    # Spelled as given: Megatron-LM's --override-opt_param-scheduler.
+    other = dict(one, override_opt_param_scheduler="True")
+    assert difference(one, other, ([], ["--override-opt_param-scheduler"]), names).startswith(
+        "rank 9 (b) has --override-opt_param-scheduler True where rank 0 (a) has (not set)")
     versions = dict(one, **{"the torch version": "2.0.0"})
     assert difference(one, versions, (), names) == (
         f"rank 9 (b) has the torch version 2.0.0 where rank 0 (a) has "
