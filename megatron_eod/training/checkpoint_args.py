@@ -28,8 +28,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron_eod.megatron.imports import import_megatron
-from megatron_eod.training.checkpointing import (TRACKER, _read_tracker, checkpoint_folder,
-                                                 checkpoint_format)
+from megatron_eod.training.checkpointing import (TRACKER, CheckpointError, checkpoint_folder,
+                                                 checkpoint_format, read_tracker)
 from megatron_eod.training.cp_flags import FlagError
 
 __all__ = ["REQUIRED", "apply_checkpoint_args", "checkpoint_args_notice"]
@@ -60,8 +60,8 @@ _UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layer
 def _saved_args(root: str) -> Optional[Tuple[str, argparse.Namespace]]:
     """(where, args) of the latest checkpoint under `root`; None where it has none."""
     try:
-        iteration = _read_tracker(root)
-    except ValueError as error:  # a damaged tracker: one line
+        iteration = read_tracker(root)
+    except CheckpointError as error:  # a damaged tracker: one line
         raise FlagError(f"--use-checkpoint-args: {error}") from None
     if iteration is None:
         return None

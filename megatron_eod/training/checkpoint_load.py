@@ -1,8 +1,9 @@
 """`--load`: read back a checkpoint of this trainer or of Megatron-LM's, resharding it.
 
-One job: find the latest checkpoint under --load (or --pretrained-checkpoint when --load has
-none), detect its format (torch_dist: `metadata.json` in the iteration folder; torch:
-`mp_rank_*` files), check that it holds this model (a clear error names the flag that
+One job: load the checkpoint checkpoint_preflight found under --load (or
+--pretrained-checkpoint when --load has none; the same on every rank, its files whole) in its
+format (torch_dist: `metadata.json` in the iteration folder; torch: `mp_rank_*` files),
+check that it holds this model (a clear error names the flag that
 differs instead of a shape error deep inside dist_checkpointing), and load the model, the
 optimizer and LR schedule, the RNG states and the sample counters into this run. torch_dist
 checkpoints reshard: megatron-core maps every global tensor onto this run's TP/PP/DP/CP
@@ -25,35 +26,17 @@ import torch.distributed as dist
 
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.training.args_pipeline import pipeline_split
-from megatron_eod.training.checkpointing import (DISTRIB_OPTIM_FILE, TRACKER, _content_metadata,
-                                                 _legacy_file, _ps, _read_tracker,
-                                                 _set_rng_state, _state, _unwrap,
-                                                 checkpoint_folder, checkpoint_format,
-                                                 model_keys)
+from megatron_eod.training.checkpoint_preflight import (check_optimizer_saved, find_checkpoint,
+                                                       raise_on_every_rank)
+from megatron_eod.training.checkpointing import (DISTRIB_OPTIM_FILE, CheckpointError,
+                                                 _content_metadata, _legacy_file, _ps,
+                                                 _set_rng_state, _state, _unwrap, model_keys)
 
 __all__ = ["CheckpointError", "apply_schedule_choice", "group_lrs", "load_checkpoint",
            "schedule_mismatch", "schedule_values_to_flags"]
 
 
-class CheckpointError(ValueError):
-    """--load (or --pretrained-checkpoint) names a checkpoint this run cannot load; the
-    message names the flag and what to change. Every rank reads the same saved args, so
-    every rank raises those; a file missing raises where it is missing."""
-
-
 _FULLY_RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space")
-
-
-def _choose_root(args):
-    """--load, or --pretrained-checkpoint when --load has none (then as --finetune)."""
-    if args.load and _read_tracker(args.load) is not None:
-        return args.load, args.finetune
-    if args.pretrained_checkpoint:
-        if _read_tracker(args.pretrained_checkpoint) is None:
-            raise CheckpointError(f"--pretrained-checkpoint {args.pretrained_checkpoint}: no "
-                                  f"{TRACKER} there")
-        return args.pretrained_checkpoint, True
-    return None, False
 
 
 def _groups(ns):
@@ -85,9 +68,28 @@ _SHAPE += [(_groups, "--num-query-groups"), (_qkv_bias, "--add-qkv-bias"),
            (lambda ns: getattr(ns, "layernorm_epsilon", None), "--norm-epsilon")]
 
 
-def _check_model_args(saved, args, where):
+def _learned_positions(ns):
+    """The learned position table's rows (RoPE's angles are not weights)."""
+    if getattr(ns, "position_embedding_type", None) != "learned_absolute":
+        return None
+    return getattr(ns, "max_position_embeddings", None)
+
+
+def _padded_vocab(ns):
+    return getattr(ns, "padded_vocab_size", None)
+
+
+_PADDED_VOCAB = "the padded vocabulary (--make-vocab-size-divisible-by, the tokenizer's size)"
+
+
+def _check_model_args(saved, args, where, torch_format=False):
+    """`torch_format`: the embedding's rows are compared too (torch_dist reshards them, as
+    Megatron-LM compares them only without it)."""
     differ = []
-    for read, flag in _SHAPE:
+    shape = _SHAPE + [(_learned_positions, "--max-position-embeddings")]
+    if torch_format:
+        shape.append((_padded_vocab, _PADDED_VOCAB))
+    for read, flag in shape:
         theirs, ours = read(saved), read(args)
         if theirs is not None and ours is not None and theirs != ours:
             differ.append(f"{flag} {theirs} (this run: {ours})")
@@ -114,7 +116,13 @@ def _load_chunks(chunks, state, where):
 def _load_torch_dist(args, folder, finetune, chunks, optimizer, scheduler):
     dcp = import_megatron("megatron.core.dist_checkpointing")
     ps = _ps()
-    common = dcp.load_common_state_dict(folder)
+    common, error = None, None
+    try:  # rank 0 read it in checkpoint_preflight; another node may hold another copy
+        common = dcp.load_common_state_dict(folder)
+    except Exception as said:  # noqa: BLE001
+        error = (f"{os.path.join(folder, 'common.pt')} cannot be read ({type(said).__name__}: "
+                 f"{said})")
+    raise_on_every_rank(error)
     saved = common.get("args") or argparse.Namespace()
     _check_model_args(saved, args, folder)
     same_tp_pp = (getattr(saved, "tensor_model_parallel_size", 1),
@@ -128,6 +136,7 @@ def _load_torch_dist(args, folder, finetune, chunks, optimizer, scheduler):
     if load_optim:
         _check_optimizer_state(args, content.get("distrib_optim_sharding_type"),
                                same_tp_pp and same_vp, folder)
+        _check_optimizer_vocab(args, saved, content.get("distrib_optim_sharding_type"), folder)
         metadata = dict(content)
     else:
         metadata = _content_metadata(args)
@@ -141,12 +150,15 @@ def _load_torch_dist(args, folder, finetune, chunks, optimizer, scheduler):
     try:
         loaded = dcp.load(request, folder, strict=args.dist_ckpt_strictness)
     except dcp.core.CheckpointingException as error:
-        if "keys" not in str(error):
-            raise
         said = " ".join(str(error).split())  # one line; the key sets can be long
+        said = said if len(said) <= 800 else said[:800] + " ..."
+        if "shape mismatch" in said:
+            raise CheckpointError(f"--load {folder}: a saved tensor's shape differs from this "
+                                  f"run's ({said})") from None
+        if "keys" not in said:
+            raise
         raise CheckpointError(f"--load {folder} (--dist-ckpt-strictness "
-                              f"{args.dist_ckpt_strictness}): "
-                              + (said if len(said) <= 800 else said[:800] + " ...")) from None
+                              f"{args.dist_ckpt_strictness}): {said}") from None
     if isinstance(loaded, tuple):  # --dist-ckpt-strictness return_*: the keys come back
         loaded, missing, unexpected = loaded
         if dist.get_rank() == 0 and (missing or unexpected):
@@ -179,6 +191,18 @@ def _check_optimizer_state(args, sharding, same_tp_pp, folder):
                               f"{sharding!r}, which reshards over DP/CP only, and this run changes "
                               f"TP/PP or the virtual pipeline stages: save with "
                               f"--dist-ckpt-optim-fully-reshardable, {hint}")
+
+
+def _check_optimizer_vocab(args, saved, sharding, folder):
+    """The distributed optimizer's "dp_reshardable" state holds flat buckets of the saved
+    shapes: other embedding rows failed deep inside its load (a shape mismatch of a bucket)."""
+    theirs, ours = _padded_vocab(saved), _padded_vocab(args)
+    if sharding is None or sharding in _FULLY_RESHARDABLE or theirs in (None, ours):
+        return
+    raise CheckpointError(f"--load {folder}: {_PADDED_VOCAB} is {theirs} in the checkpoint, "
+                          f"{ours} here, and the distributed optimizer's state saved "
+                          f"{sharding!r} keeps the saved shapes: use the checkpoint's padding, or "
+                          f"pass --no-load-optim to start the optimizer state fresh")
 
 
 def _finish(args, loaded, load_optim, load_rng, optimizer, scheduler):
@@ -314,20 +338,40 @@ def _saved_param_groups(state):
             yield from _saved_param_groups(item)
 
 
-def _load_torch(args, root, folder, finetune, chunks, optimizer, scheduler):
-    path = _legacy_file(folder)
+def _load_torch(args, found, chunks, optimizer, scheduler):
+    error = None
+    try:  # this rank's own file: what any rank finds, every rank raises
+        state, saved, load_optim, param_state = _read_torch(args, found, chunks)
+    except CheckpointError as said:
+        error = str(said)
+    raise_on_every_rank(error)
+    load_rng = not found.finetune and not args.no_load_rng and "rng_state" in state
+    _finish(args, state, load_optim, load_rng, optimizer, scheduler)
+    if load_optim and args.use_distributed_optimizer:  # collective over the DP x CP group
+        optimizer.load_parameter_state(param_state, update_legacy_format=False)
+    return state, saved
+
+
+def _read_torch(args, found, chunks):
+    """This rank's --ckpt-format torch file, checked and loaded into the model chunks ->
+    (state, saved args, whether to load the optimizer, the distributed optimizer's file)."""
+    root, path = found.root, _legacy_file(found.folder)
     if not os.path.isfile(path):
         raise CheckpointError(f"--load {root}: {path} is missing; a --ckpt-format torch checkpoint "
                               f"loads only at the --tensor-model-parallel-size and "
                               f"--pipeline-model-parallel-size it was saved with (save with "
                               f"--ckpt-format torch_dist to reshard)")
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # noqa: BLE001 (damaged in a way its zip directory hides)
+        raise CheckpointError(f"{path} cannot be read ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0] if str(error) else ''})") from None
     if "sizes" in state and "args" not in state:
         raise CheckpointError(f"--load {root}: written by megatron-eod before it used "
                               f"megatron-core's optimizer and checkpoint formats; it cannot resume "
                               f"here (start a new run, or load it with the release that wrote it)")
     saved = state.get("args") or argparse.Namespace()
-    _check_model_args(saved, args, path)
+    _check_model_args(saved, args, path, torch_format=True)
     sizes = {flag: (getattr(saved, dest, None), getattr(args, dest)) for flag, dest in (
         ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
         ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"))}
@@ -343,7 +387,8 @@ def _load_torch(args, root, folder, finetune, chunks, optimizer, scheduler):
                               f"--decoder-first/last-pipeline-num-layers, "
                               f"--account-for-embedding/loss-in-pipeline-split); save with "
                               f"--ckpt-format torch_dist to reshard")
-    load_optim = not finetune and not args.no_load_optim and "optimizer" in state
+    check_optimizer_saved(args, found, "optimizer" in state)
+    load_optim = not found.finetune and not args.no_load_optim and "optimizer" in state
     param_state = os.path.join(os.path.dirname(path), DISTRIB_OPTIM_FILE)
     if load_optim:  # the distributed optimizer's shards: DP rank 0's file beside this one
         saved_distributed = os.path.isfile(param_state) or bool(
@@ -355,37 +400,22 @@ def _load_torch(args, root, folder, finetune, chunks, optimizer, scheduler):
                                   f"optimizer's state of a --ckpt-format torch checkpoint); "
                                   f"pass --no-load-optim to start the optimizer state fresh")
     _load_chunks(chunks, state, path)
-    load_rng = not finetune and not args.no_load_rng and "rng_state" in state
-    _finish(args, state, load_optim, load_rng, optimizer, scheduler)
-    if load_optim and args.use_distributed_optimizer:  # collective over the DP x CP group
-        optimizer.load_parameter_state(param_state, update_legacy_format=False)
-    return state, saved
+    return state, saved, load_optim, param_state
 
 
 def load_checkpoint(args, chunks, optimizer, scheduler):
     """-> (iteration, counters) of the latest checkpoint under --load (or
     --pretrained-checkpoint), or (0, {}) when there is none. Collective."""
-    root, finetune = _choose_root(args)
-    if root is None:
-        if getattr(args, "exit_on_missing_checkpoint", False):
-            raise CheckpointError(
-                f"--load {args.load or args.pretrained_checkpoint} holds no checkpoint "
-                f"(no {TRACKER}) and --exit-on-missing-checkpoint is set: stopping instead of "
-                f"training from scratch")
+    found = find_checkpoint(args)
+    if found is None:
         if dist.get_rank() == 0 and args.load:
             print(f" no checkpoint under --load {args.load}; starting from scratch", flush=True)
         return 0, {}
-    iteration = _read_tracker(root)
-    finetune = finetune or iteration == "release"
-    folder = checkpoint_folder(root, iteration)
-    found = checkpoint_format(folder)
-    if found == "torch_dist":
+    root, folder, finetune = found.root, found.folder, found.finetune
+    if found.format == "torch_dist":
         loaded, saved = _load_torch_dist(args, folder, finetune, chunks, optimizer, scheduler)
-    elif found == "torch":
-        loaded, saved = _load_torch(args, root, folder, finetune, chunks, optimizer, scheduler)
     else:
-        raise CheckpointError(f"--load {root}: {TRACKER} names iteration {iteration} but {folder} "
-                              f"holds no complete checkpoint (no metadata.json, no mp_rank_*)")
+        loaded, saved = _load_torch(args, found, chunks, optimizer, scheduler)
     dist.barrier()
     flops = {"num_floating_point_operations_so_far": loaded.get(
         "num_floating_point_operations_so_far", 0)}  # kept by a finetune too, as Megatron-LM

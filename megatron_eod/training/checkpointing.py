@@ -45,10 +45,18 @@ import torch.distributed as dist
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.training.cp_flags import FlagError
 
-__all__ = ["DISTRIB_OPTIM_FILE", "checkpoint_folder", "checkpoint_format", "model_keys",
-           "needs_gloo_dp_groups", "save_checkpoint", "TRACKER"]
+__all__ = ["CheckpointError", "DISTRIB_OPTIM_FILE", "checkpoint_folder", "checkpoint_format", "model_keys",
+           "needs_gloo_dp_groups", "read_tracker", "save_checkpoint", "TRACKER"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointError(ValueError):
+    """--load (or --pretrained-checkpoint) names a checkpoint this run cannot load; the
+    message names the flag and what to change, on every rank (checkpoint_preflight gathers
+    what one rank finds)."""
+
+
 _LEGACY_FILE = "model_optim_rng.pt"
 # The distributed optimizer's state in a --ckpt-format torch checkpoint: one file per (TP, PP)
 # rank beside _LEGACY_FILE, gathered to and written by DP x CP rank 0 (Megatron-LM's name).
@@ -162,18 +170,26 @@ def _state(args, iteration, chunks, optimizer, scheduler, counters, metadata, rn
     return state
 
 
-def _read_tracker(root):
+def read_tracker(root, flag="--load"):
+    """The iteration (an int, or "release") `root`'s tracker names; None without a tracker.
+    A tracker that cannot be read or holds no iteration is a CheckpointError naming `flag`."""
     path = os.path.join(root, TRACKER)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return None
-    with open(path) as f:
-        text = f.read().strip()
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{flag} {root}: {path} cannot be read "
+                              f"({getattr(error, 'strerror', None) or error})") from None
     if text == "release":
         return "release"
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"--load {root}: {path} holds {text!r}, not an iteration") from None
+        raise CheckpointError(f"{flag} {root}: {path} holds {text[:40]!r}, not an iteration (a "
+                              f"save killed while writing it, or a copy cut short): write the "
+                              f"iteration to resume into it") from None
 
 
 def checkpoint_folder(root, iteration) -> str:
@@ -195,8 +211,8 @@ def checkpoint_format(folder) -> Optional[str]:
 def _torch_format_under(root) -> bool:
     """Whether the latest checkpoint under `root` is a --ckpt-format torch one."""
     try:
-        iteration = _read_tracker(root)
-    except ValueError:
+        iteration = read_tracker(root)
+    except CheckpointError:
         return False  # the load names the damaged tracker
     return iteration is not None and checkpoint_format(
         checkpoint_folder(root, iteration)) == "torch"
@@ -223,7 +239,11 @@ def needs_gloo_dp_groups(args) -> bool:
 def _clear_partial(root, iteration) -> None:
     """Rank 0, before a save: remove what a killed save of `iteration` left (or another
     run's checkpoint of that iteration in --save, which this save replaces)."""
-    if _read_tracker(root) == iteration:
+    try:
+        replacing = read_tracker(root, "--save") == iteration
+    except CheckpointError:  # a damaged tracker: this save writes a new one
+        replacing = False
+    if replacing:
         print(f" --save {root}: replacing the checkpoint of iteration {iteration} there",
               flush=True)
     shutil.rmtree(_iter_dir(root, iteration), ignore_errors=True)

@@ -11,7 +11,7 @@ providers, on any Megatron-LM from core_v0.16 to 0.19:
 * our flag rules run right after Megatron-LM's `validate_args` (before it builds the
   process groups, so hybrid's hierarchical CP groups come from --ulysses-degree-in-cp too);
 * every rank's flags and versions are compared with rank 0's (same_flags) right before
-  Megatron-LM makes its groups (`initialize_model_parallel`), its first collective;
+  Megatron-LM makes its groups (each `initialize_model_parallel`);
 * `--metrics-file` gets one JSON line per iteration (from Megatron-LM's `training_log`, so
   the loss is the iteration's own, not its log-interval average) and per evaluation;
 * megatron-core wheels ship the dataset helpers prebuilt and no Makefile: Megatron-LM's
@@ -45,6 +45,7 @@ from megatron_eod.megatron import cpu_compat, gloo_on_cuda
 from megatron_eod.training.checkpoint_load import (CheckpointError, apply_schedule_choice,
                                                    group_lrs, schedule_mismatch,
                                                    schedule_values_to_flags)
+from megatron_eod.training.checkpoint_preflight import find_checkpoint
 from megatron_eod.training.cp_flags import FlagError, exit_with_error
 from megatron_eod.training.flag_rules import check_global_batch
 from megatron_eod.training.megatron_lm import EodProviders
@@ -116,8 +117,7 @@ def _flags_compared_before_groups():
     ps = importlib.import_module("megatron.core.parallel_state")
     original = ps.initialize_model_parallel
 
-    def initialize_model_parallel(*args, **kwargs):
-        ps.initialize_model_parallel = original  # once
+    def initialize_model_parallel(*args, **kwargs):  # every call (in-process restarts too)
         check_same_flags(importlib.import_module("megatron.training").get_args(), sys.argv[1:])
         return original(*args, **kwargs)
 
@@ -174,11 +174,14 @@ def _global_batch_as_ours(args, error: AssertionError) -> None:
 
 
 def _schedule_flags_after_load(training) -> None:
-    """Megatron-LM's load_checkpoint, then the LR flags where --override-opt_param-scheduler
-    asks for them: the loaded optimizer param groups carry the checkpoint's max/min LR, which
-    megatron-core 0.16's scheduler reads before its own, so Megatron-LM said "overriding" and
-    trained on at the checkpoint's LR (the lean trainer's checkpoint_load does the same
-    there). A schedule that differs without either scheduler flag: one line naming them."""
+    """checkpoint_preflight's checks of --load (the lines the lean trainer gives, where
+    Megatron-LM's load failed with a traceback, or exited 0), Megatron-LM's load_checkpoint
+    (a bare sys.exit() in it: exit 2 with a line), then the LR flags where
+    --override-opt_param-scheduler asks for them: the loaded optimizer param groups carry the
+    checkpoint's max/min LR, which megatron-core 0.16's scheduler reads before its own, so
+    Megatron-LM said "overriding" and trained on at the checkpoint's LR (the lean trainer's
+    checkpoint_load does the same there). A schedule that differs without either scheduler
+    flag: one line naming them."""
     original = training.load_checkpoint
     if getattr(original, "_eod", False):
         return
@@ -196,13 +199,21 @@ def _schedule_flags_after_load(training) -> None:
                 return load(state_dict, *a, **kw)
 
             optimizer.load_state_dict = load_state_dict
+        args = importlib.import_module("megatron.training").get_args()
+        if _checks_its_checkpoint(args, rest, kwargs):
+            find_checkpoint(args, lean=False)
         try:
             result = original(model, optimizer, scheduler, *rest, **kwargs)
         except AssertionError as error:
             if "OptimizerParamScheduler" not in str(error):
                 raise
-            args = importlib.import_module("megatron.training").get_args()
             raise CheckpointError(schedule_mismatch(error, args.load)) from None
+        except SystemExit as stop:  # its bare sys.exit() after a failed load: status 0
+            if stop.code not in (None, 0):
+                raise
+            raise CheckpointError(f"--load {args.load}: Megatron-LM's load_checkpoint stopped "
+                                  f"the run (its message above says why; it exits with status "
+                                  f"0, which a job scheduler reads as success)") from None
         finally:
             if optimizer is not None:
                 del optimizer.load_state_dict
@@ -216,6 +227,16 @@ def _schedule_flags_after_load(training) -> None:
 
     load_checkpoint._eod = True
     training.load_checkpoint = load_checkpoint
+
+
+def _checks_its_checkpoint(args, rest, kwargs) -> bool:
+    """Whether checkpoint_preflight checks what this load_checkpoint call reads: --load (its
+    default load_arg) on a local file system, without non-persistent checkpoints (which
+    Megatron-LM may prefer to --load's)."""
+    load_arg = kwargs.get("load_arg", rest[0] if rest else "load")
+    paths = [p for p in (args.load, getattr(args, "pretrained_checkpoint", None)) if p]
+    return (load_arg == "load" and not getattr(args, "non_persistent_ckpt_type", None)
+            and not any("://" in path for path in paths))
 
 
 def _check_rerun_state(args) -> None:

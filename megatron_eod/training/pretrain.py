@@ -85,12 +85,15 @@ def pretrain(argv=None):
     except (NonFiniteError, DatasetError, CheckpointError) as error:
         exit_with_error(error, 1 if isinstance(error, NonFiniteError) else 2)
     except RuntimeError as error:
-        if "timed out" not in str(error).lower():
+        said = str(error).lower()
+        if "timed out" in said:  # every rank that waited says so: the stuck one may be any
+            what = (f"a collective waited longer than --distributed-timeout-minutes "
+                    f"{args.distributed_timeout_minutes} (a rank stopped answering or died)")
+        elif "closed by peer" in said or "reset by peer" in said:  # gloo: a peer exited
+            what = "a peer rank closed its connection (it stopped: see its own error)"
+        else:
             raise
-        # Every rank that waited says so: the stuck one may be any of them.
-        say_error(f"pretrain_gpt.py: error: rank {dist.get_rank()}: a collective waited "
-                  f"longer than --distributed-timeout-minutes "
-                  f"{args.distributed_timeout_minutes} (a rank stopped answering or died) in "
+        say_error(f"pretrain_gpt.py: error: rank {dist.get_rank()}: {what} in "
                   f"{_where(error)}: {error}")
         raise SystemExit(1) from None
     finally:
@@ -125,6 +128,7 @@ class _Trainer:
         tokenizer = build_tokenizer_from_args(a)
         vocab = padded_vocab_size(tokenizer.vocab_size, a.make_vocab_size_divisible_by,
                                   a.tensor_model_parallel_size)
+        a.padded_vocab_size = vocab  # saved with the args, as Megatron-LM; --load compares it
         self.registry = EodContextRegistry()
         self.registry.capacity = max(self.registry.capacity, wiring.contexts_in_flight(a))
         self.chunks, config = build_model(a, self.registry, vocab)  # one per virtual stage
@@ -149,7 +153,7 @@ class _Trainer:
         self.counters = {"consumed_train_samples": 0, "consumed_valid_samples": 0,
                          "skipped": 0, "nan": 0, "num_floating_point_operations_so_far": 0,
                          **counters}
-        self.vocab_size = a.padded_vocab_size = vocab  # saved with the args, as Megatron-LM
+        self.vocab_size = vocab
         # Collective (megatron-core's builder has barriers); None where no data is read.
         train, valid, test = build_datasets(a, tokenizer)
         self.train_iter = self._micro_batches(train, self.counters["consumed_train_samples"],

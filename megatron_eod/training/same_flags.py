@@ -13,12 +13,14 @@ ranks trains on silently, the replicas drifting apart. Neither trainer compared 
 
 Cheap on purpose: one gather of a 16-byte digest; only when two differ, rank 0 broadcasts its
 values and each rank gathers what differs on it in words. Compared: every parsed value of a
-plain kind (None, bool, int, float, str, torch.dtype, and lists, tuples and dicts of them;
-objects are skipped), except the rank's own numbers (`_PER_RANK`).
+plain kind (None, bool, int, float, str, torch.dtype, enums by name, and lists, tuples and
+dicts of them; objects are skipped), except the rank's own numbers and what may differ by node
+(`_PER_RANK`: log destinations, loader workers).
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import socket
 from typing import Optional, Sequence
@@ -30,64 +32,105 @@ from megatron_eod.training.cp_flags import FlagError
 
 __all__ = ["check_same_flags", "comparable_values", "difference"]
 
-# Parsed values that name the rank itself.
-_PER_RANK = frozenset({"rank", "local_rank"})
+# Parsed values that name the rank itself, or may differ from node to node without changing
+# what is trained: where the one rank that logs writes (a launch script may stamp a time or
+# host into it) and how many loader workers a node starts.
+_PER_RANK = frozenset({"rank", "local_rank", "tensorboard_dir", "wandb_save_dir",
+                       "wandb_exp_name", "wandb_project", "wandb_entity", "metrics_file",
+                       "num_workers"})
 _PLAIN = (type(None), bool, int, float, str, torch.dtype)
+_VERSIONS = ("the torch version", "the megatron-core version")
 _SHOWN = 3  # differences named in the message; the rest are counted
+_LONGEST = 120  # characters of a value shown (a blend of 1,000 files is one value)
 
 
-def _plain(value) -> bool:
+def _comparable(value):
+    """A stable text for a plain value (enums by name), or None for an object."""
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
     if isinstance(value, _PLAIN):
-        return True
+        return repr(value)
     if isinstance(value, (list, tuple)):
-        return all(_plain(item) for item in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
-    return False
+        items = [_comparable(item) for item in value]
+        return None if None in items else repr(type(value)(items))
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        items = {k: _comparable(v) for k, v in value.items()}
+        return None if None in items.values() else repr(items)
+    return None
 
 
 def _versions() -> dict:
     from megatron_eod.megatron.imports import import_megatron
 
     core = import_megatron("megatron.core.package_info")
-    return {"the torch version": str(torch.__version__),
-            "the megatron-core version": str(getattr(core, "__version__", None))}
+    return dict(zip(_VERSIONS, (str(torch.__version__), str(getattr(core, "__version__", None)))))
 
 
 def comparable_values(args) -> dict:
-    """{name: repr(value)} of every parsed value compared across ranks, plus the versions."""
-    values = {name: repr(value) for name, value in sorted(vars(args).items())
-              if name not in _PER_RANK and _plain(value)}
+    """{name: stable text of its value} of every parsed value compared across ranks, plus the
+    versions."""
+    values = {}
+    for name, value in sorted(vars(args).items()):
+        text = None if name in _PER_RANK else _comparable(value)
+        if text is not None:
+            values[name] = text
     values.update(_versions())
     return values
 
 
-def _spelled(name: str, argvs: Sequence[Sequence[str]]) -> str:
-    """`--the-flag` when some rank's command line gives it, else the parsed name."""
-    if name.startswith("the "):
-        return name
+def _spelled(name: str, argvs: Sequence[Sequence[str]]) -> Optional[str]:
+    """The option as some rank's command line spells it (--override-opt_param-scheduler), or
+    None."""
     dashed = name.replace("_", "-")
     for argv in argvs:
         for token in argv:
-            option = token.split("=", 1)[0]  # as spelled (--override-opt_param-scheduler)
+            option = token.split("=", 1)[0]
             if option.replace("_", "-") in (f"--{dashed}", f"--no-{dashed}"):
                 return option
-    return f"{name} (a default, or set from other flags)"
+    return None
+
+
+def _shown(value: str) -> str:
+    return value if len(value) <= _LONGEST else value[:_LONGEST] + "..."
+
+
+def _options(argv) -> set:
+    return {token.split("=", 1)[0] for token in argv if token.startswith("--")}
 
 
 def difference(reference: dict, ours: dict, argvs=((), ()),
                names=("rank 0", "this rank")) -> Optional[str]:
-    """What differs between two ranks' `comparable_values`, in words, or None."""
+    """What differs between two ranks' `comparable_values`, in words, or None: the versions
+    alone where they differ, else flags a command line gives first, then the values a default
+    or other flags set; and the options one command line has and the other lacks (a flag
+    stored under another name: --disable-bias-linear sets add_bias_linear)."""
+    argvs = (tuple(argvs) + ((), ()))[:2]
     missing = "(not set)"
-    differ = sorted((name for name in reference.keys() | ours.keys()
-                     if reference.get(name, missing) != ours.get(name, missing)),
-                    key=lambda name: (_spelled(name, argvs)[0] != "-", name))
+    differ = [name for name in reference.keys() | ours.keys()
+              if reference.get(name, missing) != ours.get(name, missing)]
     if not differ:
         return None
-    said = [f"{_spelled(name, argvs)} {ours.get(name, missing)} where {names[0]} has "
-            f"{reference.get(name, missing)}" for name in differ[:_SHOWN]]
+    versions = [name for name in _VERSIONS if name in differ]
+    differ = versions or sorted(differ, key=lambda name: (_spelled(name, argvs) is None, name))
+    said = []
+    for name in differ[:_SHOWN]:
+        theirs, value = _shown(reference.get(name, missing)), _shown(ours.get(name, missing))
+        option = None if name in _VERSIONS else _spelled(name, argvs)
+        if option is None:
+            what = name if name in _VERSIONS else f"{name} (a default, or set from other flags)"
+            said.append(f"{what} {value} where {names[0]} has {theirs}")
+        elif option.replace("_", "-").startswith("--no-") and \
+                not name.replace("_", "-").startswith("no-"):
+            said.append(f"{option}: {name} {value} where {names[0]} has {theirs}")
+        else:
+            said.append(f"{option} {value} where {names[0]} has {theirs}")
     more = f" and {len(differ) - _SHOWN} more" if len(differ) > _SHOWN else ""
-    return f"{names[1]} has {'; '.join(said)}{more}"
+    added, lacking = (sorted(_options(argvs[1]) - _options(argvs[0])),
+                      sorted(_options(argvs[0]) - _options(argvs[1])))
+    lines = ([f"adds {' '.join(added)}"] if added else []) + \
+        ([f"lacks {' '.join(lacking)}"] if lacking else [])
+    command = f" (its command line {'; '.join(lines)})" if lines and not versions else ""
+    return f"{names[1]} has {'; '.join(said)}{more}{command}"
 
 
 def _digest(values: dict) -> str:

@@ -122,6 +122,26 @@ def test_another_model_is_refused_by_flag_name(short_docs_data, tmp_path):
         1, short_docs_data, "--load", save, "--ffn-hidden-size", "128")
 
 
+def test_other_embedding_rows_are_refused_where_they_cannot_load(short_docs_data, tmp_path):
+    """Learned positions of another --max-position-embeddings, another padded vocabulary in a
+    torch-format checkpoint or in the distributed optimizer's dp_reshardable state: shape
+    errors deep in torch or megatron-core before (torch_dist reshards the model's own rows)."""
+    learned, save = ("--position-embedding-type", "learned_absolute"), str(tmp_path / "pos")
+    train(1, short_docs_data, *learned, "--save", save, "--exit-interval", "2")
+    assert "--max-position-embeddings 128 (this run: 256)" in refused(
+        1, short_docs_data, *learned, "--max-position-embeddings", "256", "--load", save)
+    smaller = ("--make-vocab-size-divisible-by", "64")  # the byte vocabulary's 258: 320, not 384
+    for kind, flags in (("torch", ("--ckpt-format", "torch")),
+                        ("optimizer", ("--use-distributed-optimizer",))):
+        save = str(tmp_path / kind)
+        train(1, short_docs_data, *flags, "--save", save, "--exit-interval", "2")
+        line = refused(1, short_docs_data, *flags, *smaller, "--load", save)
+        assert ("the padded vocabulary (--make-vocab-size-divisible-by, the tokenizer's size) "
+                + ("384 (this run: 320)" if kind == "torch" else
+                   "is 384 in the checkpoint, 320 here, and the distributed optimizer's state "
+                   "saved 'dp_reshardable' keeps the saved shapes")) in line, line
+
+
 def test_pp2_checkpoint_continues_at_pp1_with_dp2(short_docs_data, tmp_path):
     """Pipeline stages merge on --load (layer offsets are global in the sharded state), and the
     data position carries over to a new DP size."""

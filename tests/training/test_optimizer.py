@@ -144,9 +144,17 @@ def test_resuming_with_another_lr_needs_a_scheduler_choice(short_docs_data, tmp_
 
 
 def test_no_save_optim_resumes_with_a_fresh_optimizer(short_docs_data, tmp_path):
+    """Only when asked: a plain resume of a checkpoint without its optimizer state is refused
+    (it restarted Adam and the LR warm-up silently; Megatron-LM refuses it too)."""
     save, full = str(tmp_path / "ckpt"), None
     first = train(1, short_docs_data, "--save", save, "--exit-interval", "4", "--no-save-optim")
-    rest = train(1, short_docs_data, "--load", save)
+    line = refused(1, short_docs_data, "--load", save)
+    assert line == (f"pretrain_gpt.py: error: --load {save}: iteration 4 was saved without its "
+                    f"optimizer state (--no-save-optim), and resuming it would restart the "
+                    f"optimizer and the learning-rate schedule: pass --no-load-optim to resume "
+                    f"its weights with a fresh optimizer and schedule, or --finetune to start "
+                    f"from iteration 0")
+    rest = train(1, short_docs_data, "--load", save, "--no-load-optim")
     full = train(1, short_docs_data)
     assert first == full[:4] and len(rest) == 6
     assert rest[0] == pytest.approx(full[4], rel=1e-6)  # same weights and data ...

@@ -3,6 +3,7 @@ given another value stops every rank at start-up, naming the flag, both ranks an
 before any group is made (both trainers)."""
 
 import argparse
+import enum
 import socket
 
 import pytest
@@ -26,6 +27,12 @@ def test_the_compared_values():
     assert values == comparable_values(_args())  # the rank's own numbers are not compared
     assert {"lr", "seed", "params_dtype", "data_path", "mmap_bin_files"} <= values.keys()
     assert "make" not in values  # an object: its repr could differ without meaning anything
+    # Enums by name (Megatron-LM's --attention-backend); what may differ by node is not
+    # compared: where the logging rank writes, the loader workers a node starts.
+    backend = enum.Enum("AttnBackend", "flash unfused")
+    assert comparable_values(_args(attention_backend=backend.unfused))["attention_backend"] == \
+        "AttnBackend.unfused"
+    assert comparable_values(_args(tensorboard_dir="/tb/node3-2359", num_workers=8)) == values
     assert values["the torch version"] == str(torch.__version__)
     assert values["the megatron-core version"].startswith("0.")
 
@@ -43,16 +50,29 @@ def test_the_difference_in_words():
         "0.0003")
     # A --no- flag, a value only one rank's version has, the count past three, flags first.
     other = comparable_values(_args(mmap_bin_files=False, extra=1, lr=1.0, seed=1, zeta=2))
-    said = difference(one, other, (["--no-mmap-bin-files", "--seed", "1"], ()), names)
-    assert said == ("rank 9 (b) has --no-mmap-bin-files False where rank 0 (a) has True; "
-                    "--seed 1 where rank 0 (a) has 1234; extra (a default, or set from other "
-                    "flags) 1 where rank 0 (a) has (not set) and 2 more")
+    said = difference(one, other, ((), ["--no-mmap-bin-files", "--seed", "1"]), names)
+    assert said == ("rank 9 (b) has --no-mmap-bin-files: mmap_bin_files False where rank 0 (a) "
+                    "has True; --seed 1 where rank 0 (a) has 1234; extra (a default, or set "
+                    "from other flags) 1 where rank 0 (a) has (not set) and 2 more (its command "
+                    "line adds --no-mmap-bin-files --seed)")
+    # A flag stored under another name (Megatron-LM's --disable-bias-linear sets
+    # add_bias_linear): the command lines' own difference names it.
+    other = comparable_values(_args(add_bias_linear=False))
+    said = difference(comparable_values(_args(add_bias_linear=True)), other,
+                      (["--lr", "1"], ["--lr", "1", "--disable-bias-linear"]), names)
+    assert said == ("rank 9 (b) has add_bias_linear (a default, or set from other flags) False "
+                    "where rank 0 (a) has True (its command line adds --disable-bias-linear)")
+    # Long values shortened (a blend of 1,000 files is one value).
+    blend = comparable_values(_args(data_path=["1.0", "x" * 500]))
+    assert len(difference(one, blend, (), names)) < 400
     # Spelled as given: Megatron-LM's --override-opt_param-scheduler.
     other = dict(one, override_opt_param_scheduler="True")
     assert difference(one, other, ([], ["--override-opt_param-scheduler"]), names).startswith(
         "rank 9 (b) has --override-opt_param-scheduler True where rank 0 (a) has (not set)")
-    versions = dict(one, **{"the torch version": "2.0.0"})
-    assert difference(one, versions, (), names) == (
+    # Versions that differ are named alone (another megatron-core differs in hundreds of
+    # defaults, which would bury it).
+    versions = dict(other, **{"the torch version": "2.0.0", "new_default": "1"})
+    assert difference(one, versions, ((), ["--disable-bias-linear"]), names) == (
         f"rank 9 (b) has the torch version 2.0.0 where rank 0 (a) has "
         f"{one['the torch version']}")
 

@@ -69,3 +69,40 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tiny_data, tmp_path):
     assert waited < 0.2 * 60 + 60, f"the waiting rank took {waited:.0f} s to give up"
     assert ended < 20, f"the job took {ended:.0f} s to end after the waiting rank gave up"
     assert "--distributed-timeout-minutes" in text, text[-3000:]
+
+
+
+class _Leave(Exception):
+    pass
+
+
+def _train_until_rank_1_leaves(rank, world, argv):
+    from megatron_eod.training import pretrain as module
+    from tests.training.test_nan_stop import _train
+
+    step = module._Trainer._train_step
+
+    def leaves_at_iteration_3(self):
+        if rank == 1 and self.iteration == 2:
+            raise _Leave  # its process then ends, as a rank killed mid-run (an OOM kill)
+        return step(self)
+
+    module._Trainer._train_step = leaves_at_iteration_3
+    try:
+        return _train(rank, world, argv)
+    except _Leave:
+        return None
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_stops_is_one_line_on_the_ranks_left(tiny_data):
+    """gloo tells the ranks left at once ("Connection closed by peer"): one line saying a peer
+    stopped, exit 1 (a traceback before: the timeout's line was for waits only)."""
+    from tests.harness import run_ranks
+
+    results = run_ranks(_train_until_rank_1_leaves, 2,
+                        tiny_flags(tiny_data, "--context-parallel-size", "2"))
+    code, text, _ = results[0]
+    assert code == 1 and "Traceback" not in text, text[-3000:]
+    assert "pretrain_gpt.py: error: rank 0: a peer rank closed its connection (it stopped: see " \
+           "its own error) in " in text, text[-3000:]

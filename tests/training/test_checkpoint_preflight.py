@@ -1,0 +1,247 @@
+"""Before a checkpoint is read (training/checkpoint_preflight.py): the checkpoint --load names,
+the same on every rank and whole, or one line naming the flag, the file and the rule, on
+every rank (exit 2), where both trainers failed with tracebacks, hangs, silent fresh starts,
+or (Megatron-LM's trainer) exit status 0."""
+
+import argparse
+import os
+import shutil
+import socket
+
+import pytest
+
+from megatron_eod.training.checkpoint_preflight import find_checkpoint
+from megatron_eod.training.checkpointing import TRACKER, CheckpointError
+from tests.functional.tiny_gpt import tiny_flags
+from tests.harness import run_ranks
+from tests.training.test_checkpoint_formats import refused
+from tests.training.test_nan_stop import _train
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _saved(rank, world, argv):
+    return _train(rank, world, argv)[0]
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_data, tmp_path_factory):
+    """A torch_dist checkpoint of the tiny GPT at iterations 2 and 4 (one rank)."""
+    root = str(tmp_path_factory.mktemp("saved") / "ckpt")
+    assert run_ranks(_saved, 1, tiny_flags(tiny_data, "--train-iters", "4", "--save", root,
+                                           "--save-interval", "2"), daemon=False) == [0]
+    return root
+
+
+@pytest.fixture
+def ckpt(saved, tmp_path):
+    """A copy to damage."""
+    return shutil.copytree(saved, str(tmp_path / "ckpt"))
+
+
+def _args(**values):
+    return argparse.Namespace(**{"load": None, "pretrained_checkpoint": None, "finetune": False,
+                                 "no_load_optim": False, **values})
+
+
+def _refused(match, **values):
+    with pytest.raises(CheckpointError, match=match) as caught:
+        find_checkpoint(_args(**values))
+    return str(caught.value)
+
+
+def test_the_checkpoint_and_a_fresh_start(ckpt, tmp_path):
+    found = find_checkpoint(_args(load=ckpt))
+    assert (found.iteration, found.format, found.finetune) == (4, "torch_dist", False)
+    assert find_checkpoint(_args(load=str(tmp_path / "none"))) is None  # as Megatron-LM
+    os.makedirs(tmp_path / "empty")
+    assert find_checkpoint(_args(load=str(tmp_path / "empty"))) is None
+    assert find_checkpoint(_args(pretrained_checkpoint=ckpt)).finetune
+    _refused(r"--load .*empty holds no checkpoint \(no latest_checkpointed_iteration.txt\) and "
+             r"--exit-on-missing-checkpoint is set", load=str(tmp_path / "empty"),
+             exit_on_missing_checkpoint=True)
+
+
+def test_a_damaged_tracker_names_its_flag(ckpt):
+    with open(os.path.join(ckpt, TRACKER), "w") as f:
+        f.write("ab")
+    tracker = os.path.join(ckpt, TRACKER)
+    _refused(rf"^--load {ckpt}: {tracker} holds 'ab', not an iteration \(a save killed while "
+             rf"writing it, or a copy cut short\): write the iteration to resume into it$",
+             load=ckpt)
+    _refused(rf"^--pretrained-checkpoint {ckpt}: {tracker} holds 'ab'",
+             pretrained_checkpoint=ckpt)
+
+
+def test_a_load_that_cannot_be_a_checkpoint_folder(ckpt, tmp_path):
+    (tmp_path / "file").write_text("x")
+    _refused(r"--load .*file is a file, not a checkpoint folder", load=str(tmp_path / "file"))
+    _refused(rf"^--load {ckpt}/iter_0000004 is one iteration's folder: give the folder holding "
+             rf"it and {TRACKER}, {ckpt}$", load=os.path.join(ckpt, "iter_0000004"))
+
+
+def test_checkpoints_without_their_tracker_are_not_overwritten(ckpt):
+    """A fresh start there trained from scratch and replaced them at the first save (both
+    trainers; a helper's run: the relaunch wrote iteration 2 over the old run's)."""
+    os.remove(os.path.join(ckpt, TRACKER))
+    _refused(rf"^--load {ckpt} holds checkpoints \(the newest: iteration 4\) but no {TRACKER}: "
+             rf"a fresh start would train from scratch and overwrite them. Write the iteration "
+             rf"to resume into it \(echo 4 > {ckpt}/{TRACKER}\), or give another --load$",
+             load=ckpt)
+    for name in ("iter_0000002", "iter_0000004"):  # a first save killed early: nothing whole
+        os.remove(os.path.join(ckpt, name, "metadata.json"))
+    assert find_checkpoint(_args(load=ckpt)) is None
+
+
+def test_an_iteration_without_a_checkpoint_names_the_complete_ones(ckpt):
+    shutil.rmtree(os.path.join(ckpt, "iter_0000004"))
+    _refused(rf"names iteration 4 but {ckpt}/iter_0000004 holds no complete checkpoint \(no "
+             rf"metadata.json, no mp_rank_\*\); complete there: iteration 2 \(write one into "
+             rf"{TRACKER} to resume from it\)$", load=ckpt)
+
+
+@pytest.mark.parametrize("damage, said", [
+    ("metadata.json=garbage", r"metadata.json cannot be read as the checkpoint's JSON metadata"),
+    ("common.pt=cut", r"common.pt is damaged or cut short \(the checkpoint's args"),
+    ("common.pt=empty", r"common.pt is empty"),
+    ("common.pt=missing", r"common.pt is missing"),
+    (".metadata=missing", r"\.metadata \(the index of the checkpoint's shards\) is missing or "
+                          r"damaged"),
+    (".metadata=cut", r"\.metadata \(the index of the checkpoint's shards\) is missing or "
+                      r"damaged"),
+    ("shard=missing", r"__0_0.distcp is missing or cannot be read \(No such file or directory; "
+                      r"one of the \d+ shard files the checkpoint lists\)"),
+    ("shard=cut", r"__0_0.distcp is cut short: \d+ bytes, where the checkpoint lists data up to "
+                  r"byte \d+$"),
+])
+def test_a_damaged_torch_dist_checkpoint_is_named(ckpt, damage, said):
+    """Each was a traceback deep in megatron-core or torch (79 lines for a missing shard),
+    several naming no file."""
+    name, how = damage.split("=")
+    folder = os.path.join(ckpt, "iter_0000004")
+    if name == "shard":
+        name = min(n for n in os.listdir(folder) if n.endswith(".distcp"))
+    path = os.path.join(folder, name)
+    if how == "missing":
+        os.remove(path)
+    elif how == "garbage":
+        with open(path, "w") as f:
+            f.write("{not json")
+    else:
+        os.truncate(path, 0 if how == "empty" else os.path.getsize(path) // 2)
+    _refused(rf"^--load {ckpt}: {folder}/.*{said}", load=ckpt)
+
+
+def test_a_checkpoint_without_its_optimizer_state_resumes_only_when_asked(tiny_data, tmp_path):
+    root = str(tmp_path / "ckpt")
+    assert run_ranks(_saved, 1, tiny_flags(tiny_data, "--train-iters", "3", "--save", root,
+                                           "--no-save-optim"), daemon=False) == [0]
+    _refused(r"iteration 3 was saved without its optimizer state \(--no-save-optim\)",
+             load=root)
+    for asked in ({"no_load_optim": True}, {"finetune": True}):
+        assert find_checkpoint(_args(load=root, **asked)).iteration == 3
+
+
+def _find(rank, world, roots):
+    try:
+        find_checkpoint(_args(load=roots[rank]))
+    except CheckpointError as error:
+        return str(error)
+    return None
+
+
+def test_ranks_reading_different_checkpoints_stop_every_rank(ckpt, tmp_path):
+    """Node-local copies, one stale: the lean trainer resumed rank 0 at iteration 4 and rank 1
+    at 2, trained both on, then stopped at a collective mismatch."""
+    stale = shutil.copytree(ckpt, str(tmp_path / "stale"))
+    with open(os.path.join(stale, TRACKER), "w") as f:
+        f.write("2")
+    assert run_ranks(_find, 2, [ckpt, ckpt]) == [None, None]
+    errors = run_ranks(_find, 3, [ckpt, ckpt, stale])
+    host = socket.gethostname()
+    assert errors == [errors[0]] * 3 and errors[0] == (
+        f"--load: the ranks read different checkpoints: rank 0 ({host}) iteration 4 of "
+        f"{ckpt}, rank 2 ({host}) iteration 2 of {stale} (1 of 3 ranks differ from rank 0). "
+        f"Every rank must read the same checkpoint: a shared file system, or node-local copies "
+        f"kept in step")
+    with open(os.path.join(stale, TRACKER), "w") as f:
+        f.write("x")  # found on one rank only: named with its rank
+    errors = run_ranks(_find, 2, [ckpt, stale])
+    assert errors == [errors[0]] * 2 and errors[0].startswith(
+        f"rank 1 ({host}): --load {stale}: {stale}/{TRACKER} holds 'x'")
+
+
+def test_the_lean_trainer_stops_every_rank_with_one_line(tiny_data, ckpt):
+    folder = os.path.join(ckpt, "iter_0000004")
+    shard = os.path.join(folder, min(n for n in os.listdir(folder) if n.endswith(".distcp")))
+    os.truncate(shard, 100)
+    line = refused(2, tiny_data, "--context-parallel-size", "2", "--train-iters", "6",
+                   "--load", ckpt)
+    assert line.startswith(f"pretrain_gpt.py: error: --load {ckpt}: {shard} is cut short: "
+                           f"100 bytes")  # every rank, no rank named: rank 0 read the index
+
+
+def test_one_ranks_damaged_torch_format_file_stops_every_rank(tiny_data, tmp_path):
+    """TP=2, --ckpt-format torch: rank 1's file cut short was a traceback there while rank 0
+    waited in the load's barrier (under NCCL until --distributed-timeout-minutes)."""
+    root = str(tmp_path / "ckpt")
+    tp2 = ("--tensor-model-parallel-size", "2", "--ckpt-format", "torch")
+    assert run_ranks(_saved, 2, tiny_flags(tiny_data, *tp2, "--train-iters", "3", "--save",
+                                           root), daemon=False) == [0, 0]
+    path = os.path.join(root, "iter_0000003", "mp_rank_01", "model_optim_rng.pt")
+    os.truncate(path, os.path.getsize(path) - 100)
+    results = run_ranks(_train, 2, tiny_flags(tiny_data, *tp2, "--train-iters", "5", "--load",
+                                              root), daemon=False)
+    assert [code for code, _, _ in results] == [2, 2]
+    for _, text, _ in results:
+        assert f"pretrain_gpt.py: error: rank 1 ({socket.gethostname()}): --load {root}: {path} " \
+               f"is damaged or cut short (this rank's part of the checkpoint: " in text, text
+        assert "Traceback" not in text
+
+
+def _start_megatron_lm(rank, world, argv):
+    from tests.training.test_megatron_lm_pretrain import _start
+
+    return _start(rank, world, argv)
+
+
+def test_megatron_lm_trainer_stops_with_the_same_lines(short_docs_data, ckpt, tmp_path):
+    """Its load exited 0 after `ERROR: Invalid metadata file` (a job scheduler reads success)
+    and gave tracebacks for damaged files; the lean trainer's lines now, exit 2."""
+    from tests.training.megatron_lm_checkout import import_megatron_lm
+    from tests.training.test_megatron_lm_pretrain import flags
+
+    import_megatron_lm()
+    argv = flags(short_docs_data, str(tmp_path / "m.jsonl")) + ["--load", ckpt]
+    tracker = os.path.join(ckpt, TRACKER)
+    with open(tracker, "w") as f:
+        f.write("abc")
+    results = run_ranks(_start_megatron_lm, 2, argv, timeout=240, daemon=False)
+    assert [code for code, _ in results] == [2, 2], results
+    for _, text in results:
+        assert f"pretrain_gpt.py: error: --load {ckpt}: {tracker} holds 'abc', not an " \
+               f"iteration" in text and "Traceback" not in text, text[-2000:]
+    with open(tracker, "w") as f:
+        f.write("4")
+    os.remove(os.path.join(ckpt, "iter_0000004", ".metadata"))
+    results = run_ranks(_start_megatron_lm, 2, argv, timeout=240, daemon=False)
+    assert [code for code, _ in results] == [2, 2], results
+    assert "(the index of the checkpoint's shards) is missing or damaged" in results[0][1]
+
+
+def test_megatron_lm_trainer_exiting_in_its_load_exits_2(short_docs_data, tiny_data, tmp_path):
+    """A torch-format file missing: Megatron-LM's load prints `could not load the checkpoint`
+    and calls sys.exit() (status 0); a line and status 2 now."""
+    from tests.training.megatron_lm_checkout import import_megatron_lm
+    from tests.training.test_megatron_lm_pretrain import flags
+
+    import_megatron_lm()
+    root = str(tmp_path / "ckpt")
+    assert run_ranks(_saved, 1, tiny_flags(tiny_data, "--ckpt-format", "torch", "--train-iters",
+                                           "3", "--save", root), daemon=False) == [0]
+    os.remove(os.path.join(root, "iter_0000003", "mp_rank_00", "model_optim_rng.pt"))
+    argv = flags(short_docs_data, str(tmp_path / "m.jsonl")) + ["--load", root]
+    results = run_ranks(_start_megatron_lm, 2, argv, timeout=240, daemon=False)
+    assert [code for code, _ in results] == [2, 2], results
+    assert f"pretrain_gpt.py: error: --load {root}: Megatron-LM's load_checkpoint stopped the " \
+           f"run (its message above says why" in results[0][1]
