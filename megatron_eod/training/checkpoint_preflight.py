@@ -204,6 +204,8 @@ def _check_torch_dist(found: Found) -> dict:
         if size < end:
             raise CheckpointError(f"{path} is cut short: {size} bytes, where the checkpoint lists "
                                   f"data up to byte {end}")
+        if not os.access(path, os.R_OK):
+            raise CheckpointError(f"{path} cannot be read by this user (its permissions)")
     return common if isinstance(common, dict) else {}
 
 
