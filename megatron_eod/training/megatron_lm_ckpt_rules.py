@@ -68,7 +68,7 @@ def check_decoupled_lr_checkpoints(args) -> None:
     contains a parameter group that doesn't match" (measured on CPU, both formats). Later
     megatron-cores (0.19.2) match by the learning rates too; the distributed optimizer loads
     by another path and resumes (one group's max/min LR in both, put right after the load:
-    checkpoint_load.apply_schedule_choice)."""
+    checkpoint_schedule.apply_schedule_choice)."""
     loads_optimizer = getattr(args, "load", None) and not (
         getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
     if getattr(args, "decoupled_lr", None) is None or args.use_distributed_optimizer or not (

@@ -42,10 +42,11 @@ import torch.distributed as dist
 
 from megatron_eod.data.checks import DatasetError
 from megatron_eod.megatron import cpu_compat, gloo_on_cuda
-from megatron_eod.training.checkpoint_load import (CheckpointError, apply_schedule_choice,
-                                                   group_lrs, schedule_mismatch,
-                                                   schedule_values_to_flags)
 from megatron_eod.training.checkpoint_preflight import find_checkpoint
+from megatron_eod.training.checkpoint_schedule import (apply_schedule_choice, group_lrs,
+                                                       schedule_mismatch,
+                                                       schedule_values_to_flags)
+from megatron_eod.training.checkpointing import CheckpointError
 from megatron_eod.training.cp_flags import FlagError, exit_with_error
 from megatron_eod.training.flag_rules import check_global_batch
 from megatron_eod.training.megatron_lm import EodProviders
@@ -194,7 +195,7 @@ def _schedule_flags_after_load(training) -> None:
 
             def load_state_dict(state_dict, *a, **kw):  # megatron-core 0.19 pairs saved and
                 # current groups by their max/min LR too: another --lr found none and stopped
-                # the load before the scheduler flags had a say (checkpoint_load.py's rule)
+                # the load before the scheduler flags had a say (checkpoint_schedule.py's rule)
                 saved[:] = schedule_values_to_flags(state_dict, optimizer.param_groups)
                 return load(state_dict, *a, **kw)
 
