@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -47,7 +48,7 @@ from megatron_eod.training.checkpoint_schedule import (apply_schedule_choice, gr
                                                        schedule_mismatch,
                                                        schedule_values_to_flags)
 from megatron_eod.training.checkpointing import CheckpointError
-from megatron_eod.training.cp_flags import FlagError, exit_with_error
+from megatron_eod.training.cp_flags import FlagError, exit_with_error, say_error
 from megatron_eod.training.flag_rules import check_global_batch
 from megatron_eod.training.megatron_lm import EodProviders
 from megatron_eod.training.megatron_lm_args import (add_eod_args, check_before_megatron,
@@ -88,7 +89,10 @@ def run(argv=None):
     _Metrics(providers).install(training)
     model_type = importlib.import_module("megatron.core.enums").ModelType.encoder_or_decoder
     restart = importlib.import_module("megatron.training.inprocess_restart")
-    pretrain, store = restart.maybe_wrap_for_inprocess_restart(training.pretrain)
+    restarts = {"on": False}
+    pretrain, store = restart.maybe_wrap_for_inprocess_restart(
+        _our_errors_end_restarts(training.pretrain, restarts))
+    restarts["on"] = store is not None  # --inprocess-restart
     kwargs = dict(train_valid_test_dataset_provider=providers.datasets_provider,
                   model_provider=providers.model_provider, model_type=model_type,
                   forward_step_func=providers.forward_step, store=store,
@@ -127,6 +131,27 @@ def _flags_compared_before_groups():
         yield
     finally:
         ps.initialize_model_parallel = original
+
+
+def _our_errors_end_restarts(pretrain, restarts):
+    """Under --inprocess-restart, nvidia-resiliency-ext's Wrapper runs pretrain() again after
+    any error, with no limit (Megatron-LM sets none): a flag, data or checkpoint error fails
+    the same way every time, so it is said and then raised as the Wrapper's terminal
+    RestartAbort. (Not run against the package here: it is not installed; the wiring is
+    tested with a stand-in.)"""
+
+    @functools.wraps(pretrain)
+    def pretrain_once(*args, **kwargs):
+        try:
+            return pretrain(*args, **kwargs)
+        except (FlagError, DatasetError, CheckpointError) as error:
+            if not restarts["on"]:
+                raise
+            exception = importlib.import_module("nvidia_resiliency_ext.inprocess.exception")
+            say_error(f"pretrain_gpt.py: error: {error}")
+            raise exception.RestartAbort(str(error)) from None
+
+    return pretrain_once
 
 
 def _use_prebuilt_dataset_helpers() -> None:

@@ -82,3 +82,64 @@ def test_pretrain_018_and_later_get_a_config_container_and_keywords():
     assert seen == {"extra": "add_eod_args", "defaults": {"tokenizer_type": "GPT2BPETokenizer"},
                     "cfg": "container of parsed args", "model_provider": "model_provider",
                     "datasets": "datasets_provider", "forward": "forward_step"}
+
+
+def _restarted_by_a_stand_in(rank, world, restarting):
+    """nvidia-resiliency-ext's Wrapper (not installed here) stood in for: it runs pretrain()
+    again after any exception but its terminal RestartAbort, up to 3 times here (Megatron-LM
+    sets no limit)."""
+    import contextlib
+    import io
+    import sys
+    import types
+
+    from megatron.training import inprocess_restart, training
+
+    from megatron_eod.training.cp_flags import FlagError
+
+    class RestartAbort(BaseException):
+        pass
+
+    package = types.ModuleType("nvidia_resiliency_ext.inprocess.exception")
+    package.RestartAbort = RestartAbort
+    sys.modules["nvidia_resiliency_ext.inprocess.exception"] = package
+    attempts = []
+
+    def pretrain(*args, **kwargs):
+        attempts.append(1)
+        raise FlagError("--lr: the same error on every attempt")
+
+    def maybe_wrap(pretrain):
+        if not restarting:
+            return pretrain, None
+
+        def wrapper(*args, **kwargs):
+            for _ in range(3):
+                try:
+                    return pretrain(*args, **kwargs)
+                except Exception:
+                    continue
+
+        return wrapper, "store"
+
+    training.pretrain = pretrain
+    inprocess_restart.maybe_wrap_for_inprocess_restart = maybe_wrap
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            megatron_lm_run.run(["--lr", "1"])
+        except RestartAbort:
+            return "RestartAbort", len(attempts), err.getvalue()
+        except SystemExit as stop:
+            return stop.code, len(attempts), err.getvalue()
+
+
+@needs_megatron_lm
+@pytest.mark.parametrize("restarting", [True, False])
+def test_our_errors_end_in_process_restarts(restarting):
+    """--inprocess-restart re-ran pretrain() after every error, without limit: a flag, data or
+    checkpoint error fails the same way each time, so it ends the restarts (said once)."""
+    import_megatron_lm()
+    (outcome, attempts, said), = run_ranks(_restarted_by_a_stand_in, 1, restarting)
+    assert (outcome, attempts) == (("RestartAbort" if restarting else 2), 1)
+    assert said == "pretrain_gpt.py: error: --lr: the same error on every attempt\n"
