@@ -2,13 +2,14 @@
 
 One job: load the checkpoint checkpoint_preflight found under --load (or
 --pretrained-checkpoint when --load has none; the same on every rank, its files whole) in its
-format (torch_dist: `metadata.json` in the iteration folder; torch: `mp_rank_*` files),
-check that it holds this model (a clear error names the flag that
-differs instead of a shape error deep inside dist_checkpointing), and load the model, the
-optimizer and LR schedule, the RNG states and the sample counters into this run. torch_dist
-checkpoints reshard: megatron-core maps every global tensor onto this run's TP/PP/DP/CP
-layout (the distributed optimizer's state across TP/PP only when it was saved
-"fully_reshardable"); RNG states are skipped when TP/PP changed, as Megatron-LM does.
+format (torch_dist: `metadata.json` in the iteration folder; torch: `mp_rank_*` files), check
+that it holds this model (a clear error names the flag that differs instead of a shape error
+deep inside dist_checkpointing), and load the model, the optimizer and LR schedule
+(checkpoint_schedule.py's rules), the RNG states and the sample counters into this run. A
+read that fails on one rank is raised on every rank (`raise_on_every_rank`), before the next
+collective. torch_dist checkpoints reshard: megatron-core maps every global tensor onto this
+run's TP/PP/DP/CP layout (the distributed optimizer's state across TP/PP only when it was
+saved "fully_reshardable"); RNG states are skipped when TP/PP changed, as Megatron-LM does.
 --finetune (and --pretrained-checkpoint) loads the weights only and starts at iteration 0.
 
 What it does not do: no conversion between the regular and the distributed optimizer's
