@@ -30,6 +30,7 @@ if [ $# -eq 0 ]; then
     tests/training/test_trainer_choice.py tests/training/test_megatron_lm_flags_in_lean.py \
     tests/training/test_checkpoint_interop.py tests/training/test_data_checks_at_startup.py \
     tests/training/test_args_optim.py tests/training/test_optimizer.py \
+    tests/training/test_checkpoint_preflight.py tests/training/test_same_flags.py \
     tests/megatron/test_cpu_compat.py tests/megatron/test_steps.py \
     tests/megatron/test_stock_equivalence.py tests/data/test_checks.py \
     tests/data/test_tokenizers.py tests/data/test_preprocess.py

@@ -285,7 +285,11 @@ def _read_torch(args, found, chunks):
             raise CheckpointError(f"--load {root}: {param_state} is missing (the distributed "
                                   f"optimizer's state of a --ckpt-format torch checkpoint); "
                                   f"pass --no-load-optim to start the optimizer state fresh")
-    _load_chunks(chunks, state, path)
+    try:
+        _load_chunks(chunks, state, path)
+    except RuntimeError as error:  # a shape the model checks above do not know
+        raise CheckpointError(f"--load {root}: {path} does not fit this model "
+                              f"({str(error).strip().splitlines()[-1]})") from None
     return state, saved, load_optim, param_state
 
 

@@ -47,8 +47,11 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint  # noqa: F401 (FileSystemReader reads the shards' index)
 
-from megatron_eod.training.checkpointing import (DISTRIB_OPTIM_FILE, TRACKER, CheckpointError,
+from megatron_eod.megatron.imports import import_megatron
+from megatron_eod.training.checkpointing import (_LEGACY_FILE as _LEGACY_NAME,
+                                                 DISTRIB_OPTIM_FILE, TRACKER, CheckpointError,
                                                  _legacy_file, checkpoint_folder,
                                                  checkpoint_format, read_tracker)
 
@@ -68,12 +71,27 @@ class Found:
     format: str  # "torch_dist", "torch", or "other" (torch_dcp, fsdp_dtensor)
 
 
+def _whole(folder) -> bool:
+    """Whether an iteration folder holds a whole checkpoint, as far as its files say without
+    reading them: torch_dist writes metadata.json last; a torch-format save writes one file
+    per mp_rank_* folder, and a save killed early leaves a folder without it, or a `.tmp`."""
+    kind = checkpoint_format(folder)
+    if kind != "torch":
+        return kind is not None
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name, _LEGACY_NAME)
+        if name.startswith("mp_rank_") and not (os.path.isfile(path) and
+                                                os.path.getsize(path) > 0):
+            return False
+    return True
+
+
 def _complete_iterations(root):
-    """The iterations under `root` whose folders hold a checkpoint, oldest first."""
+    """The iterations under `root` whose folders hold a whole checkpoint, oldest first."""
     found = []
     for name in os.listdir(root):
         if name.startswith("iter_") and name[5:].isdigit() and \
-                checkpoint_format(os.path.join(root, name)) is not None:
+                _whole(os.path.join(root, name)):
             found.append(int(name[5:]))
     return sorted(found)
 
@@ -83,6 +101,9 @@ def _check_root(root, flag) -> bool:
     where it cannot be a checkpoint folder."""
     if not os.path.lexists(root):
         return False
+    if os.path.islink(root) and not os.path.exists(root):
+        raise CheckpointError(f"{flag} {root} is a link to {os.readlink(root)}, which does not "
+                              f"exist (a file system not mounted on this node?)")
     if not os.path.isdir(root):
         raise CheckpointError(f"{flag} {root} is a file, not a checkpoint folder (the folder "
                               f"--save wrote, holding {TRACKER})")
@@ -96,35 +117,50 @@ def _check_root(root, flag) -> bool:
     return True
 
 
-def _found(flag, root, iteration, finetune, lean) -> Found:
+def _found(flag, root, iteration, finetune, lean, named_by=TRACKER) -> Found:
     folder = checkpoint_folder(root, iteration)
     kind = checkpoint_format(folder)
     if kind is None and os.path.isfile(os.path.join(folder, ".metadata")):
+        if os.path.isfile(os.path.join(folder, "common.pt")):
+            raise CheckpointError(f"{flag} {root}: {folder} is a torch_dist checkpoint without "
+                                  f"its metadata.json (written last: a save killed at its end, "
+                                  f"or a copy that lost it)")
         kind = "other"
         if lean:
-            raise CheckpointError(f"{flag} {root}: {folder} holds a checkpoint of another format "
-                                  f"(torch_dcp or fsdp_dtensor: .metadata without "
-                                  f"metadata.json); the lean trainer reads torch_dist and "
-                                  f"torch: load it with --trainer megatron-lm")
+            raise CheckpointError(f"{flag} {root}: {folder} holds .metadata without "
+                                  f"metadata.json: a checkpoint of another format (torch_dcp "
+                                  f"or fsdp_dtensor: load it with --trainer megatron-lm), or a "
+                                  f"torch_dist one that lost its metadata.json")
     if kind is None:
         complete = [i for i in _complete_iterations(root) if i != iteration]
         older = (f"; complete there: iteration {', '.join(map(str, complete[-3:]))} (write one "
                  f"into {TRACKER} to resume from it)" if complete else "")
-        raise CheckpointError(f"{flag} {root}: {TRACKER} names iteration {iteration} but "
+        raise CheckpointError(f"{flag} {root}: {named_by} names iteration {iteration} but "
                               f"{folder} holds no complete checkpoint (no metadata.json, no "
                               f"mp_rank_*){older}")
     return Found(flag, root, iteration, finetune or iteration == "release", folder, kind)
 
 
 def _locate(args, lean) -> Optional[Found]:
-    """This rank's view: --load, or --pretrained-checkpoint where --load has none (then as
-    --finetune), or None."""
+    """This rank's view: --load (at Megatron-LM's --ckpt-step where given), or
+    --pretrained-checkpoint where --load has none (then as --finetune), or None."""
+    try:
+        return _located(args, lean)
+    except OSError as error:  # an iteration folder this user cannot list, ...
+        raise CheckpointError(f"--load {getattr(args, 'load', None)}: {error.filename} cannot "
+                              f"be read ({error.strerror or error})") from None
+
+
+def _located(args, lean) -> Optional[Found]:
     load = getattr(args, "load", None)
+    finetune = bool(getattr(args, "finetune", False))
     if load and _check_root(load, "--load"):
+        step = getattr(args, "ckpt_step", None)
+        if step is not None:  # Megatron-LM's: this iteration, whatever the tracker says
+            return _found("--load", load, step, finetune, lean, f"--ckpt-step {step}")
         iteration = read_tracker(load, "--load")
         if iteration is not None:
-            return _found("--load", load, iteration, bool(getattr(args, "finetune", False)),
-                          lean)
+            return _found("--load", load, iteration, finetune, lean)
         complete = _complete_iterations(load)
         if complete:
             raise CheckpointError(
@@ -179,9 +215,9 @@ def _check_torch_dist(found: Found) -> dict:
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{path} cannot be read as the checkpoint's JSON metadata "
                               f"({getattr(error, 'strerror', None) or error})") from None
-    path = os.path.join(folder, "common.pt")
-    _check_zip(path, "the checkpoint's args, iteration and schedule", crc=True)
-    common = torch.load(path, map_location="cpu", weights_only=False)
+    path = os.path.join(folder, "common.pt")  # megatron-core <= 0.16; later, in the shards
+    if os.path.lexists(path):
+        _check_zip(path, "the checkpoint's args, iteration and schedule", crc=True)
     try:
         reader = torch.distributed.checkpoint.FileSystemReader(folder)
         storage = reader.read_metadata().storage_data
@@ -206,6 +242,12 @@ def _check_torch_dist(found: Found) -> dict:
                                   f"data up to byte {end}")
         if not os.access(path, os.R_OK):
             raise CheckpointError(f"{path} cannot be read by this user (its permissions)")
+    dcp = import_megatron("megatron.core.dist_checkpointing")
+    try:
+        common = dcp.load_common_state_dict(folder)
+    except Exception as error:  # noqa: BLE001 (whatever it meets, one line on every rank)
+        raise CheckpointError(f"{folder}: its common state (args, iteration, schedule) cannot "
+                              f"be read ({type(error).__name__}: {error})") from None
     return common if isinstance(common, dict) else {}
 
 
@@ -230,8 +272,9 @@ def _check_files(args, found: Found) -> None:
         elif found.format == "torch":
             path = _legacy_file(found.folder)
             _check_zip(path, "this rank's part of the checkpoint", required=False)
-            _check_zip(os.path.join(os.path.dirname(path), DISTRIB_OPTIM_FILE),
-                       "the distributed optimizer's state", required=False)
+            if not (found.finetune or getattr(args, "no_load_optim", False)):
+                _check_zip(os.path.join(os.path.dirname(path), DISTRIB_OPTIM_FILE),
+                           "the distributed optimizer's state", required=False)
             return
         else:
             return

@@ -213,6 +213,9 @@ def _schedule_flags_after_load(training) -> None:
         return
 
     def load_checkpoint(model, optimizer, scheduler, *rest, **kwargs):
+        args = importlib.import_module("megatron.training").get_args()
+        if _checks_its_checkpoint(args, rest, kwargs):
+            find_checkpoint(args, lean=False)
         flags = group_lrs(optimizer) if optimizer is not None else []
         saved = []  # the checkpoint's schedule values per current group
         if optimizer is not None:
@@ -225,9 +228,6 @@ def _schedule_flags_after_load(training) -> None:
                 return load(state_dict, *a, **kw)
 
             optimizer.load_state_dict = load_state_dict
-        args = importlib.import_module("megatron.training").get_args()
-        if _checks_its_checkpoint(args, rest, kwargs):
-            find_checkpoint(args, lean=False)
         try:
             result = original(model, optimizer, scheduler, *rest, **kwargs)
         except AssertionError as error:

@@ -51,8 +51,9 @@ def _comparable(value):
     if isinstance(value, _PLAIN):
         return repr(value)
     if isinstance(value, (list, tuple)):
-        items = [_comparable(item) for item in value]
-        return None if None in items else repr(type(value)(items))
+        items = [_comparable(item) for item in value]  # a namedtuple, a torch.Size: a tuple
+        return None if None in items else repr(tuple(items) if isinstance(value, tuple)
+                                                else items)
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
         items = {k: _comparable(v) for k, v in value.items()}
         return None if None in items.values() else repr(items)

@@ -93,6 +93,42 @@ def test_checkpoints_without_their_tracker_are_not_overwritten(ckpt):
     assert find_checkpoint(_args(load=ckpt)) is None
 
 
+def test_a_first_save_killed_early_starts_fresh(tiny_data, tmp_path):
+    """A torch-format save killed before its files were written leaves mp_rank_* folders
+    without them (or with a `.tmp`): not a checkpoint to protect, a fresh start (as before,
+    and as Megatron-LM)."""
+    root = tmp_path / "ckpt"
+    for name in ("mp_rank_00", "mp_rank_01"):
+        (root / "iter_0000003" / name).mkdir(parents=True)
+    (root / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt.tmp").write_bytes(b"PK")
+    assert find_checkpoint(_args(load=str(root))) is None
+
+
+def test_megatron_lm_ckpt_step_names_the_iteration(ckpt):
+    """Megatron-LM's --ckpt-step loads that iteration, whatever the tracker says (or without
+    one): a damaged newer checkpoint is stepped over."""
+    folder = os.path.join(ckpt, "iter_0000004")
+    os.remove(os.path.join(folder, "metadata.json"))
+    os.remove(os.path.join(ckpt, TRACKER))
+    assert find_checkpoint(_args(load=ckpt, ckpt_step=2)).iteration == 2
+    _refused(rf"--ckpt-step 3 names iteration 3 but {ckpt}/iter_0000003 holds no complete "
+             rf"checkpoint", load=ckpt, ckpt_step=3)
+
+
+def test_a_link_to_nowhere_and_a_torch_dist_folder_without_its_metadata(ckpt, tmp_path):
+    os.symlink(str(tmp_path / "unmounted" / "ckpt"), str(tmp_path / "link"))
+    _refused(rf"--load {tmp_path}/link is a link to {tmp_path}/unmounted/ckpt, which does not "
+             rf"exist \(a file system not mounted on this node\?\)", load=str(tmp_path / "link"))
+    folder = os.path.join(ckpt, "iter_0000004")
+    os.remove(os.path.join(folder, "metadata.json"))
+    if os.path.exists(os.path.join(folder, "common.pt")):  # megatron-core <= 0.16's layout
+        said = rf"{folder} is a torch_dist checkpoint without its metadata.json"
+    else:
+        said = (rf"{folder} holds .metadata without metadata.json: a checkpoint of another "
+                rf"format \(torch_dcp or fsdp_dtensor")
+    _refused(said, load=ckpt)
+
+
 def test_an_iteration_without_a_checkpoint_names_the_complete_ones(ckpt):
     shutil.rmtree(os.path.join(ckpt, "iter_0000004"))
     _refused(rf"names iteration 4 but {ckpt}/iter_0000004 holds no complete checkpoint \(no "
@@ -104,7 +140,7 @@ def test_an_iteration_without_a_checkpoint_names_the_complete_ones(ckpt):
     ("metadata.json=garbage", r"metadata.json cannot be read as the checkpoint's JSON metadata"),
     ("common.pt=cut", r"common.pt is damaged or cut short \(the checkpoint's args"),
     ("common.pt=empty", r"common.pt is empty"),
-    ("common.pt=missing", r"common.pt is missing"),
+    ("common.pt=missing", r"its common state \(args, iteration, schedule\) cannot be read"),
     (".metadata=missing", r"\.metadata \(the index of the checkpoint's shards\) is missing or "
                           r"damaged"),
     (".metadata=cut", r"\.metadata \(the index of the checkpoint's shards\) is missing or "
@@ -119,6 +155,8 @@ def test_a_damaged_torch_dist_checkpoint_is_named(ckpt, damage, said):
     several naming no file."""
     name, how = damage.split("=")
     folder = os.path.join(ckpt, "iter_0000004")
+    if name == "common.pt" and not os.path.exists(os.path.join(folder, name)):
+        pytest.skip("megatron-core >= 0.17 keeps the common state inside the shards")
     if name == "shard":
         name = min(n for n in os.listdir(folder) if n.endswith(".distcp"))
     path = os.path.join(folder, name)
@@ -129,7 +167,7 @@ def test_a_damaged_torch_dist_checkpoint_is_named(ckpt, damage, said):
             f.write("{not json")
     else:
         os.truncate(path, 0 if how == "empty" else os.path.getsize(path) // 2)
-    _refused(rf"^--load {ckpt}: {folder}/.*{said}", load=ckpt)
+    _refused(rf"^--load {ckpt}: {folder}.*{said}", load=ckpt)
 
 
 def test_a_checkpoint_without_its_optimizer_state_resumes_only_when_asked(tiny_data, tmp_path):
@@ -245,3 +283,20 @@ def test_megatron_lm_trainer_exiting_in_its_load_exits_2(short_docs_data, tiny_d
     assert [code for code, _ in results] == [2, 2], results
     assert f"pretrain_gpt.py: error: --load {root}: Megatron-LM's load_checkpoint stopped the " \
            f"run (its message above says why" in results[0][1]
+
+
+def test_a_damaged_optimizer_file_blocks_only_the_loads_that_read_it(tiny_data, tmp_path):
+    """--no-load-optim and --finetune salvage the weights of a checkpoint whose distributed
+    optimizer file was cut short; a resume that reads it is refused by name."""
+    root = str(tmp_path / "ckpt")
+    flags = ("--ckpt-format", "torch", "--use-distributed-optimizer")
+    assert run_ranks(_saved, 1, tiny_flags(tiny_data, *flags, "--train-iters", "3", "--save",
+                                           root), daemon=False) == [0]
+    path = os.path.join(root, "iter_0000003", "mp_rank_00", "distrib_optim.pt")
+    os.truncate(path, os.path.getsize(path) // 2)
+    line = refused(1, tiny_data, *flags, "--train-iters", "5", "--load", root)
+    assert f"--load {root}: {path} is damaged or cut short (the distributed optimizer's " \
+           f"state: " in line
+    for salvage in ("--no-load-optim", "--finetune"):
+        assert run_ranks(_saved, 1, tiny_flags(tiny_data, *flags, "--train-iters", "5",
+                                               "--load", root, salvage), daemon=False) == [0]
