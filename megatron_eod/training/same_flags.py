@@ -128,8 +128,8 @@ def difference(reference: dict, ours: dict, argvs=((), ()),
     more = f" and {len(differ) - _SHOWN} more" if len(differ) > _SHOWN else ""
     added, lacking = (sorted(_options(argvs[1]) - _options(argvs[0])),
                       sorted(_options(argvs[0]) - _options(argvs[1])))
-    lines = ([f"adds {' '.join(added)}"] if added else []) + \
-        ([f"lacks {' '.join(lacking)}"] if lacking else [])
+    lines = [f"{verb} {' '.join(options[:6])}{' ...' if len(options) > 6 else ''}"
+             for verb, options in (("adds", added), ("lacks", lacking)) if options]
     command = f" (its command line {'; '.join(lines)})" if lines and not versions else ""
     return f"{names[1]} has {'; '.join(said)}{more}{command}"
 
