@@ -186,6 +186,19 @@ def eod_args_from_megatron(args) -> None:
         check_tokenizer_files(args, " (Megatron-LM's default where none is given)"
                               if args.tokenizer_type == "GPT2BPETokenizer" else "")
     _check_hf_tokenizer(args)
+    _check_gradient_accumulation_fusion(args)
+
+
+def _check_gradient_accumulation_fusion(args) -> None:
+    """Megatron-LM's default --gradient-accumulation-fusion needs apex's CUDA extension
+    fused_weight_gradient_mlp_cuda (absent on CPUs, and on GPUs without apex): megatron-core
+    raised in the output layer's constructor, after the flags had passed, a traceback per rank
+    naming no flag. (The lean trainer turns the fusion off where the extension is absent.)"""
+    if getattr(args, "gradient_accumulation_fusion", False) and \
+            importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+        raise FlagError("--gradient-accumulation-fusion (Megatron-LM's default) needs apex's "
+                        "CUDA extension fused_weight_gradient_mlp_cuda, which is not installed: "
+                        "pass --no-gradient-accumulation-fusion")
 
 
 def _check_hf_tokenizer(args) -> None:

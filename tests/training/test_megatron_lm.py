@@ -33,6 +33,7 @@ def megatron_lm_args(data, world, *extra):
     del args.ulysses_degree  # set by our checks; the providers must derive it themselves
     args.padded_vocab_size = padded_vocab_size(ByteTokenizer().vocab_size, 128, 1)
     args.transformer_impl = "local"
+    args.gradient_accumulation_fusion = False  # as --no-gradient-accumulation-fusion (no apex)
     args.calculate_per_token_loss = True
     u = args.ulysses_degree_in_cp
     args.hierarchical_context_parallel_sizes = [u, world // u] if u else None

@@ -16,7 +16,7 @@ pytestmark = needs_megatron_lm
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "128", "--micro-batch-size", "2", "--data-path", "corpus",
         "--transformer-impl", "local", "--attention-dropout", "0", "--eval-interval", "100",
-        "--distributed-backend", "gloo"]
+        "--distributed-backend", "gloo", "--no-gradient-accumulation-fusion"]
 
 
 def megatron_lm_args(*flags, base=BASE, world=4):
@@ -128,7 +128,10 @@ def test_refused_flags_are_named(name):
 @pytest.mark.parametrize("drop,message", [
     (["--attention-dropout", "0"], "is 0.1\\).*pass --attention-dropout 0"),
     (["--transformer-impl", "local"], "pass --transformer-impl local"),
-], ids=["attention-dropout", "transformer-engine"])
+    (["--no-gradient-accumulation-fusion"], r"--gradient-accumulation-fusion \(Megatron-LM's "
+     r"default\) needs apex's CUDA extension fused_weight_gradient_mlp_cuda, which is not "
+     r"installed: pass --no-gradient-accumulation-fusion"),
+], ids=["attention-dropout", "transformer-engine", "gradient-accumulation-fusion"])
 def test_megatron_lm_defaults_we_cannot_run_say_what_to_add(drop, message):
     base = [f for f in BASE if f not in drop]
     with pytest.raises(FlagError, match=message):

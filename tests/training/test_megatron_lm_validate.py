@@ -134,7 +134,7 @@ def test_the_same_flags_build_the_same_model_in_both_trainers(monkeypatch, flags
     common = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
               "--seq-length", "128", "--micro-batch-size", "2", "--attention-dropout", "0",
               "--transformer-impl", "local", "--eval-interval", "100",
-              "--distributed-backend", "gloo"]
+              "--distributed-backend", "gloo", "--no-gradient-accumulation-fusion"]
     theirs = validated(monkeypatch, *flags, base=common)
     ours = lean_parse_args([*common, "--lr", "1e-3", "--train-iters", "2", "--mock-data",
                             *flags], world_size=4)
