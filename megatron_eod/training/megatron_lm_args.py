@@ -187,6 +187,24 @@ def eod_args_from_megatron(args) -> None:
                               if args.tokenizer_type == "GPT2BPETokenizer" else "")
     _check_hf_tokenizer(args)
     _check_gradient_accumulation_fusion(args)
+    _check_warmup(args)
+
+
+def _check_warmup(args) -> None:
+    """The LR warm-up must end before the decay does: megatron-core's scheduler asserted it
+    bare on every rank, after the model was built (the lean trainer's line, args_optim.py)."""
+    unit = "iters" if getattr(args, "train_iters", None) else "samples"
+    decay = getattr(args, f"lr_decay_{unit}", None) or getattr(args, f"train_{unit}", None)
+    fraction = getattr(args, "lr_warmup_fraction", None)
+    if not decay:
+        return
+    if fraction is not None and not 0.0 <= fraction < 1.0:
+        raise FlagError(f"--lr-warmup-fraction must be in [0, 1), got {fraction} (the warmup "
+                        f"must end before the decay does)")
+    warmup = getattr(args, f"lr_warmup_{unit}", 0) or 0
+    if fraction is None and not 0 <= warmup < decay:
+        raise FlagError(f"--lr-warmup-{unit} {warmup} must be in [0, --lr-decay-{unit} {decay}) "
+                        f"(the warmup must end before the decay does)")
 
 
 def _check_gradient_accumulation_fusion(args) -> None:

@@ -154,6 +154,21 @@ def test_flags_read_at_parse_time_are_named(dest, value, message):
         eod_args_from_megatron(args)
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--train-iters", "4", "--lr-warmup-iters", "4"],
+     r"^--lr-warmup-iters 4 must be in \[0, --lr-decay-iters 4\) \(the warmup must end"),
+    (["--train-iters", "8", "--lr-decay-iters", "3", "--lr-warmup-iters", "5"],
+     r"^--lr-warmup-iters 5 must be in \[0, --lr-decay-iters 3\)"),
+    (["--train-iters", "8", "--lr-warmup-fraction", "1.0"],
+     r"^--lr-warmup-fraction must be in \[0, 1\), got 1.0"),
+])
+def test_a_warmup_past_the_decay_is_the_lean_trainers_line(flags, message):
+    """megatron-core's scheduler asserted it bare on every rank, after the model was built."""
+    with pytest.raises(FlagError, match=message):
+        checked(*flags)
+    checked("--train-iters", "8", "--lr-warmup-iters", "4")
+
+
 def test_per_token_loss_is_the_default_and_cannot_be_lost():
     from megatron_eod.training.megatron_lm_args import eod_args_from_megatron
 
