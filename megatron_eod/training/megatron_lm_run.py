@@ -48,6 +48,7 @@ from megatron_eod.training.checkpoint_schedule import (apply_schedule_choice, gr
                                                        schedule_mismatch,
                                                        schedule_values_to_flags)
 from megatron_eod.training.checkpointing import CheckpointError
+from megatron_eod.training.collective_faults import exit_on_collective_fault
 from megatron_eod.training.cp_flags import FlagError, exit_with_error, say_error
 from megatron_eod.training.flag_rules import check_global_batch
 from megatron_eod.training.megatron_lm import EodProviders
@@ -109,6 +110,9 @@ def run(argv=None):
                 pretrain(extra_args_provider=add_eod_args, args_defaults=ARGS_DEFAULTS, **kwargs)
     except (FlagError, DatasetError, CheckpointError) as error:  # raised on every rank
         exit_with_error(error, 2)
+    except RuntimeError as error:  # a collective that lost a rank: one line, else raised
+        exit_on_collective_fault(error, _timeout_minutes())
+        raise
     finally:
         if providers._steps is not None:
             providers._steps.close()
@@ -131,6 +135,14 @@ def _flags_compared_before_groups():
         yield
     finally:
         ps.initialize_model_parallel = original
+
+
+def _timeout_minutes():
+    try:
+        return importlib.import_module("megatron.training").get_args(
+            ).distributed_timeout_minutes
+    except (AssertionError, AttributeError):  # before its args were parsed
+        return "?"
 
 
 def _our_errors_end_restarts(pretrain, restarts):

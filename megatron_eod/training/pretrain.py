@@ -26,7 +26,6 @@ import math
 import os
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -35,7 +34,8 @@ from megatron_eod.data.checks import DatasetError
 from megatron_eod.data.tokenizers import padded_vocab_size
 from megatron_eod.training.args import FlagError, parse_args
 from megatron_eod.training.args_megatron_lm_only import no_effect_notice
-from megatron_eod.training.cp_flags import exit_with_error, say_error
+from megatron_eod.training.collective_faults import exit_on_collective_fault
+from megatron_eod.training.cp_flags import exit_with_error
 from megatron_eod.megatron.batch_context import EodContextRegistry
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.megatron.steps import is_dataset_built_on_rank
@@ -84,18 +84,9 @@ def pretrain(argv=None):
         return _Trainer(args, started, controls).run()
     except (NonFiniteError, DatasetError, CheckpointError) as error:
         exit_with_error(error, 1 if isinstance(error, NonFiniteError) else 2)
-    except RuntimeError as error:
-        said = str(error).lower()
-        if "timed out" in said:  # every rank that waited says so: the stuck one may be any
-            what = (f"a collective waited longer than --distributed-timeout-minutes "
-                    f"{args.distributed_timeout_minutes} (a rank stopped answering or died)")
-        elif "closed by peer" in said or "reset by peer" in said:  # gloo: a peer exited
-            what = "a peer rank closed its connection (it stopped: see its own error)"
-        else:
-            raise
-        say_error(f"pretrain_gpt.py: error: rank {dist.get_rank()}: {what} in "
-                  f"{_where(error)}: {error}")
-        raise SystemExit(1) from None
+    except RuntimeError as error:  # a collective that lost a rank: one line, else raised
+        exit_on_collective_fault(error, args.distributed_timeout_minutes)
+        raise
     finally:
         controls.close()
         shutdown()
@@ -104,13 +95,6 @@ def pretrain(argv=None):
 def _one_or_list(functions):
     """megatron-core's schedules take one sync function, or one per model chunk."""
     return functions[0] if len(functions) == 1 else functions
-
-
-def _where(error) -> str:
-    """The innermost megatron/megatron_eod frame of an exception: which collective waited."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if "megatron" in f.filename]
-    return f"{frames[-1].name} ({os.path.basename(frames[-1].filename)})" if frames else "?"
 
 
 def _now() -> float:

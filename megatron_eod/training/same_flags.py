@@ -34,10 +34,11 @@ __all__ = ["check_same_flags", "comparable_values", "difference"]
 
 # Parsed values that name the rank itself, or may differ from node to node without changing
 # what is trained: where the one rank that logs writes (a launch script may stamp a time or
-# host into it) and how many loader workers a node starts.
+# host into it), how many loader or index-builder workers a node starts, how it reads a .bin.
 _PER_RANK = frozenset({"rank", "local_rank", "tensorboard_dir", "wandb_save_dir",
                        "wandb_exp_name", "wandb_project", "wandb_entity", "metrics_file",
-                       "num_workers"})
+                       "config_logger_dir", "memory_snapshot_path", "num_workers",
+                       "num_dataset_builder_threads", "mmap_bin_files"})
 _PLAIN = (type(None), bool, int, float, str, torch.dtype)
 _VERSIONS = ("the torch version", "the megatron-core version")
 _SHOWN = 3  # differences named in the message; the rest are counted
@@ -52,11 +53,12 @@ def _comparable(value):
         return repr(value)
     if isinstance(value, (list, tuple)):
         items = [_comparable(item) for item in value]  # a namedtuple, a torch.Size: a tuple
-        return None if None in items else repr(tuple(items) if isinstance(value, tuple)
-                                                else items)
+        ends = "()" if isinstance(value, tuple) else "[]"
+        return None if None in items else ends[0] + ", ".join(items) + ends[1]
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
         items = {k: _comparable(v) for k, v in value.items()}
-        return None if None in items.values() else repr(items)
+        return None if None in items.values() else \
+            "{" + ", ".join(f"{k!r}: {v}" for k, v in items.items()) + "}"
     return None
 
 
@@ -79,12 +81,12 @@ def comparable_values(args) -> dict:
     return values
 
 
-def _spelled(name: str, argvs: Sequence[Sequence[str]]) -> Optional[str]:
-    """The option as some rank's command line spells it (--override-opt_param-scheduler), or
-    None."""
+def _spelled(name: str, argvs: Sequence[Sequence[str]], whose=(0, 1)) -> Optional[str]:
+    """The option as the command lines `whose` (0: rank 0's, 1: this rank's) spell it
+    (--override-opt_param-scheduler), or None."""
     dashed = name.replace("_", "-")
-    for argv in argvs:
-        for token in argv:
+    for at in whose:
+        for token in argvs[at]:
             option = token.split("=", 1)[0]
             if option.replace("_", "-") in (f"--{dashed}", f"--no-{dashed}"):
                 return option
@@ -122,7 +124,10 @@ def difference(reference: dict, ours: dict, argvs=((), ()),
             said.append(f"{what} {value} where {names[0]} has {theirs}")
         elif option.replace("_", "-").startswith("--no-") and \
                 not name.replace("_", "-").startswith("no-"):
-            said.append(f"{option}: {name} {value} where {names[0]} has {theirs}")
+            if _spelled(name, argvs, (1,)) == option:
+                said.append(f"{option}: {name} {value} where {names[0]} has {theirs}")
+            else:  # rank 0's command line gave it
+                said.append(f"{name} {value} where {names[0]} has {theirs} (its {option})")
         else:
             said.append(f"{option} {value} where {names[0]} has {theirs}")
     more = f" and {len(differ) - _SHOWN} more" if len(differ) > _SHOWN else ""

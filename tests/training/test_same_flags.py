@@ -18,21 +18,24 @@ from tests.training.test_nan_stop import _train
 
 def _args(**values):
     base = dict(lr=3e-4, seed=1234, rank=0, local_rank=0, params_dtype=torch.bfloat16,
-                data_path=["1.0", "a_text_document"], mmap_bin_files=True, make=object())
+                data_path=["1.0", "a_text_document"], persist_layer_norm=True, make=object())
     return argparse.Namespace(**{**base, **values})
 
 
 def test_the_compared_values():
     values = comparable_values(_args(rank=5, local_rank=3))
     assert values == comparable_values(_args())  # the rank's own numbers are not compared
-    assert {"lr", "seed", "params_dtype", "data_path", "mmap_bin_files"} <= values.keys()
+    assert {"lr", "seed", "params_dtype", "data_path", "persist_layer_norm"} <= values.keys()
+    assert values["data_path"] == "['1.0', 'a_text_document']"  # as the flags gave it
     assert "make" not in values  # an object: its repr could differ without meaning anything
     # Enums by name (Megatron-LM's --attention-backend); what may differ by node is not
     # compared: where the logging rank writes, the loader workers a node starts.
     backend = enum.Enum("AttnBackend", "flash unfused")
     assert comparable_values(_args(attention_backend=backend.unfused))["attention_backend"] == \
         "AttnBackend.unfused"
-    assert comparable_values(_args(tensorboard_dir="/tb/node3-2359", num_workers=8)) == values
+    per_node = dict(tensorboard_dir="/tb/node3-2359", num_workers=8, mmap_bin_files=False,
+                    num_dataset_builder_threads=4, memory_snapshot_path="/x/node3.pickle")
+    assert comparable_values(_args(**per_node)) == values
     assert values["the torch version"] == str(torch.__version__)
     assert values["the megatron-core version"].startswith("0.")
 
@@ -49,12 +52,16 @@ def test_the_difference_in_words():
         "rank 9 (b) has lr (a default, or set from other flags) 0.0006 where rank 0 (a) has "
         "0.0003")
     # A --no- flag, a value only one rank's version has, the count past three, flags first.
-    other = comparable_values(_args(mmap_bin_files=False, extra=1, lr=1.0, seed=1, zeta=2))
-    said = difference(one, other, ((), ["--no-mmap-bin-files", "--seed", "1"]), names)
-    assert said == ("rank 9 (b) has --no-mmap-bin-files: mmap_bin_files False where rank 0 (a) "
-                    "has True; --seed 1 where rank 0 (a) has 1234; extra (a default, or set "
+    other = comparable_values(_args(persist_layer_norm=False, extra=1, lr=1.0, seed=1, zeta=2))
+    said = difference(one, other, ((), ["--no-persist-layer-norm", "--seed", "1"]), names)
+    assert said == ("rank 9 (b) has --no-persist-layer-norm: persist_layer_norm False where rank "
+                    "0 (a) has True; --seed 1 where rank 0 (a) has 1234; extra (a default, or set "
                     "from other flags) 1 where rank 0 (a) has (not set) and 2 more (its command "
-                    "line adds --no-mmap-bin-files --seed)")
+                    "line adds --no-persist-layer-norm --seed)")
+    # The --no- option on rank 0's command line only: this rank did not give it.
+    said = difference(other, one, (["--no-persist-layer-norm"], ()), names)
+    assert said.startswith("rank 9 (b) has persist_layer_norm True where rank 0 (a) has False "
+                           "(its --no-persist-layer-norm)")
     # A flag stored under another name (Megatron-LM's --disable-bias-linear sets
     # add_bias_linear): the command lines' own difference names it.
     other = comparable_values(_args(add_bias_linear=False))

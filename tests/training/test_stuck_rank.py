@@ -106,3 +106,39 @@ def test_a_peer_that_stops_is_one_line_on_the_ranks_left(tiny_data):
     assert code == 1 and "Traceback" not in text, text[-3000:]
     assert "pretrain_gpt.py: error: rank 0: a peer rank closed its connection (it stopped: see " \
            "its own error) in " in text, text[-3000:]
+
+
+def _megatron_lm_until_rank_1_leaves(rank, world, argv):
+    from megatron_eod.training.megatron_lm import EodProviders
+    from tests.training.test_megatron_lm_pretrain import _start
+
+    step, calls = EodProviders.forward_step, []
+
+    def leaves_at_its_fifth_micro_batch(self, *args, **kwargs):
+        calls.append(1)
+        if rank == 1 and len(calls) == 5:
+            raise _Leave
+        return step(self, *args, **kwargs)
+
+    EodProviders.forward_step = leaves_at_its_fifth_micro_batch
+    try:
+        return _start(rank, world, argv)
+    except _Leave:
+        return None
+
+
+@pytest.mark.timeout(240)
+def test_megatron_lm_trainer_says_a_lost_peer_in_one_line(short_docs_data, tmp_path):
+    """Its ranks left printed a ~40-line gloo traceback each (a helper's 2-node run)."""
+    from tests.harness import run_ranks
+    from tests.training.megatron_lm_checkout import import_megatron_lm
+    from tests.training.test_megatron_lm_pretrain import flags
+
+    import_megatron_lm()
+    results = run_ranks(_megatron_lm_until_rank_1_leaves, 2,
+                        flags(short_docs_data, str(tmp_path / "m.jsonl")), timeout=200,
+                        daemon=False)
+    code, text = results[0]
+    assert code == 1 and "Traceback" not in text, text[-3000:]
+    assert "pretrain_gpt.py: error: rank 0: a peer rank closed its connection" in text, \
+        text[-3000:]
