@@ -17,13 +17,14 @@ import torch.distributed as dist
 from megatron_eod.attention.groups import register_hybrid_groups
 from megatron_eod.data import copies
 from megatron_eod.data.checks import DatasetError, check_dataset
-from megatron_eod.data.index_cache import check_index_cache
+from megatron_eod.data.index_cache import cache_folder, check_index_cache
 from megatron_eod.data.split_sizes import check_split_sizes
 from megatron_eod.megatron.dataset import blend_prefixes, build_gpt_datasets, read_data_sources
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.megatron.layer_spec import get_gpt_eod_block_spec
 from megatron_eod.megatron.steps import EodGPTSteps, is_dataset_built_on_rank
 from megatron_eod.training import megatron_lm_data
+from megatron_eod.training.shared_folders import check_shared_folders
 
 __all__ = ["block_spec", "contexts_in_flight", "gpt_position_embedding_type", "datasets", "megatron_lm_datasets",
            "check_datasets", "steps", "hybrid_groups"]
@@ -180,7 +181,8 @@ def check_datasets(prefixes, tokenizer, eod_flags=None, cache_path=None,
     (data/index_cache.py) on rank 0 only; then every rank's copy of each dataset against
     rank 0's (data/copies.py: a node's copy of another version, or with a tail never
     written). Every rank raises the first rank's error, so none is left waiting in the
-    dataset builder's collectives."""
+    dataset builder's collectives. Where the ranks span several hosts, the sample-index cache
+    folders must be one for every node (shared_folders)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     error, fingerprints = None, None
@@ -204,6 +206,17 @@ def check_datasets(prefixes, tokenizer, eod_flags=None, cache_path=None,
                           if e is not None), None)
     if error is not None:
         raise DatasetError(error)
+    check_shared_folders(_cache_folders(prefixes, cache_path), DatasetError)
+
+
+def _cache_folders(prefixes, cache_path):
+    """The sample-index cache folders megatron-core writes on rank 0 and the ranks that build
+    datasets read (for shared_folders)."""
+    folders = sorted({cache_folder(prefix, cache_path) for prefix in prefixes})
+    where = "--data-cache-path" if cache_path else "beside the dataset: no --data-cache-path"
+    return [(f"the sample-index cache {folder} ({where}; megatron-core builds the indices on "
+             f"rank 0 and the other ranks read them there)", folder, is_dataset_built_on_rank)
+            for folder in folders]
 
 
 def _gathered(item):

@@ -2,7 +2,8 @@
 
 One job: bring a rank from "launched by torchrun" (or "forked by a test with a process group
 already up") to "ready to build the model". Every rank's flags and versions are compared with
-rank 0's first (same_flags), before any group is made. NCCL on GPUs, gloo on CPUs; on a
+rank 0's first (same_flags), before any group is made, and --save is checked to be one
+folder for every node (shared_folders). NCCL on GPUs, gloo on CPUs; on a
 machine without CUDA the megatron-core CPU patches are applied (cpu_compat), and gloo on CUDA
 gets its two stand-ins (gloo_on_cuda). For Hybrid CP, parallel_state builds the Ulysses
 (consecutive) and Ring (strided) sub-groups as its hierarchical CP groups and they are handed
@@ -31,7 +32,9 @@ from megatron_eod.training import eod_wiring as wiring
 from megatron_eod.training.args_optim import ramp_as_step_schedule
 from megatron_eod.training.checkpointing import needs_gloo_dp_groups
 from megatron_eod.training.parent_watch import exit_with_parent, launched_by_torchrun
+from megatron_eod.training.cp_flags import FlagError
 from megatron_eod.training.same_flags import check_same_flags
+from megatron_eod.training.shared_folders import check_shared_folders, save_folder
 
 __all__ = ["initialize", "shutdown"]
 
@@ -62,6 +65,7 @@ def initialize(args, argv=()):
         raise ValueError(f"the process group has {dist.get_world_size()} ranks but the flags "
                          f"were validated for WORLD_SIZE {args.world_size}")
     check_same_flags(args, argv)  # before any group: sizes differing would hang there
+    check_shared_folders(save_folder(args), FlagError)
     ps = import_megatron("megatron.core.parallel_state")
     if getattr(args, "gloo_dp_groups", None) is None:  # pretrain() decides it at start-up
         args.gloo_dp_groups = needs_gloo_dp_groups(args)

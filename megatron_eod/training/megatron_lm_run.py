@@ -56,6 +56,7 @@ from megatron_eod.training.megatron_lm_args import (add_eod_args, check_before_m
                                                     eod_args_from_megatron)
 from megatron_eod.training.parent_watch import exit_with_parent, launched_by_torchrun
 from megatron_eod.training.same_flags import check_same_flags
+from megatron_eod.training.shared_folders import check_shared_folders, save_folder
 
 __all__ = ["megatron_lm_assertion", "megatron_lm_available", "run"]
 
@@ -127,7 +128,9 @@ def _flags_compared_before_groups():
     original = ps.initialize_model_parallel
 
     def initialize_model_parallel(*args, **kwargs):  # every call (in-process restarts too)
-        check_same_flags(importlib.import_module("megatron.training").get_args(), sys.argv[1:])
+        flags = importlib.import_module("megatron.training").get_args()
+        check_same_flags(flags, sys.argv[1:])
+        check_shared_folders(save_folder(flags), FlagError)
         return original(*args, **kwargs)
 
     ps.initialize_model_parallel = initialize_model_parallel
