@@ -11,6 +11,9 @@
 #   DATA_PATH       indexed dataset prefix (tools/preprocess_data.py); unset: --mock-data
 #   TOKENIZER       a local HF tokenizer dir or tokenizer.json; unset: byte-level
 #   CKPT_DIR        checkpoints (--save and --load)          (runs/gpt_<algo>/ckpt)
+#                   several nodes: a folder every node shares (refused at start-up otherwise)
+#   DATA_CACHE      --data-cache-path, the sample-index cache (unset: beside each dataset);
+#                   several nodes: a folder every node shares
 #   USE_FLASH_ATTN  1: --use-flash-attn (flash-attn's kernels; an error if not installed),
 #                   0: PyTorch's varlen kernel, auto: 1 when flash_attn imports  (auto)
 #   DRY_RUN=1       print the command instead of running it
@@ -59,6 +62,9 @@ if [ -n "${DATA_PATH:-}" ]; then
   GPT_FLAGS+=(--data-path $DATA_PATH --split 99,1,0)  # unquoted: "W1 P1 W2 P2" blends
 else
   GPT_FLAGS+=(--mock-data)
+fi
+if [ -n "${DATA_CACHE:-}" ]; then
+  GPT_FLAGS+=(--data-cache-path "$DATA_CACHE")
 fi
 if [ -n "${TOKENIZER:-}" ]; then
   GPT_FLAGS+=(--tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER")

@@ -92,7 +92,8 @@ def check_index_cache(prefix: str, data_cache_path: Optional[str]) -> None:
             f"from another {prefix}.bin/.idx ({was.get('bin_bytes')} and "
             f"{was.get('idx_bytes')} bytes, now {now['bin_bytes']} and {now['idx_bytes']}): "
             f"the dataset was re-made since, and they would index it wrongly; delete their "
-            f"files ({shown}), or pass another --data-cache-path")
+            f"files ({shown}), or the whole folder (megatron-core builds again the indices it "
+            f"needs: rm -r {folder}), or pass another --data-cache-path")
     try:
         os.makedirs(folder, exist_ok=True)
     except (FileExistsError, NotADirectoryError):  # megatron-core's makedirs fails too

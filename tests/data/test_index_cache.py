@@ -42,8 +42,10 @@ def test_a_cache_of_a_remade_dataset_is_refused(tmp_path, shared_cache):
     make(tmp_path, ["a much longer document than before"] * 90)
     with pytest.raises(DatasetError, match="cached sample indices of .*c_text_document there "
                                            "were built from another.*delete their files "
-                                           "\\([0-9a-f]+-GPTDataset-train-\\*\\), or pass "
-                                           "another --data-cache-path"):
+                                           "\\([0-9a-f]+-GPTDataset-train-\\*\\), or the "
+                                           "whole folder \\(megatron-core builds again the "
+                                           "indices it needs: rm -r .*\\), or pass another "
+                                           "--data-cache-path"):
         check_index_cache(prefix, cache)
     folder = cache_folder(prefix, cache)
     for name in os.listdir(folder):  # deleted as the message says: the stamp is renewed

@@ -34,7 +34,8 @@ def dry_run(script, algo, env):
 
 
 LAUNCHERS = [("train_1node.sh", {}, 8),
-             ("train_multinode.sh", {"MASTER_ADDR": "node0", "NNODES": "2"}, 16),
+             ("train_multinode.sh", {"MASTER_ADDR": "node0", "NNODES": "2",
+                                     "DATA_CACHE": "/shared/cache"}, 16),
              ("train_slurm.sbatch", {"SLURM_JOB_NUM_NODES": "2"}, 16)]
 
 
@@ -53,6 +54,7 @@ def test_gpu_launcher_flags_are_valid(script, env, world, algo, flash, monkeypat
     assert flags[:2] == ["--trainer", "lean"]  # these are the lean trainer's flags
     args = parse_args(flags, world_size=world, cuda_available=True)
     assert args.context_parallel_size == world
+    assert args.data_cache_path == env.get("DATA_CACHE")  # several nodes: a shared folder
     assert args.context_parallel_algo == algo
     assert args.reset_attention_mask and args.reset_position_ids and args.bf16
     if algo == "hybrid":  # Ulysses inside a node (8 GPUs), Ring across
