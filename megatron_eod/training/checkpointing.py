@@ -45,8 +45,8 @@ import torch.distributed as dist
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.training.cp_flags import FlagError
 
-__all__ = ["CheckpointError", "DISTRIB_OPTIM_FILE", "checkpoint_folder", "checkpoint_format", "model_keys",
-           "needs_gloo_dp_groups", "read_tracker", "save_checkpoint", "TRACKER"]
+__all__ = ["CheckpointError", "DISTRIB_OPTIM_FILE", "checkpoint_folder", "checkpoint_format",
+           "model_keys", "needs_gloo_dp_groups", "read_tracker", "save_checkpoint", "TRACKER"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 

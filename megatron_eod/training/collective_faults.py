@@ -2,8 +2,10 @@
 
 One job: `exit_on_collective_fault(error, timeout_minutes)` turns a RuntimeError from a
 collective that waited past --distributed-timeout-minutes (a rank stopped answering) or that
-lost its peer (gloo: "Connection closed by peer", "Connection reset by peer", "Read error":
-a rank exited, was killed, or its node died) into `pretrain_gpt.py: error: rank R: ... in
+lost its peer (gloo: "Connection closed by peer", "Connection reset by peer", "Read error";
+the store at start-up: a DistNetworkError, or a wait timeout where a rank never joined, e.g.
+one stopped by a flag valid on other nodes only; a rank exited, was killed, or its node died)
+into `pretrain_gpt.py: error: rank R: ... in
 <the innermost megatron frame>: <the message>` and exit status 1, on every rank that meets
 it (the stopped one may be any of them). Any other error is left to the caller.
 
@@ -36,10 +38,11 @@ def exit_on_collective_fault(error: RuntimeError, timeout_minutes) -> None:
     """SystemExit(1) after one line where `error` is a collective's timeout or lost peer;
     returns (for the caller to re-raise) otherwise."""
     said = str(error).lower()
-    if "timed out" in said:
+    if "timed out" in said or "wait timeout" in said:  # the latter: the store at start-up
         what = (f"a collective waited longer than --distributed-timeout-minutes "
-                f"{timeout_minutes} (a rank stopped answering or died)")
-    elif any(words in said for words in _LOST_PEER):
+                f"{timeout_minutes} (a rank stopped answering or died: see its own error)")
+    elif any(words in said for words in _LOST_PEER) or isinstance(
+            error, getattr(dist, "DistNetworkError", ())):
         what = "a peer rank closed its connection (it stopped: see its own error)"
     else:
         return

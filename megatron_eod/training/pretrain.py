@@ -75,6 +75,8 @@ def pretrain(argv=None):
             shutdown()  # what it set so far: deterministic algorithms, the CPU patches
         if isinstance(error, FlagError):  # the ranks' flags differ: said on every rank
             exit_with_error(error, 2)
+        if isinstance(error, RuntimeError):  # a rank that never joined: one line
+            exit_on_collective_fault(error, args.distributed_timeout_minutes)
         raise
     for notice in (checkpoint_args_notice(args), no_effect_notice(args)):
         if notice and dist.get_rank() == 0:

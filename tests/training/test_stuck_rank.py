@@ -142,3 +142,27 @@ def test_megatron_lm_trainer_says_a_lost_peer_in_one_line(short_docs_data, tmp_p
     assert code == 1 and "Traceback" not in text, text[-3000:]
     assert "pretrain_gpt.py: error: rank 0: a peer rank closed its connection" in text, \
         text[-3000:]
+
+
+def test_a_rank_that_never_joins_is_one_line(tiny_data, monkeypatch, capsys):
+    """A flag valid on some nodes only stops those ranks before the process group exists; the
+    others waited in init_process_group and stopped with torch's DistStoreError or
+    DistNetworkError traceback (a helper's two-node runs)."""
+    import torch.distributed as dist
+
+    from megatron_eod.training.pretrain import pretrain
+
+    for raised in (dist.DistStoreError("wait timeout after 60000ms, keys: /default_pg/0//cpu//0/2"),
+                   dist.DistNetworkError("Failed to recv, got 0 bytes")):
+        def never_joined(*args, raised=raised, **kwargs):
+            raise raised
+
+        monkeypatch.setattr(dist, "init_process_group", never_joined)
+        with pytest.raises(SystemExit) as stop:
+            pretrain(tiny_flags(tiny_data, "--distributed-timeout-minutes", "1"))
+        assert stop.value.code == 1
+        said = capsys.readouterr().err
+        assert said.startswith("pretrain_gpt.py: error: rank ?: ") and said.count("\n") == 1
+        assert ("a collective waited longer than --distributed-timeout-minutes 1.0" in said
+                if isinstance(raised, dist.DistStoreError) else
+                "a peer rank closed its connection" in said), said
