@@ -205,7 +205,8 @@ def _check_zip(path, what, crc=False, required=True) -> None:
 
 
 def _check_torch_dist(found: Found) -> dict:
-    """Rank 0: the folder's index files and shard sizes; -> common.pt's state."""
+    """Rank 0: the folder's index files and shard sizes; -> its common state (common.pt, or
+    inside the shards from megatron-core 0.17)."""
     folder = found.folder
     path = os.path.join(folder, "metadata.json")
     try:
@@ -252,6 +253,8 @@ def _check_torch_dist(found: Found) -> dict:
 
 
 def check_optimizer_saved(args, found: Found, has_state: bool) -> None:
+    """A resume (not --finetune, not --no-load-optim) of a checkpoint without its optimizer
+    state is refused: it restarted the optimizer and the LR schedule silently."""
     if found.finetune or getattr(args, "no_load_optim", False) or has_state:
         return
     raise CheckpointError(
