@@ -121,9 +121,10 @@ def run(argv=None):
 
 @contextlib.contextmanager
 def _flags_compared_before_groups():
-    """While Megatron-LM's pretrain() runs, its first `initialize_model_parallel` checks every
-    rank's flags against rank 0's first (sizes differing would leave the ranks waiting in
-    it; another --lr on some ranks would train on silently)."""
+    """While Megatron-LM's pretrain() runs, each of its `initialize_model_parallel` calls
+    first checks every rank's flags against rank 0's (sizes differing would leave the ranks
+    waiting in it; another --lr on some ranks would train on silently) and that --save is
+    one folder for every node (shared_folders)."""
     ps = importlib.import_module("megatron.core.parallel_state")
     original = ps.initialize_model_parallel
 
