@@ -237,7 +237,9 @@ def _check_torch_dist(found: Found) -> dict:
             size = os.stat(path).st_size
         except OSError as error:
             raise CheckpointError(f"{path} is missing or cannot be read ({error.strerror}; one of "
-                                  f"the {len(ends)} shard files the checkpoint lists)") from None
+                                  f"the {len(ends)} shard files the checkpoint lists; a "
+                                  f"checkpoint saved to node-local disks holds on each node its "
+                                  f"own ranks' shards only)") from None
         if size < end:
             raise CheckpointError(f"{path} is cut short: {size} bytes, where the checkpoint lists "
                                   f"data up to byte {end}")

@@ -183,7 +183,7 @@ def eod_args_from_megatron(args) -> None:
     if getattr(args, "data_parallel_size", None) and args.global_batch_size:  # validated
         check_global_batch(args)
     if args.tokenizer_type not in _fetched_vocabularies(args):
-        check_tokenizer_files(args, " (Megatron-LM's default where none is given)"
+        check_tokenizer_files(args, f" ({_GPT2_DEFAULT})"
                               if args.tokenizer_type == "GPT2BPETokenizer" else "")
     _check_hf_tokenizer(args)
     _check_gradient_accumulation_fusion(args)
@@ -205,6 +205,11 @@ def _check_warmup(args) -> None:
     if fraction is None and not 0 <= warmup < decay:
         raise FlagError(f"--lr-warmup-{unit} {warmup} must be in [0, --lr-decay-{unit} {decay}) "
                         f"(the warmup must end before the decay does)")
+
+
+# Said where --tokenizer-type GPT2BPETokenizer lacks its files: most often not given at all.
+_GPT2_DEFAULT = ("Megatron-LM's default where none is given; byte-level data, the lean "
+                 "trainer's default: --tokenizer-type NullTokenizer --vocab-size 256")
 
 
 def _check_gradient_accumulation_fusion(args) -> None:

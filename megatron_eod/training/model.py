@@ -22,6 +22,7 @@ and off on CPU (see cpu_compat).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import torch
@@ -83,7 +84,15 @@ def transformer_config(args):
         overlap_p2p_comm_warmup_flush=args.overlap_p2p_comm_warmup_flush,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
-        batch_p2p_sync=gpu)  # the sync after batched p2p is torch.cuda.synchronize()
+        batch_p2p_sync=gpu,  # the sync after batched p2p is torch.cuda.synchronize()
+        **_no_graph_scope(core.TransformerConfig))
+
+
+def _no_graph_scope(config_class) -> dict:
+    """No CUDA graphs here; megatron-core 0.16's default scope "full" warned on every rank at
+    every start that it is deprecated (its equivalent is the empty list)."""
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    return {"cuda_graph_scope": []} if "cuda_graph_scope" in fields else {}
 
 
 def _activation(args):

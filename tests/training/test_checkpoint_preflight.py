@@ -146,7 +146,8 @@ def test_an_iteration_without_a_checkpoint_names_the_complete_ones(ckpt):
     (".metadata=cut", r"\.metadata \(the index of the checkpoint's shards\) is missing or "
                       r"damaged"),
     ("shard=missing", r"__0_0.distcp is missing or cannot be read \(No such file or directory; "
-                      r"one of the \d+ shard files the checkpoint lists\)"),
+                      r"one of the \d+ shard files the checkpoint lists; a checkpoint saved to "
+                      r"node-local disks holds on each node its own ranks' shards only\)"),
     ("shard=cut", r"__0_0.distcp is cut short: \d+ bytes, where the checkpoint lists data up to "
                   r"byte \d+$"),
 ])
