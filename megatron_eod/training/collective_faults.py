@@ -46,7 +46,7 @@ def exit_on_collective_fault(error: RuntimeError, timeout_minutes) -> None:
         what = "a peer rank closed its connection (it stopped: see its own error)"
     else:
         return
-    rank = dist.get_rank() if dist.is_initialized() else "?"
+    rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
     message = " ".join(str(error).split())  # one line (gloo's carry newlines)
     message = message if len(message) <= 600 else message[:600] + " ..."
     say_error(f"pretrain_gpt.py: error: rank {rank}: {what} in {_where(error)}: {message}")

@@ -73,7 +73,7 @@ def pretrain(argv=None):
     except BaseException as error:
         with contextlib.suppress(Exception):  # the start-up's own error is the one to see
             shutdown()  # what it set so far: deterministic algorithms, the CPU patches
-        if isinstance(error, FlagError):  # the ranks' flags differ: said on every rank
+        if isinstance(error, FlagError):  # flags differ by rank, --save not shared: every rank
             exit_with_error(error, 2)
         if isinstance(error, RuntimeError):  # a rank that never joined: one line
             exit_on_collective_fault(error, args.distributed_timeout_minutes)
