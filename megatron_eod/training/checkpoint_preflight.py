@@ -54,6 +54,7 @@ from megatron_eod.training.checkpointing import (_LEGACY_FILE as _LEGACY_NAME,
                                                  DISTRIB_OPTIM_FILE, TRACKER, CheckpointError,
                                                  _legacy_file, checkpoint_folder,
                                                  checkpoint_format, read_tracker)
+from megatron_eod.training.every_rank import gathered
 
 __all__ = ["Found", "check_optimizer_saved", "find_checkpoint", "raise_on_every_rank"]
 
@@ -292,11 +293,6 @@ def _check_files(args, found: Found) -> None:
         raise _Shared(str(error)) from None
 
 
-def _gathered(item) -> list:
-    found = [None] * dist.get_world_size()
-    dist.all_gather_object(found, item)
-    return found
-
 
 def _raise_first(seen) -> None:
     """`seen`: each rank's (error or None, host, shared); raise the first error, naming its
@@ -314,7 +310,7 @@ def _raise_first(seen) -> None:
 def raise_on_every_rank(error: Optional[str]) -> None:
     """Every rank raises the first rank's error (a collective: every rank calls it)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        _raise_first(_gathered((error, socket.gethostname(), False)))
+        _raise_first(gathered((error, socket.gethostname(), False)))
     elif error:
         raise CheckpointError(error)
 
@@ -344,7 +340,7 @@ def find_checkpoint(args, lean: bool = True) -> Optional[Found]:
             raise CheckpointError(error)
         return found
     view = None if found is None else (found.root, found.iteration)
-    seen = _gathered((error, view, socket.gethostname(), shared))
+    seen = gathered((error, view, socket.gethostname(), shared))
     _raise_first([(said, host, flag) for said, _, host, flag in seen])
     reference = seen[0][1]
     other = next((rank for rank, (_, v, _, _) in enumerate(seen) if v != reference), None)

@@ -24,6 +24,7 @@ from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.megatron.layer_spec import get_gpt_eod_block_spec
 from megatron_eod.megatron.steps import EodGPTSteps, is_dataset_built_on_rank
 from megatron_eod.training import megatron_lm_data
+from megatron_eod.training.every_rank import gathered
 from megatron_eod.training.shared_folders import check_shared_folders
 
 __all__ = ["block_spec", "contexts_in_flight", "gpt_position_embedding_type", "datasets", "megatron_lm_datasets",
@@ -199,10 +200,10 @@ def check_datasets(prefixes, tokenizer, eod_flags=None, cache_path=None,
         # Round one gathers a digest of each rank's fingerprints (a few bytes a rank); only
         # when two differ, rank 0 sends its fingerprints and each rank gathers what differs
         # on it in words (None where nothing does).
-        found = _gathered((error, copies.summary(fingerprints)))
+        found = gathered((error, copies.summary(fingerprints)))
         error = next((e for e, _ in found if e is not None), None)
         if error is None and len({digest for _, digest in found}) > 1:
-            error = next((e for e in _gathered(_other_copy(prefixes, fingerprints))
+            error = next((e for e in gathered(_other_copy(prefixes, fingerprints))
                           if e is not None), None)
     if error is not None:
         raise DatasetError(error)
@@ -218,11 +219,6 @@ def _cache_folders(prefixes, cache_path):
              f"rank 0 and the other ranks read them there)", folder, is_dataset_built_on_rank)
             for folder in folders]
 
-
-def _gathered(item):
-    found = [None] * dist.get_world_size()
-    dist.all_gather_object(found, item)
-    return found
 
 
 def _other_copy(prefixes, fingerprints):

@@ -11,7 +11,8 @@ providers, on any Megatron-LM from core_v0.16 to 0.19:
 * our flag rules run right after Megatron-LM's `validate_args` (before it builds the
   process groups, so hybrid's hierarchical CP groups come from --ulysses-degree-in-cp too);
 * every rank's flags and versions are compared with rank 0's (same_flags) right before
-  Megatron-LM makes its groups (each `initialize_model_parallel`);
+  Megatron-LM makes its groups (each `initialize_model_parallel`), --save checked to be shared,
+  and our errors end in-process restarts (megatron_lm_guards.py);
 * `--metrics-file` gets one JSON line per iteration (from Megatron-LM's `training_log`, so
   the loss is the iteration's own, not its log-interval average) and per evaluation;
 * megatron-core wheels ship the dataset helpers prebuilt and no Makefile: Megatron-LM's
@@ -26,8 +27,6 @@ What it does not do: no flag parsing of its own (Megatron-LM's parser with add_e
 from __future__ import annotations
 
 import ast
-import contextlib
-import functools
 import importlib
 import importlib.util
 import inspect
@@ -49,14 +48,14 @@ from megatron_eod.training.checkpoint_schedule import (apply_schedule_choice, gr
                                                        schedule_values_to_flags)
 from megatron_eod.training.checkpointing import CheckpointError
 from megatron_eod.training.collective_faults import exit_on_collective_fault
-from megatron_eod.training.cp_flags import FlagError, exit_with_error, say_error
+from megatron_eod.training.cp_flags import FlagError, exit_with_error
 from megatron_eod.training.flag_rules import check_global_batch
 from megatron_eod.training.megatron_lm import EodProviders
 from megatron_eod.training.megatron_lm_args import (add_eod_args, check_before_megatron,
                                                     eod_args_from_megatron)
+from megatron_eod.training.megatron_lm_guards import (flags_compared_before_groups,
+                                                      our_errors_end_restarts, timeout_minutes)
 from megatron_eod.training.parent_watch import exit_with_parent, launched_by_torchrun
-from megatron_eod.training.same_flags import check_same_flags
-from megatron_eod.training.shared_folders import check_shared_folders, save_folder
 
 __all__ = ["megatron_lm_assertion", "megatron_lm_available", "run"]
 
@@ -93,14 +92,14 @@ def run(argv=None):
     restart = importlib.import_module("megatron.training.inprocess_restart")
     restarts = {"on": False}
     pretrain, store = restart.maybe_wrap_for_inprocess_restart(
-        _our_errors_end_restarts(training.pretrain, restarts))
+        our_errors_end_restarts(training.pretrain, restarts))
     restarts["on"] = store is not None  # --inprocess-restart
     kwargs = dict(train_valid_test_dataset_provider=providers.datasets_provider,
                   model_provider=providers.model_provider, model_type=model_type,
                   forward_step_func=providers.forward_step, store=store,
                   get_embedding_ranks=_embedding_ranks)
     try:
-        with _flags_compared_before_groups():
+        with flags_compared_before_groups():
             if "cfg_container" in inspect.signature(training.pretrain).parameters:  # >= 0.18
                 arguments = importlib.import_module("megatron.training.arguments")
                 args = arguments.parse_and_validate_args(extra_args_provider=add_eod_args,
@@ -112,62 +111,11 @@ def run(argv=None):
     except (FlagError, DatasetError, CheckpointError) as error:  # raised on every rank
         exit_with_error(error, 2)
     except RuntimeError as error:  # a collective that lost a rank: one line, else raised
-        exit_on_collective_fault(error, _timeout_minutes())
+        exit_on_collective_fault(error, timeout_minutes())
         raise
     finally:
         if providers._steps is not None:
             providers._steps.close()
-
-
-@contextlib.contextmanager
-def _flags_compared_before_groups():
-    """While Megatron-LM's pretrain() runs, each of its `initialize_model_parallel` calls
-    first checks every rank's flags against rank 0's (sizes differing would leave the ranks
-    waiting in it; another --lr on some ranks would train on silently) and that --save is
-    one folder for every node (shared_folders)."""
-    ps = importlib.import_module("megatron.core.parallel_state")
-    original = ps.initialize_model_parallel
-
-    def initialize_model_parallel(*args, **kwargs):  # every call (in-process restarts too)
-        flags = importlib.import_module("megatron.training").get_args()
-        check_same_flags(flags, sys.argv[1:])
-        check_shared_folders(save_folder(flags), FlagError)
-        return original(*args, **kwargs)
-
-    ps.initialize_model_parallel = initialize_model_parallel
-    try:
-        yield
-    finally:
-        ps.initialize_model_parallel = original
-
-
-def _timeout_minutes():
-    try:
-        return importlib.import_module("megatron.training").get_args(
-            ).distributed_timeout_minutes
-    except (AssertionError, AttributeError):  # before its args were parsed
-        return "?"
-
-
-def _our_errors_end_restarts(pretrain, restarts):
-    """Under --inprocess-restart, nvidia-resiliency-ext's Wrapper runs pretrain() again after
-    any error, with no limit (Megatron-LM sets none): a flag, data or checkpoint error fails
-    the same way every time, so it is said and then raised as the Wrapper's terminal
-    RestartAbort. (Not run against the package here: it is not installed; the wiring is
-    tested with a stand-in.)"""
-
-    @functools.wraps(pretrain)
-    def pretrain_once(*args, **kwargs):
-        try:
-            return pretrain(*args, **kwargs)
-        except (FlagError, DatasetError, CheckpointError) as error:
-            if not restarts["on"]:
-                raise
-            exception = importlib.import_module("nvidia_resiliency_ext.inprocess.exception")
-            say_error(f"pretrain_gpt.py: error: {error}")
-            raise exception.RestartAbort(str(error)) from None
-
-    return pretrain_once
 
 
 def _use_prebuilt_dataset_helpers() -> None:

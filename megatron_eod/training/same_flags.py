@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_eod.training.cp_flags import FlagError
+from megatron_eod.training.every_rank import gathered
 
 __all__ = ["check_same_flags", "comparable_values", "difference"]
 
@@ -143,11 +144,6 @@ def _digest(values: dict) -> str:
     return hashlib.blake2b(repr(sorted(values.items())).encode(), digest_size=16).hexdigest()
 
 
-def _gathered(item) -> list:
-    found = [None] * dist.get_world_size()
-    dist.all_gather_object(found, item)
-    return found
-
 
 def check_same_flags(args, argv: Sequence[str]) -> None:
     """Raise FlagError on every rank unless every rank holds rank 0's `comparable_values`
@@ -155,7 +151,7 @@ def check_same_flags(args, argv: Sequence[str]) -> None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     values = comparable_values(args)
-    if len(set(_gathered(_digest(values)))) == 1:
+    if len(set(gathered(_digest(values)))) == 1:
         return
     host = socket.gethostname()
     sent = [(values, list(argv), host)]
@@ -164,7 +160,7 @@ def check_same_flags(args, argv: Sequence[str]) -> None:
     rank = dist.get_rank()
     ours = difference(reference, values, (reference_argv, list(argv)),
                       (f"rank 0 ({reference_host})", f"rank {rank} ({host})"))
-    found = [said for said in _gathered(ours) if said is not None]
+    found = [said for said in gathered(ours) if said is not None]
     if not found:
         return
     raise FlagError(f"the ranks were launched with different flags: {found[0]} "

@@ -34,16 +34,13 @@ from typing import Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
+from megatron_eod.training.every_rank import gathered
+
 __all__ = ["check_shared_folders", "save_folder"]
 
 _TRIES = 5
 _PAUSE_S = 0.5
 
-
-def _gathered(item) -> list:
-    found = [None] * dist.get_world_size()
-    dist.all_gather_object(found, item)
-    return found
 
 
 def _write_probe(folder: str) -> Optional[str]:
@@ -75,7 +72,7 @@ def check_shared_folders(folders: Sequence[Tuple[str, str, bool]], error) -> Non
     if not (dist.is_initialized() and dist.get_world_size() > 1 and folders):
         return
     host = socket.gethostname()
-    hosts = _gathered(host)
+    hosts = gathered(host)
     if len(set(hosts)) == 1:
         return
     probes = [[_write_probe(path) for _, path, _ in folders] if dist.get_rank() == 0 else None]
@@ -83,7 +80,7 @@ def check_shared_folders(folders: Sequence[Tuple[str, str, bool]], error) -> Non
     unseen = next((i for i, ((_, _, uses), probe) in enumerate(zip(folders, probes[0]))
                    if probe is not None and (uses() if callable(uses) else uses)
                    and not _sees(probe)), None)
-    seen = _gathered(unseen)
+    seen = gathered(unseen)
     if dist.get_rank() == 0:
         for probe in probes[0]:
             if probe is not None:
