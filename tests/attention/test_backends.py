@@ -2,8 +2,10 @@
 that takes the FINAL out/lse, checked against a dense float64 computation.
 
 CPU: exact (1e-12 in float64). GPU (marked, skipped without CUDA): PyTorch's flash kernels and
-flash-attn when installed, in bf16 against the float64 reference; tolerance 2e-2 because bf16
-keeps 8 bits of mantissa and the softmax sums hundreds of terms.
+flash-attn when installed, in bf16 against the float64 reference; tolerance 2e-2 of the largest
+reference value (`close`): bf16 keeps 8 bits of mantissa, so a gradient of 4-8 is rounded to
+steps of 1/32 (the H200 measured 0.020-0.034 absolute on such gradients, run to run: the flash
+backward's atomic dq sums differ), and the softmax sums hundreds of terms.
 """
 
 import itertools
@@ -53,24 +55,31 @@ def varlen_case(device, dtype, causal, seed=0, one_row=False):
             max(lk))
 
 
+def close(mine, ref, tol):
+    """Whether mine is within tol of ref relative to ref's largest value (normwise, at least
+    tol absolute): a wrong mask or scale errs by a large part of the values themselves."""
+    return (mine.cpu().double() - ref).abs().max() <= tol * max(1.0, ref.abs().max().item())
+
+
 def check_backend(backend, device, dtype, tol):
     for causal, one_row in itertools.product((False, True), (False, True)):
         q, k, v, cu_q, cu_k, mq, mk = varlen_case(device, dtype, causal, one_row=one_row)
         out, lse = backend.forward(q, k, v, cu_q, cu_k, mq, mk, causal, 0.3)
         ref_out, ref_lse = reference(q.cpu(), k.cpu(), v.cpu(), cu_q.cpu(), cu_k.cpu(), causal,
                                      0.3)
-        assert (out.cpu().double() - ref_out).abs().max() < tol
+        assert close(out, ref_out, tol)
         finite = torch.isfinite(ref_lse)
         assert torch.equal(torch.isfinite(lse.cpu()), finite)  # -inf exactly where no keys
         assert (lse.cpu().double()[finite] - ref_lse[finite]).abs().max() < tol
         qr, kr, vr = (t.cpu().double().requires_grad_() for t in (q, k, v))
-        dout = torch.randn_like(ref_out)
+        dout = torch.randn(ref_out.shape, dtype=ref_out.dtype,
+                           generator=torch.Generator().manual_seed(1))
         ro, _ = reference(qr, kr, vr, cu_q.cpu(), cu_k.cpu(), causal, 0.3)
         gq, gk, gv = torch.autograd.grad(ro, (qr, kr, vr), dout)
         dq, dk, dv = backend.backward(dout.to(device, dtype), q, k, v, out, lse, cu_q, cu_k, mq,
                                       mk, causal, 0.3)
-        for mine, ref in ((dq, gq), (dk, gk), (dv, gv)):
-            assert (mine.cpu().double() - ref).abs().max() < tol
+        for name, mine, ref in (("dq", dq, gq), ("dk", dk, gk), ("dv", dv, gv)):
+            assert close(mine, ref, tol), (name, causal, one_row)
 
 
 def check_given_tensors(backend, device, dtype):
