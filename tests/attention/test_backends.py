@@ -4,8 +4,9 @@ that takes the FINAL out/lse, checked against a dense float64 computation.
 CPU: exact (1e-12 in float64). GPU (marked, skipped without CUDA): PyTorch's flash kernels and
 flash-attn when installed, in bf16 against the float64 reference; tolerance 2e-2 of the largest
 reference value (`close`): bf16 keeps 8 bits of mantissa, so a gradient of 4-8 is rounded to
-steps of 1/32 (the H200 measured 0.020-0.034 absolute on such gradients, run to run: the flash
-backward's atomic dq sums differ), and the softmax sums hundreds of terms.
+steps of 1/32 (the H200 measured 0.020-0.034 absolute on such gradients, one for each dout
+drawn, when dout was not seeded: the test process's global generator is seeded at random),
+and the softmax sums hundreds of terms.
 """
 
 import itertools
