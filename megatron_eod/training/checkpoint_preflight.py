@@ -50,10 +50,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint  # noqa: F401 (FileSystemReader reads the shards' index)
 
 from megatron_eod.megatron.imports import import_megatron
-from megatron_eod.training.checkpointing import (_LEGACY_FILE as _LEGACY_NAME,
-                                                 DISTRIB_OPTIM_FILE, TRACKER, CheckpointError,
+from megatron_eod.training.checkpointing import (DISTRIB_OPTIM_FILE, TRACKER, CheckpointError,
                                                  _legacy_file, checkpoint_folder,
-                                                 checkpoint_format, read_tracker)
+                                                 checkpoint_format, is_whole, read_tracker)
 from megatron_eod.training.every_rank import gathered
 
 __all__ = ["Found", "check_optimizer_saved", "find_checkpoint", "raise_on_every_rank"]
@@ -72,29 +71,17 @@ class Found:
     format: str  # "torch_dist", "torch", or "other" (torch_dcp, fsdp_dtensor)
 
 
-def _whole(folder) -> bool:
-    """Whether an iteration folder holds a whole checkpoint, as far as its files say without
-    reading them: torch_dist writes metadata.json last; a torch-format save writes one file
-    per mp_rank_* folder, and a save killed early leaves a folder without it, or a `.tmp`."""
-    kind = checkpoint_format(folder)
-    if kind != "torch":
-        return kind is not None
-    for name in os.listdir(folder):
-        path = os.path.join(folder, name, _LEGACY_NAME)
-        if name.startswith("mp_rank_") and not (os.path.isfile(path) and
-                                                os.path.getsize(path) > 0):
-            return False
-    return True
+def _iterations(root):
+    """The iterations of the iteration folders under `root`, oldest first."""
+    return sorted(int(name[5:]) for name in os.listdir(root)
+                  if name.startswith("iter_") and name[5:].isdigit())
 
 
-def _complete_iterations(root):
-    """The iterations under `root` whose folders hold a whole checkpoint, oldest first."""
-    found = []
-    for name in os.listdir(root):
-        if name.startswith("iter_") and name[5:].isdigit() and \
-                _whole(os.path.join(root, name)):
-            found.append(int(name[5:]))
-    return sorted(found)
+def _complete_iterations(root, optimizer_file=False):
+    """The iterations under `root` whose folders hold a whole checkpoint (`is_whole`),
+    oldest first."""
+    return [i for i in _iterations(root)
+            if is_whole(checkpoint_folder(root, i), optimizer_file)]
 
 
 def _check_root(root, flag) -> bool:
@@ -152,6 +139,24 @@ def _locate(args, lean) -> Optional[Found]:
                               f"be read ({error.strerror or error})") from None
 
 
+def _reads_optimizer_file(args) -> bool:
+    """Whether a resume of this run reads a torch-format checkpoint's DISTRIB_OPTIM_FILE."""
+    return bool(getattr(args, "use_distributed_optimizer", False)) and not (
+        getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
+
+
+def _say_partial(load, iterations) -> None:
+    """Rank 0: that the iteration folders under --load, none whole and none recorded in the
+    tracker, are what saves killed before their end left (the first save's, typically: the
+    tracker is written after every rank's files), so that the run starts from scratch, as
+    Megatron-LM's does, and its saves replace them."""
+    if iterations and (not dist.is_initialized() or dist.get_rank() == 0):
+        names = ", ".join(os.path.basename(checkpoint_folder(load, i)) for i in iterations[-3:])
+        print(f" --load {load}: no {TRACKER} and no whole checkpoint ({names}: left by a save "
+              f"stopped before its end, which the save of that iteration replaces): training "
+              f"from scratch", flush=True)
+
+
 def _located(args, lean) -> Optional[Found]:
     load = getattr(args, "load", None)
     finetune = bool(getattr(args, "finetune", False))
@@ -162,13 +167,14 @@ def _located(args, lean) -> Optional[Found]:
         iteration = read_tracker(load, "--load")
         if iteration is not None:
             return _found("--load", load, iteration, finetune, lean)
-        complete = _complete_iterations(load)
+        complete = _complete_iterations(load, _reads_optimizer_file(args))
         if complete:
             raise CheckpointError(
                 f"--load {load} holds checkpoints (the newest: iteration {complete[-1]}) but no "
                 f"{TRACKER}: a fresh start would train from scratch and overwrite them. Write "
                 f"the iteration to resume into it (echo {complete[-1]} > "
                 f"{os.path.join(load, TRACKER)}), or give another --load")
+        _say_partial(load, _iterations(load))
     pretrained = getattr(args, "pretrained_checkpoint", None)
     if pretrained:
         iteration = (read_tracker(pretrained, "--pretrained-checkpoint")

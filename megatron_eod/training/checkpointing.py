@@ -208,6 +208,27 @@ def checkpoint_format(folder) -> Optional[str]:
     return None
 
 
+def is_whole(folder, optimizer_file: bool = False) -> bool:
+    """Whether an iteration folder holds a whole checkpoint, as far as its files say without
+    reading them: torch_dist writes metadata.json last; a torch-format save writes one
+    model file per mp_rank_* folder and, with the distributed optimizer, a DISTRIB_OPTIM_FILE
+    beside each (in one folder: in every one; with `optimizer_file`, the run reads them:
+    required). A save killed early leaves a folder without one of them, or a `.tmp`."""
+    kind = checkpoint_format(folder)
+    if kind != "torch":
+        return kind is not None
+    ranks = [os.path.join(folder, name) for name in os.listdir(folder)
+             if name.startswith("mp_rank_")]
+
+    def written(name):
+        return [os.path.isfile(os.path.join(rank, name)) and
+                os.path.getsize(os.path.join(rank, name)) > 0 for rank in ranks]
+
+    optimizer = written(DISTRIB_OPTIM_FILE)
+    return all(written(_LEGACY_FILE)) and (all(optimizer) if optimizer_file or any(optimizer)
+                                           else True)
+
+
 def _torch_format_under(root) -> bool:
     """Whether the latest checkpoint under `root` is a --ckpt-format torch one."""
     try:
@@ -253,11 +274,15 @@ def _clear_partial(root, iteration) -> None:
 
 
 def _prune(root, keep: int, newest: int) -> None:
-    """Keep the newest `keep` iteration folders (never the one just written)."""
+    """Keep the newest `keep` whole checkpoints (never the one just written); remove the
+    others, and what killed saves left (folders not whole: no load can use them, and one
+    above `newest` would otherwise stay for good, counted as a checkpoint)."""
     found = sorted(int(name[len("iter_"):]) for name in os.listdir(root)
                    if name.startswith("iter_") and name[len("iter_"):].isdigit())
-    for iteration in found[:-keep] if keep < len(found) else []:
-        if iteration != newest:
+    whole = [i for i in found if i == newest or is_whole(_iter_dir(root, i))]
+    kept = set(whole[-keep:]) | {newest}
+    for iteration in found:
+        if iteration not in kept:
             shutil.rmtree(_iter_dir(root, iteration), ignore_errors=True)
 
 

@@ -33,6 +33,7 @@ from megatron_eod.training.args_optim import ramp_as_step_schedule
 from megatron_eod.training.checkpointing import needs_gloo_dp_groups
 from megatron_eod.training.parent_watch import exit_with_parent, launched_by_torchrun
 from megatron_eod.training.cp_flags import FlagError
+from megatron_eod.training.metrics_file import check_metrics_file
 from megatron_eod.training.same_flags import check_same_flags
 from megatron_eod.training.shared_folders import check_shared_folders, save_folder
 
@@ -66,6 +67,7 @@ def initialize(args, argv=()):
                          f"were validated for WORLD_SIZE {args.world_size}")
     check_same_flags(args, argv)  # before any group: sizes differing would hang there
     check_shared_folders(save_folder(args), FlagError)
+    check_metrics_file(args, FlagError)
     ps = import_megatron("megatron.core.parallel_state")
     if getattr(args, "gloo_dp_groups", None) is None:  # pretrain() decides it at start-up
         args.gloo_dp_groups = needs_gloo_dp_groups(args)

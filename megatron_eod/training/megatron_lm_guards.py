@@ -22,6 +22,7 @@ import sys
 from megatron_eod.data.checks import DatasetError
 from megatron_eod.training.checkpointing import CheckpointError
 from megatron_eod.training.cp_flags import FlagError, say_error
+from megatron_eod.training.metrics_file import check_metrics_file
 from megatron_eod.training.same_flags import check_same_flags
 from megatron_eod.training.shared_folders import check_shared_folders, save_folder
 
@@ -41,6 +42,7 @@ def flags_compared_before_groups():
         flags = importlib.import_module("megatron.training").get_args()
         check_same_flags(flags, sys.argv[1:])
         check_shared_folders(save_folder(flags), FlagError)
+        check_metrics_file(flags, FlagError)
         return original(*args, **kwargs)
 
     ps.initialize_model_parallel = initialize_model_parallel

@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from megatron_eod.training.checkpoint_preflight import find_checkpoint
-from megatron_eod.training.checkpointing import TRACKER, CheckpointError
+from megatron_eod.training.checkpointing import TRACKER, CheckpointError, _prune
 from tests.functional.tiny_gpt import tiny_flags
 from tests.harness import run_ranks
 from tests.training.test_checkpoint_formats import refused
@@ -102,6 +102,48 @@ def test_a_first_save_killed_early_starts_fresh(tiny_data, tmp_path):
         (root / "iter_0000003" / name).mkdir(parents=True)
     (root / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt.tmp").write_bytes(b"PK")
     assert find_checkpoint(_args(load=str(root))) is None
+
+
+def test_a_first_save_killed_before_its_optimizer_file_starts_fresh(tmp_path, capsys):
+    """A soak's kill -9 of one rank in the first save (torch format, distributed optimizer):
+    the model file written, the collective distrib_optim.pt not, no tracker. Every relaunch
+    was refused, and the advice (write 3 into the tracker) led to a refusal naming the missing
+    file. Not whole for a run that reads it: a fresh start, said once; whole only where each
+    mp_rank_* folder has both files, or none has the optimizer's and the run does not read it."""
+    root = tmp_path / "ckpt"
+    ranks = [root / "iter_0000003" / name for name in ("mp_rank_00", "mp_rank_01")]
+    for rank in ranks:
+        rank.mkdir(parents=True)
+        (rank / "model_optim_rng.pt").write_bytes(b"PK")
+    reads = dict(load=str(root), use_distributed_optimizer=True)
+    assert find_checkpoint(_args(**reads)) is None
+    assert capsys.readouterr().out == (
+        f" --load {root}: no {TRACKER} and no whole checkpoint (iter_0000003: left by a save "
+        f"stopped before its end, which the save of that iteration replaces): training from "
+        f"scratch\n")
+    for other in (dict(use_distributed_optimizer=False), dict(no_load_optim=True),
+                  dict(finetune=True)):  # these runs would not read it: whole for them
+        _refused(r"holds checkpoints \(the newest: iteration 3\) but no", **{**reads, **other})
+    (ranks[0] / "distrib_optim.pt").write_bytes(b"PK")  # one folder has it: all must
+    assert find_checkpoint(_args(load=str(root))) is None
+    (ranks[1] / "distrib_optim.pt").write_bytes(b"PK")
+    _refused(r"holds checkpoints \(the newest: iteration 3\) but no", **reads)
+
+
+def test_save_keep_last_keeps_whole_checkpoints_and_drops_partial_ones(tmp_path):
+    """A soak's killed save left iter_0000009 with common.pt only; --save-keep-last 2 after
+    the resume counted it and removed the whole iteration 8: one whole checkpoint kept, the
+    partial folder never removed."""
+    root = tmp_path / "ckpt"
+    for iteration in (3, 6, 8, 12):
+        (root / f"iter_{iteration:07d}").mkdir(parents=True)
+        (root / f"iter_{iteration:07d}" / "metadata.json").write_text("{}")
+    (root / "iter_0000009").mkdir()
+    (root / "iter_0000009" / "common.pt").write_bytes(b"PK")
+    _prune(str(root), 2, 12)
+    assert sorted(os.listdir(root)) == ["iter_0000008", "iter_0000012"]
+    _prune(str(root), 5, 12)  # fewer than asked for: all kept
+    assert sorted(os.listdir(root)) == ["iter_0000008", "iter_0000012"]
 
 
 def test_megatron_lm_ckpt_step_names_the_iteration(ckpt):
