@@ -5,6 +5,7 @@ collective that waited past --distributed-timeout-minutes (a rank stopped answer
 lost its peer (gloo: "Connection closed by peer", "Connection reset by peer", "Read error";
 the store at start-up: a DistNetworkError, or a wait timeout where a rank never joined, e.g.
 one stopped by a flag valid on other nodes only; a rank exited, was killed, or its node died)
+or could not reach a peer at all (gloo's "Connection refused", within seconds: not a timeout)
 into `pretrain_gpt.py: error: rank R: ... in
 <the innermost megatron frame>: <the message>` and exit status 1, on every rank that meets
 it (the stopped one may be any of them). Any other error is left to the caller.
@@ -38,7 +39,10 @@ def exit_on_collective_fault(error: RuntimeError, timeout_minutes) -> None:
     """SystemExit(1) after one line where `error` is a collective's timeout or lost peer;
     returns (for the caller to re-raise) otherwise."""
     said = str(error).lower()
-    if "timed out" in said or "wait timeout" in said:  # the latter: the store at start-up
+    if "connection refused" in said:  # before "timed out": gloo says "timed out connecting"
+        what = ("a peer rank could not be reached (nothing listens at its address: it stopped, "
+                "or it is not of this launch, e.g. after torchrun restarted the workers)")
+    elif "timed out" in said or "wait timeout" in said:  # the latter: the store at start-up
         what = (f"a collective waited longer than --distributed-timeout-minutes "
                 f"{timeout_minutes} (a rank stopped answering or died: see its own error)")
     elif any(words in said for words in _LOST_PEER) or isinstance(

@@ -166,3 +166,25 @@ def test_a_rank_that_never_joins_is_one_line(tiny_data, monkeypatch, capsys):
         assert ("a collective waited longer than --distributed-timeout-minutes 1.0" in said
                 if isinstance(raised, dist.DistStoreError) else
                 "a peer rank closed its connection" in said), said
+
+
+def test_a_peer_that_refuses_connections_is_not_called_a_timeout(tiny_data, monkeypatch, capsys):
+    """After torchrun restarted the workers (a soak's --max-restarts run), gloo's mesh failed
+    in seconds with `timed out connecting: SO_ERROR: Connection refused`, which was said as a
+    wait past --distributed-timeout-minutes 10."""
+    import torch.distributed as dist
+
+    from megatron_eod.training.pretrain import pretrain
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:152]"
+                           " timed out connecting: SO_ERROR: Connection refused, "
+                           "remote=[127.0.0.1]:4520$3")
+
+    monkeypatch.setattr(dist, "init_process_group", refused)
+    with pytest.raises(SystemExit) as stop:
+        pretrain(tiny_flags(tiny_data))
+    assert stop.value.code == 1
+    said = capsys.readouterr().err
+    assert said.startswith("pretrain_gpt.py: error: rank ?: a peer rank could not be reached "
+                           "(nothing listens at its address") and "waited longer" not in said, said
