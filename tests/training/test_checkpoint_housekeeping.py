@@ -1,10 +1,11 @@
 """Checkpoints do not pile up and a save killed midway leaves nothing behind for long:
-`--save-keep-last N` keeps the newest N iteration folders; what a kill during a save leaves (a
+`--save-keep-last N` keeps the newest N whole checkpoints (and removes killed saves' folders); what a kill during a save leaves (a
 partial iteration folder the tracker does not name, a tracker `.tmp`) is replaced by the next
 save, and the run resumes from the last complete checkpoint."""
 
 import os
 
+from megatron_eod.training.checkpointing import _prune
 from tests.functional.test_cpu_training import train
 
 
@@ -41,3 +42,19 @@ def test_a_save_killed_midway_is_replaced_and_the_run_resumes(tiny_data, tmp_pat
         assert f.read() == "10"
     with open(partial, "rb") as f:
         assert f.read() != b"half a checkpoint"
+
+
+def test_save_keep_last_keeps_whole_checkpoints_and_drops_partial_ones(tmp_path):
+    """A soak's killed save left iter_0000009 with common.pt only; --save-keep-last 2 after
+    the resume counted it and removed the whole iteration 8: one whole checkpoint kept, the
+    partial folder never removed."""
+    root = tmp_path / "ckpt"
+    for iteration in (3, 6, 8, 12):
+        (root / f"iter_{iteration:07d}").mkdir(parents=True)
+        (root / f"iter_{iteration:07d}" / "metadata.json").write_text("{}")
+    (root / "iter_0000009").mkdir()
+    (root / "iter_0000009" / "common.pt").write_bytes(b"PK")
+    _prune(str(root), 2, 12)
+    assert sorted(os.listdir(root)) == ["iter_0000008", "iter_0000012"]
+    _prune(str(root), 5, 12)  # fewer than asked for: all kept
+    assert sorted(os.listdir(root)) == ["iter_0000008", "iter_0000012"]

@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from megatron_eod.training.checkpoint_preflight import find_checkpoint
-from megatron_eod.training.checkpointing import TRACKER, CheckpointError, _prune
+from megatron_eod.training.checkpointing import TRACKER, CheckpointError
 from tests.functional.tiny_gpt import tiny_flags
 from tests.harness import run_ranks
 from tests.training.test_checkpoint_formats import refused
@@ -128,22 +128,6 @@ def test_a_first_save_killed_before_its_optimizer_file_starts_fresh(tmp_path, ca
     assert find_checkpoint(_args(load=str(root))) is None
     (ranks[1] / "distrib_optim.pt").write_bytes(b"PK")
     _refused(r"holds checkpoints \(the newest: iteration 3\) but no", **reads)
-
-
-def test_save_keep_last_keeps_whole_checkpoints_and_drops_partial_ones(tmp_path):
-    """A soak's killed save left iter_0000009 with common.pt only; --save-keep-last 2 after
-    the resume counted it and removed the whole iteration 8: one whole checkpoint kept, the
-    partial folder never removed."""
-    root = tmp_path / "ckpt"
-    for iteration in (3, 6, 8, 12):
-        (root / f"iter_{iteration:07d}").mkdir(parents=True)
-        (root / f"iter_{iteration:07d}" / "metadata.json").write_text("{}")
-    (root / "iter_0000009").mkdir()
-    (root / "iter_0000009" / "common.pt").write_bytes(b"PK")
-    _prune(str(root), 2, 12)
-    assert sorted(os.listdir(root)) == ["iter_0000008", "iter_0000012"]
-    _prune(str(root), 5, 12)  # fewer than asked for: all kept
-    assert sorted(os.listdir(root)) == ["iter_0000008", "iter_0000012"]
 
 
 def test_megatron_lm_ckpt_step_names_the_iteration(ckpt):
