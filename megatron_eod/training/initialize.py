@@ -35,6 +35,8 @@ from megatron_eod.training.parent_watch import exit_with_parent, launched_by_tor
 from megatron_eod.training.cp_flags import FlagError
 from megatron_eod.training.metrics_file import check_metrics_file
 from megatron_eod.training.same_flags import check_same_flags
+from megatron_eod.training.save_lock import (hold_save_folder, release_save_folder,
+                                             written_folder)
 from megatron_eod.training.shared_folders import check_shared_folders, save_folder
 
 __all__ = ["initialize", "shutdown"]
@@ -68,6 +70,7 @@ def initialize(args, argv=()):
     check_same_flags(args, argv)  # before any group: sizes differing would hang there
     check_shared_folders(save_folder(args), FlagError)
     check_metrics_file(args, FlagError)
+    hold_save_folder(written_folder(args), FlagError)  # one job at a time there
     ps = import_megatron("megatron.core.parallel_state")
     if getattr(args, "gloo_dp_groups", None) is None:  # pretrain() decides it at start-up
         args.gloo_dp_groups = needs_gloo_dp_groups(args)
@@ -101,6 +104,7 @@ def _step_schedule(schedule) -> dict:
 
 def shutdown():
     global _OWNS_PROCESS_GROUP, _DETERMINISTIC_BEFORE
+    release_save_folder()
     import_megatron("megatron.core.parallel_state").destroy_model_parallel()
     import_megatron("megatron.core.num_microbatches_calculator").unset_num_microbatches_calculator()
     if _OWNS_PROCESS_GROUP and dist.is_initialized():

@@ -24,6 +24,8 @@ from megatron_eod.training.checkpointing import CheckpointError
 from megatron_eod.training.cp_flags import FlagError, say_error
 from megatron_eod.training.metrics_file import check_metrics_file
 from megatron_eod.training.same_flags import check_same_flags
+from megatron_eod.training.save_lock import (hold_save_folder, release_save_folder,
+                                             written_folder)
 from megatron_eod.training.shared_folders import check_shared_folders, save_folder
 
 __all__ = ["flags_compared_before_groups", "our_errors_end_restarts", "timeout_minutes"]
@@ -43,6 +45,7 @@ def flags_compared_before_groups():
         check_same_flags(flags, sys.argv[1:])
         check_shared_folders(save_folder(flags), FlagError)
         check_metrics_file(flags, FlagError)
+        hold_save_folder(written_folder(flags), FlagError)  # one job at a time there
         return original(*args, **kwargs)
 
     ps.initialize_model_parallel = initialize_model_parallel
@@ -50,6 +53,7 @@ def flags_compared_before_groups():
         yield
     finally:
         ps.initialize_model_parallel = original
+        release_save_folder()
 
 
 def timeout_minutes():
