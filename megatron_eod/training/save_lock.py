@@ -6,7 +6,7 @@ save first clearing what the other wrote, and one stopped with a FileNotFoundErr
 when the other removed its tracker's `.tmp` (a helper's soak, 2026-11-28; the other trained
 on). Now rank 0 holds a lock file in the folder, LOCK, for as long as the job runs: its host,
 process id, Slurm job id and a heartbeat counter a daemon thread raises every BEAT_S seconds
-(counted, not timed: hosts' clocks may differ). A job finding another's lock there:
+(counted, not timed: hosts' clocks may differ), rewriting the file in place. A job finding another's lock there:
 
 * the same process (Megatron-LM's in-process restart) or the same Slurm job (torchrun
   restarted its workers): takes it over;
@@ -45,20 +45,36 @@ STALE_BEATS = 2.5
 _HELD = {}  # folder -> (token, stop event)
 
 
+_TORN = {"token": None}  # read while being rewritten: there, and changing
+
+
 def _read(path) -> Optional[dict]:
+    """The lock's content; None where there is none; _TORN where it is being rewritten."""
     try:
         with open(path) as f:
             info = json.load(f)
-        return info if isinstance(info, dict) else None
+    except FileNotFoundError:
+        return None
     except (OSError, ValueError):
-        return None  # none, or being replaced: as none
+        return _TORN
+    return info if isinstance(info, dict) else _TORN
 
 
 def _write(path, info) -> None:
+    """A new lock: written aside, then renamed into place (never seen half-written)."""
     tmp = f"{path}.{info['token']}.tmp"
     with open(tmp, "w") as f:
         json.dump(info, f)
     os.replace(tmp, path)
+
+
+def _rewrite(path, info) -> None:
+    """A heartbeat: the same file rewritten in place. One inode for the job's life: another
+    host's open sees each beat (NFS's close-to-open), where a rename's new file could hide
+    behind that host's cached name lookup and look silent."""
+    with open(path, "r+") as f:
+        f.truncate(0)
+        json.dump(info, f)
 
 
 def _pid_alive(pid) -> bool:
@@ -86,23 +102,25 @@ def _other_job_alive(path, other) -> bool:
     while time.monotonic() < deadline:
         time.sleep(min(BEAT_S / 4, max(deadline - time.monotonic(), 0)))
         now = _read(path)
-        if now is None or now.get("token") != other.get("token") or \
+        if now is None:
+            return False  # it ended and removed its lock
+        if now is _TORN or now.get("token") != other.get("token") or \
                 now.get("beat") != other.get("beat"):
-            return now is not None  # beating, or another job took it; gone: free
+            return True  # beating, or another job took it
     return False
 
 
 def _beat(path, info, stop) -> None:
     while not stop.wait(BEAT_S):
         now = _read(path)
-        if now is not None and now.get("token") != info["token"]:
+        if now is not None and now is not _TORN and now.get("token") != info["token"]:
             print(f" --save {os.path.dirname(path)}: another job (host {now.get('host')}, "
                   f"process {now.get('pid')}) took over {LOCK} there: two jobs are writing "
                   f"this folder", flush=True)
             return
         info["beat"] += 1
         try:
-            _write(path, info)
+            _rewrite(path, info)
         except OSError:
             pass  # a file system hiccup: the next beat tries again
 
@@ -113,6 +131,9 @@ def _acquire(folder) -> Optional[str]:
     try:
         os.makedirs(folder, exist_ok=True)
         other = _read(path)
+        if other is _TORN:  # another job's beat at this instant: read it once more
+            time.sleep(0.1)
+            other = _read(path)
         if other is not None and _other_job_alive(path, other):
             job = f", Slurm job {other['job']}" if other.get("job") else ""
             return (f"--save {folder} is in use by another job (host {other.get('host')}, "

@@ -90,6 +90,10 @@ def test_a_job_on_another_host_is_alive_while_its_heartbeat_moves(tmp_path, monk
         thread.join()
     assert save_lock._acquire(folder) is None  # its heartbeat stopped: taken over
     save_lock.release_save_folder()
+    with open(os.path.join(folder, LOCK), "w") as f:
+        f.write('{"host": "node7", "pi')  # read in the middle of a beat: not gone
+    assert save_lock._read(os.path.join(folder, LOCK)) is save_lock._TORN
+    assert save_lock._other_job_alive(os.path.join(folder, LOCK), {"host": "node7"})
 
 
 def test_the_lean_trainer_stops_every_rank_and_cleans_up_after_itself(tiny_data, tmp_path):
