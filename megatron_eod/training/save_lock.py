@@ -5,12 +5,14 @@ took turns over its checkpoints: both saved the same iterations into the same fo
 save first clearing what the other wrote, and one stopped with a FileNotFoundError traceback
 when the other removed its tracker's `.tmp` (a helper's soak, 2026-11-28; the other trained
 on). Now rank 0 holds a lock file in the folder, LOCK, for as long as the job runs: its host,
-process id, Slurm job id and a heartbeat counter a daemon thread raises every BEAT_S seconds
-(counted, not timed: hosts' clocks may differ), rewriting the file in place. A job finding another's lock there:
+process id (and process id namespace), Slurm job id and a heartbeat counter a daemon thread
+raises every BEAT_S seconds (counted, not timed: hosts' clocks may differ), rewriting the file
+in place. A job finding another's lock there:
 
 * the same process (Megatron-LM's in-process restart) or the same Slurm job (torchrun
   restarted its workers): takes it over;
-* a process on this host: alive or not decides at once;
+* a process on this host, in this process id namespace: alive or not decides at once (in
+  another one, a container sharing the host's name, as on another host);
 * a process on another host: alive while its heartbeat moves; waits up to STALE_BEATS beats
   for it (a relaunch after a kill pays that, ~25 s), then takes it over.
 
@@ -91,12 +93,22 @@ def _job_id() -> Optional[str]:
     return os.environ.get("SLURM_JOB_ID") or None
 
 
+def _where() -> str:
+    """This host and process id namespace: where a process id means one process."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = "?"
+    return f"{socket.gethostname()} {namespace}"
+
+
 def _other_job_alive(path, other) -> bool:
-    if other.get("host") == socket.gethostname() and other.get("pid") == os.getpid():
+    here = other.get("where") == _where()
+    if here and other.get("pid") == os.getpid():
         return False  # this process: an in-process restart
     if other.get("job") and other.get("job") == _job_id():
         return False  # this job: torchrun restarted its workers
-    if other.get("host") == socket.gethostname():
+    if here:
         return _pid_alive(other.get("pid"))
     deadline = time.monotonic() + STALE_BEATS * BEAT_S
     while time.monotonic() < deadline:
@@ -141,8 +153,8 @@ def _acquire(folder) -> Optional[str]:
                     f"checkpoints. Stop that job, or give another --save; if it is gone, "
                     f"delete {path}")
         release_save_folder(folder)  # an in-process restart's own thread
-        info = {"host": socket.gethostname(), "pid": os.getpid(), "job": _job_id(),
-                "token": uuid.uuid4().hex, "beat": 0}
+        info = {"host": socket.gethostname(), "where": _where(), "pid": os.getpid(),
+                "job": _job_id(), "token": uuid.uuid4().hex, "beat": 0}
         _write(path, info)
     except OSError as error:
         return f"--save {folder}: cannot hold {LOCK} there ({error.strerror or error})"

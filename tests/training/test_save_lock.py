@@ -25,8 +25,8 @@ pytestmark = pytest.mark.timeout(240)
 def _lock(folder, **info):
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, LOCK), "w") as f:
-        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "job": None,
-                   "token": "theirs", "beat": 0, **info}, f)
+        json.dump({"host": socket.gethostname(), "where": save_lock._where(),
+                   "pid": os.getpid(), "job": None, "token": "theirs", "beat": 0, **info}, f)
 
 
 def _dead_pid():
@@ -46,7 +46,8 @@ def test_a_lock_is_held_while_the_job_runs_and_removed_at_its_end(tmp_path):
     assert save_lock.written_folder(argparse.Namespace(save=folder, skip_train=True)) is None
 
 
-def test_another_live_job_on_this_host_is_refused_a_dead_one_taken_over(tmp_path):
+def test_another_live_job_on_this_host_is_refused_a_dead_one_taken_over(tmp_path, monkeypatch):
+    monkeypatch.setattr(save_lock, "BEAT_S", 0.08)
     folder = str(tmp_path / "ckpt")
     _lock(folder, pid=os.getppid(), job="17")
     said = save_lock._acquire(folder)
@@ -57,13 +58,19 @@ def test_another_live_job_on_this_host_is_refused_a_dead_one_taken_over(tmp_path
     _lock(folder, pid=_dead_pid())  # killed: its lock stays
     assert save_lock._acquire(folder) is None
     save_lock.release_save_folder()
+    # This host's name in another process id namespace (a container sharing the host's name):
+    # a process id there means nothing here, the heartbeat decides.
+    _lock(folder, pid=_dead_pid(), where=f"{socket.gethostname()} pid:[1]")
+    assert save_lock._other_job_alive(os.path.join(folder, LOCK), {
+        "where": f"{socket.gethostname()} pid:[1]", "pid": os.getpid(), "token": "other",
+        "beat": 0})  # the file's token differs: another job wrote it since
 
 
 def test_the_same_slurm_job_takes_its_lock_over(tmp_path, monkeypatch):
     """torchrun restarting the workers inside one Slurm job: the old rank 0 is gone."""
     folder = str(tmp_path / "ckpt")
     monkeypatch.setenv("SLURM_JOB_ID", "42")
-    _lock(folder, host="elsewhere", job="42")
+    _lock(folder, host="elsewhere", where="elsewhere ns", job="42")
     assert save_lock._acquire(folder) is None
     save_lock.release_save_folder()
 
@@ -71,14 +78,14 @@ def test_the_same_slurm_job_takes_its_lock_over(tmp_path, monkeypatch):
 def test_a_job_on_another_host_is_alive_while_its_heartbeat_moves(tmp_path, monkeypatch):
     monkeypatch.setattr(save_lock, "BEAT_S", 0.08)
     folder = str(tmp_path / "ckpt")
-    _lock(folder, host="node7")
+    _lock(folder, host="node7", where="node7 ns")
     stop = threading.Event()
 
     def beating():
         beat = 0
         while not stop.wait(0.02):
             beat += 1
-            _lock(folder, host="node7", beat=beat)
+            _lock(folder, host="node7", where="node7 ns", beat=beat)
 
     thread = threading.Thread(target=beating)
     thread.start()
