@@ -77,11 +77,10 @@ def _iterations(root):
                   if name.startswith("iter_") and name[5:].isdigit())
 
 
-def _complete_iterations(root, optimizer_file=False):
+def _complete_iterations(root):
     """The iterations under `root` whose folders hold a whole checkpoint (`is_whole`),
     oldest first."""
-    return [i for i in _iterations(root)
-            if is_whole(checkpoint_folder(root, i), optimizer_file)]
+    return [i for i in _iterations(root) if is_whole(checkpoint_folder(root, i))]
 
 
 def _check_root(root, flag) -> bool:
@@ -139,12 +138,6 @@ def _locate(args, lean) -> Optional[Found]:
                               f"be read ({error.strerror or error})") from None
 
 
-def _reads_optimizer_file(args) -> bool:
-    """Whether a resume of this run reads a torch-format checkpoint's DISTRIB_OPTIM_FILE."""
-    return bool(getattr(args, "use_distributed_optimizer", False)) and not (
-        getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
-
-
 def _say_partial(load, iterations) -> None:
     """Rank 0: that the iteration folders under --load, none whole and none recorded in the
     tracker, are what saves killed before their end left (the first save's, typically: the
@@ -167,7 +160,7 @@ def _located(args, lean) -> Optional[Found]:
         iteration = read_tracker(load, "--load")
         if iteration is not None:
             return _found("--load", load, iteration, finetune, lean)
-        complete = _complete_iterations(load, _reads_optimizer_file(args))
+        complete = _complete_iterations(load)
         if complete:
             raise CheckpointError(
                 f"--load {load} holds checkpoints (the newest: iteration {complete[-1]}) but no "

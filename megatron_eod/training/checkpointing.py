@@ -208,12 +208,13 @@ def checkpoint_format(folder) -> Optional[str]:
     return None
 
 
-def is_whole(folder, optimizer_file: bool = False) -> bool:
+def is_whole(folder) -> bool:
     """Whether an iteration folder holds a whole checkpoint, as far as its files say without
-    reading them: torch_dist writes metadata.json last; a torch-format save writes one
-    model file per mp_rank_* folder and, with the distributed optimizer, a DISTRIB_OPTIM_FILE
-    beside each (in one folder: in every one; with `optimizer_file`, the run reads them:
-    required). A save killed early leaves a folder without one of them, or a `.tmp`."""
+    reading them: torch_dist writes metadata.json last; a torch-format save writes, per
+    mp_rank_* folder, the distributed optimizer's DISTRIB_OPTIM_FILE (where it has one) and
+    then the model file (both trainers). A save killed midway leaves a folder without the
+    model file (or with a `.tmp`), or with the optimizer's in some folders only; a model
+    file without any optimizer's is a save without one (--no-save-optim): whole."""
     kind = checkpoint_format(folder)
     if kind != "torch":
         return kind is not None
@@ -225,8 +226,19 @@ def is_whole(folder, optimizer_file: bool = False) -> bool:
                 os.path.getsize(os.path.join(rank, name)) > 0 for rank in ranks]
 
     optimizer = written(DISTRIB_OPTIM_FILE)
-    return all(written(_LEGACY_FILE)) and (all(optimizer) if optimizer_file or any(optimizer)
-                                           else True)
+    return all(written(_LEGACY_FILE)) and (all(optimizer) or not any(optimizer))
+
+
+def _left_by_a_killed_save(folder) -> bool:
+    """Whether a folder that is not whole is plainly what a save of these trainers left when
+    killed (empty; torch format without its files; torch_dist shards or common.pt without
+    the .metadata written at their end): nothing can load it. A folder with .metadata but no
+    metadata.json may be another format's checkpoint (torch_dcp, fsdp_dtensor): never."""
+    names = os.listdir(folder)
+    if checkpoint_format(folder) == "torch":
+        return True
+    return ".metadata" not in names and all(
+        name == "common.pt" or name.endswith((".distcp", ".tmp")) for name in names)
 
 
 def _torch_format_under(root) -> bool:
@@ -275,15 +287,16 @@ def _clear_partial(root, iteration) -> None:
 
 def _prune(root, keep: int, newest: int) -> None:
     """Keep the newest `keep` whole checkpoints (never the one just written); remove the
-    others, and what killed saves left (folders not whole: no load can use them, and one
-    above `newest` would otherwise stay for good, counted as a checkpoint)."""
+    others, and what killed saves left (`_left_by_a_killed_save`: no load can use them, and
+    one above `newest` would otherwise stay for good); leave any other folder alone."""
     found = sorted(int(name[len("iter_"):]) for name in os.listdir(root)
                    if name.startswith("iter_") and name[len("iter_"):].isdigit())
     whole = [i for i in found if i == newest or is_whole(_iter_dir(root, i))]
     kept = set(whole[-keep:]) | {newest}
     for iteration in found:
-        if iteration not in kept:
-            shutil.rmtree(_iter_dir(root, iteration), ignore_errors=True)
+        folder = _iter_dir(root, iteration)
+        if iteration not in kept and (iteration in whole or _left_by_a_killed_save(folder)):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def save_checkpoint(args, iteration, chunks, optimizer, scheduler, counters):
@@ -315,15 +328,20 @@ def save_checkpoint(args, iteration, chunks, optimizer, scheduler, counters):
         dcp.save(state(), folder, strategy, content_metadata=metadata)
     else:
         path = _legacy_file(_iter_dir(root, iteration))
-        # Built only where it is written, as Megatron-LM: the distributed optimizer's
-        # state_dict asserts on a rank whose shard holds no parameter.
-        if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
+        writer = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        if writer:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            torch.save(state(), path + ".tmp")
-            os.replace(path + ".tmp", path)
+        # The optimizer's file first, as Megatron-LM: a save killed midway then leaves no
+        # model file (not whole: is_whole), and a model file without an optimizer's beside it
+        # means a save without one (--no-save-optim), whole.
         if args.use_distributed_optimizer and not args.no_save_optim:  # collective (DP x CP)
             optimizer.save_parameter_state(os.path.join(os.path.dirname(path),
                                                         DISTRIB_OPTIM_FILE))
+        # Built only where it is written, as Megatron-LM: the distributed optimizer's
+        # state_dict asserts on a rank whose shard holds no parameter.
+        if writer:
+            torch.save(state(), path + ".tmp")
+            os.replace(path + ".tmp", path)
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(root, TRACKER + ".tmp"), "w") as f:

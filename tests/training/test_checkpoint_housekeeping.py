@@ -58,3 +58,12 @@ def test_save_keep_last_keeps_whole_checkpoints_and_drops_partial_ones(tmp_path)
     assert sorted(os.listdir(root)) == ["iter_0000008", "iter_0000012"]
     _prune(str(root), 5, 12)  # fewer than asked for: all kept
     assert sorted(os.listdir(root)) == ["iter_0000008", "iter_0000012"]
+    # A folder it cannot tell from another format's checkpoint (torch_dcp: .metadata, no
+    # metadata.json) stays, whatever its iteration; a torch-format save killed midway goes.
+    (root / "iter_0000020").mkdir()
+    (root / "iter_0000020" / ".metadata").write_bytes(b"x")
+    (root / "iter_0000020" / "__0_0.distcp").write_bytes(b"x")
+    (root / "iter_0000014" / "mp_rank_00").mkdir(parents=True)
+    (root / "iter_0000014" / "mp_rank_00" / "distrib_optim.pt").write_bytes(b"PK")
+    _prune(str(root), 1, 12)
+    assert sorted(os.listdir(root)) == ["iter_0000012", "iter_0000020"]

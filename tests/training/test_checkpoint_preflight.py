@@ -104,30 +104,56 @@ def test_a_first_save_killed_early_starts_fresh(tiny_data, tmp_path):
     assert find_checkpoint(_args(load=str(root))) is None
 
 
-def test_a_first_save_killed_before_its_optimizer_file_starts_fresh(tmp_path, capsys):
-    """A soak's kill -9 of one rank in the first save (torch format, distributed optimizer):
-    the model file written, the collective distrib_optim.pt not, no tracker. Every relaunch
-    was refused, and the advice (write 3 into the tracker) led to a refusal naming the missing
-    file. Not whole for a run that reads it: a fresh start, said once; whole only where each
-    mp_rank_* folder has both files, or none has the optimizer's and the run does not read it."""
+def test_a_torch_format_save_killed_midway_starts_fresh(tmp_path, capsys):
+    """A soak's kill -9 of one rank in the first save (torch format, distributed optimizer)
+    left a model file without the optimizer's and no tracker: every relaunch was refused, and
+    the advice (write 3 into the tracker) led to a refusal naming the missing file. Both
+    trainers now write the optimizer's file first (`_saves_the_optimizer_first` below): a
+    folder is whole with every mp_rank_* folder's model file and the optimizer's in all or
+    none (none: a save with --no-save-optim, which a fresh start must not overwrite)."""
     root = tmp_path / "ckpt"
     ranks = [root / "iter_0000003" / name for name in ("mp_rank_00", "mp_rank_01")]
     for rank in ranks:
         rank.mkdir(parents=True)
-        (rank / "model_optim_rng.pt").write_bytes(b"PK")
+    (ranks[0] / "distrib_optim.pt").write_bytes(b"PK")  # killed before the model files
     reads = dict(load=str(root), use_distributed_optimizer=True)
     assert find_checkpoint(_args(**reads)) is None
     assert capsys.readouterr().out == (
         f" --load {root}: no {TRACKER} and no whole checkpoint (iter_0000003: left by a save "
         f"stopped before its end, which the save of that iteration replaces): training from "
         f"scratch\n")
-    for other in (dict(use_distributed_optimizer=False), dict(no_load_optim=True),
-                  dict(finetune=True)):  # these runs would not read it: whole for them
-        _refused(r"holds checkpoints \(the newest: iteration 3\) but no", **{**reads, **other})
-    (ranks[0] / "distrib_optim.pt").write_bytes(b"PK")  # one folder has it: all must
-    assert find_checkpoint(_args(load=str(root))) is None
-    (ranks[1] / "distrib_optim.pt").write_bytes(b"PK")
+    for rank in ranks:
+        (rank / "model_optim_rng.pt").write_bytes(b"PK")
+    assert find_checkpoint(_args(**reads)) is None  # the optimizer's in one folder only
+    (ranks[0] / "distrib_optim.pt").unlink()  # in none: --no-save-optim, whole
     _refused(r"holds checkpoints \(the newest: iteration 3\) but no", **reads)
+    for rank in ranks:
+        (rank / "distrib_optim.pt").write_bytes(b"PK")
+    _refused(r"holds checkpoints \(the newest: iteration 3\) but no", **reads)
+
+
+def _saves_the_optimizer_first(rank, world, argv):
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    seen = []
+    original = DistributedOptimizer.save_parameter_state
+
+    def save_parameter_state(self, filename):
+        seen.append(os.path.exists(os.path.join(os.path.dirname(filename),
+                                                "model_optim_rng.pt")))
+        return original(self, filename)
+
+    DistributedOptimizer.save_parameter_state = save_parameter_state
+    try:
+        return _train(rank, world, argv)[0], seen
+    finally:
+        DistributedOptimizer.save_parameter_state = original
+
+
+def test_the_lean_trainer_saves_the_optimizer_first(tiny_data, tmp_path):
+    argv = tiny_flags(tiny_data, "--ckpt-format", "torch", "--use-distributed-optimizer",
+                      "--train-iters", "3", "--save", str(tmp_path / "ckpt"))
+    assert run_ranks(_saves_the_optimizer_first, 1, argv, daemon=False) == [(0, [False])]
 
 
 def test_megatron_lm_ckpt_step_names_the_iteration(ckpt):
