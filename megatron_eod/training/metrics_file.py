@@ -34,13 +34,11 @@ def _ready(path):
 
 def check_metrics_file(args, error_type) -> None:
     """Raise `error_type` on every rank where the last rank cannot append to --metrics-file."""
-    path = getattr(args, "metrics_file", None)
-    if not path:
-        return
+    path = getattr(args, "metrics_file", None)  # may be given to the last rank only
     world = dist.get_world_size() if dist.is_initialized() else 1
     last = not dist.is_initialized() or dist.get_rank() == world - 1
-    said = _ready(path) if last else None
-    if world > 1:
+    said = _ready(path) if last and path else None
+    if world > 1:  # every rank, flag or not (same_flags lets it differ by rank)
         said = gathered(said)[-1]
     if said:
         raise error_type(said)

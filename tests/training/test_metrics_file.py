@@ -52,3 +52,18 @@ def test_megatron_lm_trainer_stops_every_rank_too(short_docs_data, tmp_path):
     for _, text in results:
         assert f"pretrain_gpt.py: error: --metrics-file {path}: cannot be written" in text \
             and "Traceback" not in text, text[-2000:]
+
+
+def _train_flag_on_last_rank(rank, world, argv, path):
+    return _train(rank, world, argv + (["--metrics-file", path] if rank == world - 1 else []))
+
+
+def test_the_flag_given_to_the_last_rank_only(tiny_data, tmp_path):
+    """Log destinations may differ by rank (same_flags), and a script may give the flag to
+    its writer only: the first version's check was a collective on the ranks with the flag
+    alone (the others went on into the next group's creation: a wait to the timeout)."""
+    path = str(tmp_path / "new" / "m.jsonl")
+    results = run_ranks(_train_flag_on_last_rank, 2,
+                        tiny_flags(tiny_data, "--train-iters", "3"), path)
+    assert [code for code, *_ in results] == [0, 0], results
+    assert os.path.getsize(path) > 0
