@@ -4,24 +4,27 @@ Two jobs writing one --save (a job submitted twice, a relaunch while the first s
 took turns over its checkpoints: both saved the same iterations into the same folders, each
 save first clearing what the other wrote, and one stopped with a FileNotFoundError traceback
 when the other removed its tracker's `.tmp` (a helper's soak, 2026-11-28; the other trained
-on). Now rank 0 holds a lock file in the folder, LOCK, for as long as the job runs: its host,
-process id (and process id namespace), Slurm job id and a heartbeat counter a daemon thread
-raises every BEAT_S seconds (counted, not timed: hosts' clocks may differ), rewriting the file
-in place. A job finding another's lock there:
+on). Now rank 0 holds a lock file in the folder, LOCK, for as long as the job runs: where it
+runs (host, boot, process id namespace), its process (id and start time), the folder's
+identity, the Slurm job id, and a heartbeat counter a daemon thread raises every BEAT_S
+seconds (counted, not timed: hosts' clocks may differ), rewriting the file in place. A job
+finding another's lock there:
 
 * the same process (Megatron-LM's in-process restart) or the same Slurm job (torchrun
   restarted its workers): takes it over;
-* a process on this host, in this process id namespace: alive or not decides at once (in
-  another one, a container sharing the host's name, as on another host);
-* a process on another host: alive while its heartbeat moves; waits up to STALE_BEATS beats
-  for it (a relaunch after a kill pays that, ~25 s), then takes it over.
+* written where this job runs (same host, boot and process id namespace): the process
+  decides at once (gone, a zombie, or its id reused by a later process: dead), and a lock
+  naming another folder than this one (the folder was copied with it) is not this folder's;
+* elsewhere: alive while the file's bytes change; unchanged for STALE_BEATS beats (a relaunch
+  after a kill pays that, ~25 s; a lock left half-written, e.g. by a full disk, never
+  changes either), taken over.
 
 Alive, every rank stops with one line naming the job and the lock file. A clean end removes
 the lock; a killed job leaves it, for the next job to take over as above.
 
 What it does not do: no lock while the job runs between two checks (two jobs starting in the
 same instant may both take it; the later write wins, and the other's heartbeat then says so
-once); no lock for --load alone (reading does not conflict).
+once, and both go on); no lock for --load alone (reading does not conflict).
 """
 
 from __future__ import annotations
@@ -44,22 +47,23 @@ LOCK = ".megatron_eod_job.json"
 BEAT_S = 10.0
 STALE_BEATS = 2.5
 
-_HELD = {}  # folder -> (token, stop event)
+_HELD = {}  # folder -> (token, stop event, heartbeat thread)
 
 
-_TORN = {"token": None}  # read while being rewritten: there, and changing
-
-
-def _read(path) -> Optional[dict]:
-    """The lock's content; None where there is none; _TORN where it is being rewritten."""
+def _bytes(path) -> Optional[bytes]:
     try:
-        with open(path) as f:
-            info = json.load(f)
+        with open(path, "rb") as f:
+            return f.read()
     except FileNotFoundError:
         return None
-    except (OSError, ValueError):
-        return _TORN
-    return info if isinstance(info, dict) else _TORN
+
+
+def _parsed(raw) -> dict:
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        return {}
+    return info if isinstance(info, dict) else {}
 
 
 def _write(path, info) -> None:
@@ -71,70 +75,102 @@ def _write(path, info) -> None:
 
 
 def _rewrite(path, info) -> None:
-    """A heartbeat: the same file rewritten in place. One inode for the job's life: another
-    host's open sees each beat (NFS's close-to-open), where a rename's new file could hide
-    behind that host's cached name lookup and look silent."""
-    with open(path, "r+") as f:
-        f.truncate(0)
-        json.dump(info, f)
+    """A heartbeat: the same file rewritten in place, its old bytes kept until the new ones
+    are written over them. One inode for the job's life: another host's open sees each beat
+    (NFS's close-to-open), where a rename's new file could hide behind that host's cached
+    name lookup and look silent."""
+    data = json.dumps(info).encode()
+    with open(path, "r+b") as f:
+        f.write(data)
+        f.truncate(len(data))
 
 
-def _pid_alive(pid) -> bool:
+def _boot() -> str:
     try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError, TypeError, OverflowError):
-        return True  # someone else's process: alive
-    return True
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def _where() -> str:
+    """Where a process id names one process: host, boot and process id namespace."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = "?"
+    return f"{socket.gethostname()} {_boot()} {namespace}"
+
+
+def _process(pid) -> Optional[tuple]:
+    """(state, start time) of a process of this namespace from /proc, or None where it does
+    not exist; ("?", None) where /proc cannot say (then it is taken as alive)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], fields[19]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, IndexError):
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return None
+        except (OSError, ValueError, TypeError, OverflowError):
+            pass
+        return "?", None
+
+
+def _folder_id(folder) -> str:
+    st = os.stat(folder)
+    return f"{st.st_dev}:{st.st_ino}"
 
 
 def _job_id() -> Optional[str]:
     return os.environ.get("SLURM_JOB_ID") or None
 
 
-def _where() -> str:
-    """This host and process id namespace: where a process id means one process."""
-    try:
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        namespace = "?"
-    return f"{socket.gethostname()} {namespace}"
-
-
-def _other_job_alive(path, other) -> bool:
+def _other_job_alive(path, raw, folder) -> bool:
+    """Whether the job that wrote the lock `raw` (its bytes) holds it."""
+    other = _parsed(raw)
     here = other.get("where") == _where()
     if here and other.get("pid") == os.getpid():
         return False  # this process: an in-process restart
     if other.get("job") and other.get("job") == _job_id():
         return False  # this job: torchrun restarted its workers
     if here:
-        return _pid_alive(other.get("pid"))
+        if other.get("folder") != _folder_id(folder):
+            return False  # the lock of the folder this one was copied from
+        process = _process(other.get("pid"))
+        return process is not None and process[0] != "Z" and (
+            process[1] is None or other.get("started") in (None, process[1]))
     deadline = time.monotonic() + STALE_BEATS * BEAT_S
     while time.monotonic() < deadline:
         time.sleep(min(BEAT_S / 4, max(deadline - time.monotonic(), 0)))
-        now = _read(path)
+        now = _bytes(path)
         if now is None:
             return False  # it ended and removed its lock
-        if now is _TORN or now.get("token") != other.get("token") or \
-                now.get("beat") != other.get("beat"):
+        if now != raw:
             return True  # beating, or another job took it
     return False
 
 
-def _beat(path, info, stop) -> None:
+def _beat(path, info, stop, guard) -> None:
     while not stop.wait(BEAT_S):
-        now = _read(path)
-        if now is not None and now is not _TORN and now.get("token") != info["token"]:
-            print(f" --save {os.path.dirname(path)}: another job (host {now.get('host')}, "
-                  f"process {now.get('pid')}) took over {LOCK} there: two jobs are writing "
-                  f"this folder", flush=True)
-            return
-        info["beat"] += 1
-        try:
-            _rewrite(path, info)
-        except OSError:
-            pass  # a file system hiccup: the next beat tries again
+        with guard:
+            if stop.is_set():
+                return
+            try:
+                now = _parsed(_bytes(path) or b"")
+                if now and now.get("token") != info["token"]:
+                    print(f" --save {os.path.dirname(path)}: another job (host "
+                          f"{now.get('host')}, process {now.get('pid')}) took over {LOCK} "
+                          f"there: two jobs are writing this folder", flush=True)
+                    return
+                info["beat"] += 1
+                _rewrite(path, info)
+            except OSError:
+                pass  # a file system hiccup: the next beat tries again
 
 
 def _acquire(folder) -> Optional[str]:
@@ -142,26 +178,28 @@ def _acquire(folder) -> Optional[str]:
     path = os.path.join(folder, LOCK)
     try:
         os.makedirs(folder, exist_ok=True)
-        other = _read(path)
-        if other is _TORN:  # another job's beat at this instant: read it once more
-            time.sleep(0.1)
-            other = _read(path)
-        if other is not None and _other_job_alive(path, other):
-            job = f", Slurm job {other['job']}" if other.get("job") else ""
-            return (f"--save {folder} is in use by another job (host {other.get('host')}, "
-                    f"process {other.get('pid')}{job}): two jobs would overwrite each other's "
-                    f"checkpoints. Stop that job, or give another --save; if it is gone, "
-                    f"delete {path}")
-        release_save_folder(folder)  # an in-process restart's own thread
+        raw = _bytes(path)
+        if raw is not None and _other_job_alive(path, raw, folder):
+            other = _parsed(raw)
+            who = (f"host {other.get('host')}, process {other.get('pid')}"
+                   f"{', Slurm job ' + str(other['job']) if other.get('job') else ''}"
+                   if other else f"its lock cannot be read: {raw[:60]!r}")
+            return (f"--save {folder} is in use by another job ({who}): two jobs would "
+                    f"overwrite each other's checkpoints. Stop that job, or give another "
+                    f"--save; if it is gone, delete {path}")
+        release_save_folder(folder)  # an in-process restart's own heartbeat
+        process = _process(os.getpid())
         info = {"host": socket.gethostname(), "where": _where(), "pid": os.getpid(),
+                "started": process[1] if process else None, "folder": _folder_id(folder),
                 "job": _job_id(), "token": uuid.uuid4().hex, "beat": 0}
         _write(path, info)
     except OSError as error:
         return f"--save {folder}: cannot hold {LOCK} there ({error.strerror or error})"
-    stop = threading.Event()
-    threading.Thread(target=_beat, args=(path, dict(info), stop), daemon=True,
-                     name="megatron-eod-save-lock").start()
-    _HELD[folder] = (info["token"], stop)
+    stop, guard = threading.Event(), threading.Lock()
+    thread = threading.Thread(target=_beat, args=(path, dict(info), stop, guard), daemon=True,
+                              name="megatron-eod-save-lock")
+    thread.start()
+    _HELD[folder] = (info["token"], stop, guard, thread)
     return None
 
 
@@ -185,16 +223,17 @@ def hold_save_folder(folder: Optional[str], error_type) -> None:
 
 
 def release_save_folder(folder: Optional[str] = None) -> None:
-    """Stop the heartbeat and remove the lock where this job still holds it (every folder
-    when none is named). Any rank may call it: only rank 0 holds one."""
+    """Stop the heartbeat (waiting for a beat in flight) and remove the lock where this job
+    still holds it (every folder when none is named). Only rank 0 holds one."""
     for held in [folder] if folder else list(_HELD):
-        token, stop = _HELD.pop(held, (None, None))
+        token, stop, guard, thread = _HELD.pop(held, (None, None, None, None))
         if stop is None:
             continue
-        stop.set()
+        with guard:
+            stop.set()
+        thread.join()
         path = os.path.join(held, LOCK)
-        now = _read(path)
-        if now is not None and now.get("token") == token:
+        if _parsed(_bytes(path) or b"").get("token") == token:
             try:
                 os.remove(path)
             except OSError:

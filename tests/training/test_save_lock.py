@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -22,11 +23,13 @@ from tests.training.test_nan_stop import _train
 pytestmark = pytest.mark.timeout(240)
 
 
-def _lock(folder, **info):
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, LOCK), "w") as f:
+def _lock(at, **info):
+    """A lock as another job on this host (this test's process unless `pid` says) wrote it."""
+    os.makedirs(at, exist_ok=True)
+    with open(os.path.join(at, LOCK), "w") as f:
         json.dump({"host": socket.gethostname(), "where": save_lock._where(),
-                   "pid": os.getpid(), "job": None, "token": "theirs", "beat": 0, **info}, f)
+                   "pid": os.getpid(), "started": None, "folder": save_lock._folder_id(at),
+                   "job": None, "token": "theirs", "beat": 0, **info}, f)
 
 
 def _dead_pid():
@@ -35,19 +38,28 @@ def _dead_pid():
     return child.pid
 
 
-def test_a_lock_is_held_while_the_job_runs_and_removed_at_its_end(tmp_path):
+@pytest.fixture
+def quick_beats(monkeypatch):
+    monkeypatch.setattr(save_lock, "BEAT_S", 0.08)
+
+
+def test_a_lock_is_held_while_the_job_runs_and_removed_at_its_end(tmp_path, quick_beats):
     folder = str(tmp_path / "ckpt")
+    path = os.path.join(folder, LOCK)
     assert save_lock._acquire(folder) is None
-    with open(os.path.join(folder, LOCK)) as f:
+    with open(path) as f:
         assert json.load(f)["pid"] == os.getpid()
+    time.sleep(0.5)  # the heartbeat raises its counter in place
+    with open(path) as f:
+        assert json.load(f)["beat"] >= 3
     assert save_lock._acquire(folder) is None  # this process again: an in-process restart
+    (_, _, _, thread), = save_lock._HELD.values()
     save_lock.release_save_folder()
-    assert os.listdir(folder) == []
+    assert os.listdir(folder) == [] and not thread.is_alive()
     assert save_lock.written_folder(argparse.Namespace(save=folder, skip_train=True)) is None
 
 
-def test_another_live_job_on_this_host_is_refused_a_dead_one_taken_over(tmp_path, monkeypatch):
-    monkeypatch.setattr(save_lock, "BEAT_S", 0.08)
+def test_a_live_job_on_this_host_is_refused_a_gone_one_taken_over(tmp_path, quick_beats):
     folder = str(tmp_path / "ckpt")
     _lock(folder, pid=os.getppid(), job="17")
     said = save_lock._acquire(folder)
@@ -55,37 +67,47 @@ def test_another_live_job_on_this_host_is_refused_a_dead_one_taken_over(tmp_path
                     f"process {os.getppid()}, Slurm job 17): two jobs would overwrite each "
                     f"other's checkpoints. Stop that job, or give another --save; if it is "
                     f"gone, delete {folder}/{LOCK}")
-    _lock(folder, pid=_dead_pid())  # killed: its lock stays
-    assert save_lock._acquire(folder) is None
-    save_lock.release_save_folder()
-    # This host's name in another process id namespace (a container sharing the host's name):
-    # a process id there means nothing here, the heartbeat decides.
-    _lock(folder, pid=_dead_pid(), where=f"{socket.gethostname()} pid:[1]")
-    assert save_lock._other_job_alive(os.path.join(folder, LOCK), {
-        "where": f"{socket.gethostname()} pid:[1]", "pid": os.getpid(), "token": "other",
-        "beat": 0})  # the file's token differs: another job wrote it since
+    for gone in (dict(pid=_dead_pid()),  # killed: its lock stays
+                 dict(pid=os.getppid(), started="1"),  # its process id taken by another
+                 dict(pid=os.getppid(), folder="0:0")):  # a copy of its folder
+        _lock(folder, **gone)
+        assert save_lock._acquire(folder) is None, gone
+        save_lock.release_save_folder()
+
+
+def test_a_process_id_of_another_namespace_is_not_read_here(tmp_path, quick_beats):
+    """This host's name in another process id namespace (a container sharing the host's
+    name): its process id means nothing here; the lock's bytes decide."""
+    folder = str(tmp_path / "ckpt")
+    path = os.path.join(folder, LOCK)
+    elsewhere = dict(pid=_dead_pid(), where=f"{socket.gethostname()} ? pid:[1]")
+    _lock(folder, **elsewhere)
+    with open(path, "rb") as f:
+        raw = f.read()
+    _lock(folder, beat=1, **elsewhere)  # it beat since
+    assert save_lock._other_job_alive(path, raw, folder)
 
 
 def test_the_same_slurm_job_takes_its_lock_over(tmp_path, monkeypatch):
     """torchrun restarting the workers inside one Slurm job: the old rank 0 is gone."""
     folder = str(tmp_path / "ckpt")
     monkeypatch.setenv("SLURM_JOB_ID", "42")
-    _lock(folder, host="elsewhere", where="elsewhere ns", job="42")
+    _lock(folder, host="elsewhere", where="elsewhere", job="42")
     assert save_lock._acquire(folder) is None
     save_lock.release_save_folder()
 
 
-def test_a_job_on_another_host_is_alive_while_its_heartbeat_moves(tmp_path, monkeypatch):
-    monkeypatch.setattr(save_lock, "BEAT_S", 0.08)
+def test_a_job_on_another_host_is_alive_while_its_lock_changes(tmp_path, quick_beats):
     folder = str(tmp_path / "ckpt")
-    _lock(folder, host="node7", where="node7 ns")
+    node7 = dict(host="node7", where="node7")
+    _lock(folder, **node7)
     stop = threading.Event()
 
     def beating():
         beat = 0
         while not stop.wait(0.02):
             beat += 1
-            _lock(folder, host="node7", where="node7 ns", beat=beat)
+            _lock(folder, beat=beat, **node7)
 
     thread = threading.Thread(target=beating)
     thread.start()
@@ -97,10 +119,10 @@ def test_a_job_on_another_host_is_alive_while_its_heartbeat_moves(tmp_path, monk
         thread.join()
     assert save_lock._acquire(folder) is None  # its heartbeat stopped: taken over
     save_lock.release_save_folder()
-    with open(os.path.join(folder, LOCK), "w") as f:
-        f.write('{"host": "node7", "pi')  # read in the middle of a beat: not gone
-    assert save_lock._read(os.path.join(folder, LOCK)) is save_lock._TORN
-    assert save_lock._other_job_alive(os.path.join(folder, LOCK), {"host": "node7"})
+    with open(os.path.join(folder, LOCK), "w") as f:  # left half-written (a full disk):
+        f.write('{"host": "node7", "pi')  # it never changes, so it is taken over too
+    assert save_lock._acquire(folder) is None
+    save_lock.release_save_folder()
 
 
 def test_the_lean_trainer_stops_every_rank_and_cleans_up_after_itself(tiny_data, tmp_path):
