@@ -154,3 +154,8 @@ def test_megatron_lm_trainer_stops_every_rank_too(short_docs_data, tmp_path):
     for _, text in results:
         assert f"pretrain_gpt.py: error: --save {folder} is in use by another job" in text \
             and "Traceback" not in text, text[-2000:]
+    os.remove(os.path.join(folder, LOCK))  # that job gone: this one runs, and cleans up
+    results = run_ranks(_start, 2, argv, timeout=240, daemon=False)
+    assert [code for code, _ in results] == [0, 0], results
+    assert LOCK not in os.listdir(folder) and "latest_checkpointed_iteration.txt" in \
+        os.listdir(folder)
