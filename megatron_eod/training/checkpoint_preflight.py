@@ -52,7 +52,8 @@ import torch.distributed.checkpoint  # noqa: F401 (FileSystemReader reads the sh
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.training.checkpointing import (DISTRIB_OPTIM_FILE, TRACKER, CheckpointError,
                                                  _legacy_file, checkpoint_folder,
-                                                 checkpoint_format, is_whole, read_tracker)
+                                                 checkpoint_format, is_whole, iterations_under,
+                                                 read_tracker)
 from megatron_eod.training.every_rank import gathered
 
 __all__ = ["Found", "check_optimizer_saved", "find_checkpoint", "raise_on_every_rank"]
@@ -71,16 +72,10 @@ class Found:
     format: str  # "torch_dist", "torch", or "other" (torch_dcp, fsdp_dtensor)
 
 
-def _iterations(root):
-    """The iterations of the iteration folders under `root`, oldest first."""
-    return sorted(int(name[5:]) for name in os.listdir(root)
-                  if name.startswith("iter_") and name[5:].isdigit())
-
-
 def _complete_iterations(root):
     """The iterations under `root` whose folders hold a whole checkpoint (`is_whole`),
     oldest first."""
-    return [i for i in _iterations(root) if is_whole(checkpoint_folder(root, i))]
+    return [i for i in iterations_under(root) if is_whole(checkpoint_folder(root, i))]
 
 
 def _check_root(root, flag) -> bool:
@@ -167,7 +162,7 @@ def _located(args, lean) -> Optional[Found]:
                 f"{TRACKER}: a fresh start would train from scratch and overwrite them. Write "
                 f"the iteration to resume into it (echo {complete[-1]} > "
                 f"{os.path.join(load, TRACKER)}), or give another --load")
-        _say_partial(load, _iterations(load))
+        _say_partial(load, iterations_under(load))
     pretrained = getattr(args, "pretrained_checkpoint", None)
     if pretrained:
         iteration = (read_tracker(pretrained, "--pretrained-checkpoint")

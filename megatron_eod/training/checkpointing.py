@@ -208,6 +208,12 @@ def checkpoint_format(folder) -> Optional[str]:
     return None
 
 
+def iterations_under(root) -> list:
+    """The iterations of the iteration folders (iter_NNNNNNN) under `root`, oldest first."""
+    return sorted(int(name[len("iter_"):]) for name in os.listdir(root)
+                  if name.startswith("iter_") and name[len("iter_"):].isdigit())
+
+
 def is_whole(folder) -> bool:
     """Whether an iteration folder holds a whole checkpoint, as far as its files say without
     reading them: torch_dist writes metadata.json last; a torch-format save writes, per
@@ -289,8 +295,7 @@ def _prune(root, keep: int, newest: int) -> None:
     """Keep the newest `keep` whole checkpoints (never the one just written); remove the
     others, and what killed saves left (`_left_by_a_killed_save`: no load can use them, and
     one above `newest` would otherwise stay for good); leave any other folder alone."""
-    found = sorted(int(name[len("iter_"):]) for name in os.listdir(root)
-                   if name.startswith("iter_") and name[len("iter_"):].isdigit())
+    found = iterations_under(root)
     whole = [i for i in found if i == newest or is_whole(_iter_dir(root, i))]
     kept = set(whole[-keep:]) | {newest}
     for iteration in found:

@@ -47,7 +47,7 @@ LOCK = ".megatron_eod_job.json"
 BEAT_S = 10.0
 STALE_BEATS = 2.5
 
-_HELD = {}  # folder -> (token, stop event, heartbeat thread)
+_HELD = {}  # folder -> (token, stop event, the beat's guard, heartbeat thread)
 
 
 def _bytes(path) -> Optional[bytes]:
