@@ -11,6 +11,12 @@ from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# Without a GPU, Triton kernels (the fused forward, attention/triton_forward.py) run through
+# Triton's interpreter on CPU tensors. Triton reads this when it is first imported, which
+# megatron-core does (below): it must be set before.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 with warnings.catch_warnings():
     # megatron-core warns at import that TransformerEngine/apex are absent: expected on CPU.
     warnings.simplefilter("ignore")

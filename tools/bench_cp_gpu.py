@@ -19,6 +19,10 @@ time (it sets the step time), forward, backward (forward+backward minus forward)
                streams (plan/local_split.py), forced: where the kernel cannot write into
                given tensors (PyTorch < 2.12's forward, its backward), the parts' results
                are copied, a cost the executor itself avoids by not splitting there
+  ours ... (fused)  the batched ring with its forward as ONE fused Triton kernel over query
+               tiles, longest first, each row's received and local keys in one softmax
+               (attention/triton_forward.py; no merge), the backward the kernel's own;
+               "whole row, fused kernel" is the whole row as one launch of it, / cp
   ours hybrid  Ulysses degree 2: what ONE rank of a group computes after the all-to-all:
                the group's rows over H/2 query heads (and its share of key/value heads),
                batched and steps (before 2026-11-25 this was the group's all-head work / 2,
@@ -58,8 +62,10 @@ from bench_selection import (mix_rows, parse_configs, parse_mixes, parse_only,  
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
+from megatron_eod.attention.triton_forward import TritonForwardBackend  # noqa: E402
 from megatron_eod.attention.ulysses import kv_repeat_for_degree  # noqa: E402
 from megatron_eod.plan.cost import doc_pairs  # noqa: E402
+from megatron_eod.plan.forward_tiles import DEFAULT_BLOCK_M, with_forward_tiles  # noqa: E402
 from megatron_eod.plan.kv_schedule import call_from_rows  # noqa: E402
 from tile_model import plan_calls, tiles_over_ideal  # noqa: E402
 
@@ -78,8 +84,14 @@ def our_layouts(steps=True):
     rows = [(name, algo, u, exchange, False) for name, algo, u, exchange in OURS
             if exchange != "steps" or steps]
     return rows + [(f"{name} ({label})", algo, u, exchange, mode)
-                   for label, mode in (("concurrent", "beside"), ("concurrent, split", "split"))
+                   for label, mode in (("concurrent", "beside"), ("concurrent, split", "split"),
+                                       ("fused", "fused"))
                    for name, algo, u, exchange in OURS if exchange == "batched"]
+
+
+def concurrent_calls(mode) -> bool:
+    """Whether a layout of `our_layouts` runs with --cp-concurrent-calls."""
+    return mode in ("beside", "split")
 
 
 class SplitForced:
@@ -113,13 +125,27 @@ def layout_names(steps=True):
     rows, which follow the row they are made from."""
     layouts = our_layouts(steps)
     ones = [one_call(name, exchange, mode) for name, _, _, exchange, mode in layouts]
-    return (["ideal"] + [name for name, *_ in layouts] + [one for one in ones if one]
-            + list(REFERENCES))
+    return (["ideal"] + [name for name, *_ in layouts] + [one for one in ones if one] +
+            [FUSED_IDEAL] + list(REFERENCES))
 
 
-def layout_backend(backend, concurrency):
-    """The backend a layout of `our_layouts` runs with."""
-    return SplitForced(backend) if concurrency == "split" else backend
+# The whole row as ONE launch of the fused kernel, divided by cp: the ideal with that kernel.
+FUSED_IDEAL = "whole row, fused kernel"
+
+
+def layout_backend(backend, mode):
+    """The backend a layout of `our_layouts` runs with: "fused", the batched forward as the
+    fused Triton kernel over query tiles (attention/triton_forward.py), its backward the
+    kernel's own."""
+    if mode == "fused":
+        return TritonForwardBackend(backend)
+    return SplitForced(backend) if mode == "split" else backend
+
+
+def fused_schedules(plan, device, tile_rows):
+    """The plan's schedules on `device`, their forward tiles of `tile_rows` query rows."""
+    return [(s if s.forward_tiles is None or tile_rows == s.forward_tiles.block_m
+             else with_forward_tiles(s, tile_rows)).to(device) for s in plan.schedules]
 
 
 def timed(fn, repeats, device):
@@ -304,7 +330,9 @@ def bench_row(cu, cp, args, device, dtype, backend):
         rank_qkv = ulysses_rank_inputs(q, k, v, dout, u or 1)  # one rank's heads
         if wanted(args.only, name):
             sim = SimulatedPlan(plan, *rank_qkv, layout_backend(backend, concurrent), scale,
-                                exchange, bool(concurrent))
+                                exchange, concurrent_calls(concurrent))
+            if concurrent == "fused":
+                sim.schedules = fused_schedules(plan, device, args.tile_rows)
             times[name] = busiest([(lambda g=g: sim.forward_group(g),
                                     lambda g=g: sim.run_group(g))
                                    for g in range(plan.ring_size)], args.repeats, device)
@@ -314,6 +342,13 @@ def bench_row(cu, cp, args, device, dtype, backend):
                 cu, [plan_segments(plan, g, cu) for g in range(plan.ring_size)])]
             times[one] = busiest([fns(c, *rank_qkv) for c in calls], args.repeats, device)
             tiles[one] = tiles_over_ideal([[c] for c in calls], cu, cp, u or 1)
+    if wanted(args.only, FUSED_IDEAL):
+        whole = plan_context_parallel(torch.from_numpy(cu), 1, "ring")
+        sim = SimulatedPlan(whole, q, k, v, dout, TritonForwardBackend(backend), scale)
+        sim.schedules = fused_schedules(whole, device, args.tile_rows)
+        times[FUSED_IDEAL] = busiest([(lambda: sim.forward_group(0), lambda: sim.run_group(0))],
+                                     args.repeats, device, cp)
+        tiles[FUSED_IDEAL] = tiles["ideal"]
     if wanted(args.only, "contiguous"):
         calls = [to_dev(c) for c in prefix_calls(cu, contiguous_segments(cu, cp))]
         times["contiguous"] = busiest([fns(c, q, k, v, dout) for c in calls], args.repeats,
@@ -347,6 +382,8 @@ def main(argv=None):
                    help="also time the steps executor (--cp-ring-exchange steps; its rows of "
                         "2026-11-24 are in docs/BENCHMARKS.md)")
     p.add_argument("--mixes", default="stdlib,web", help="comma-separated: stdlib, web")
+    p.add_argument("--tile-rows", type=positive_int, default=DEFAULT_BLOCK_M,
+                   help="query rows per tile of the fused rows (a power of two >= 16)")
     p.add_argument("--only", metavar="REGEX",
                    help="time only the layouts whose name this regular expression finds "
                         "(the ideal row always): '^ours' leaves out the reference layouts, "
@@ -357,6 +394,8 @@ def main(argv=None):
     args.only = parse_only(p, args.only, layout_names(args.steps))
     if args.heads % args.kv_heads:
         p.error("--heads must be divisible by --kv-heads")
+    if args.tile_rows < 16 or args.tile_rows & (args.tile_rows - 1):
+        p.error(f"--tile-rows must be a power of two >= 16, got {args.tile_rows}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backend = get_backend(device, dtype)

@@ -40,8 +40,8 @@ import torch  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from bench_cp_gpu import (layout_backend, our_layouts, random_qkv, timed,  # noqa: E402
-                          ulysses_rank_inputs)
+from bench_cp_gpu import (concurrent_calls, layout_backend, our_layouts,  # noqa: E402
+                          random_qkv, timed, ulysses_rank_inputs)
 from bench_selection import (mix_rows, parse_configs, parse_mixes, parse_only,  # noqa: E402
                              positive_int, tokens_label, wanted)
 from megatron_eod import plan_context_parallel  # noqa: E402
@@ -152,7 +152,7 @@ def profile_row(cu, cp, args, device, dtype, backend):
         plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
         sim = SimulatedPlan(plan, *ulysses_rank_inputs(q, k, v, dout, u or 1),  # one rank's
                             layout_backend(backend, concurrent), scale, exchange,  # heads
-                            bool(concurrent))
+                            concurrent_calls(concurrent))
         g = max(range(plan.ring_size),
                 key=lambda g: timed(lambda: sim.run_group(g), 1, device))
         out[name] = profile_group(sim, g, device, args.repeats)

@@ -158,6 +158,10 @@ def batched_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale,
     parts where the kernel writes into a given out (`_LocalCalls`)."""
     _check(schedule)
     pending = transport.start_all_kv(schedule, k_TGD, v_TGD) if schedule.batched else None
+    if schedule.forward_tiles is not None and hasattr(backend, "forward_tiles"):
+        out_THD, lse_TH, recv_2NGD = _fused_forward(q_THD, k_TGD, v_TGD, schedule.forward_tiles,
+                                                    pending, backend, scale)
+        return (out_THD, lse_TH, recv_2NGD) if keep_received else (out_THD, lse_TH)
     call = schedule.batched.call if schedule.batched else None
     parts = _local_parts(schedule, concurrent_calls, backend, "writes_out")
     out_THD = _empty_like(q_THD) if parts is not None else None
@@ -185,6 +189,24 @@ def batched_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale,
     if call is not None:
         merge_into(out_THD, lse_TH, call.q_index, o, lse.to(lse_TH.dtype), span=call.q_span)
     return (out_THD, lse_TH, recv_2NGD) if keep_received else (out_THD, lse_TH)
+
+
+def _fused_forward(q_THD, k_TGD, v_TGD, tiles, pending, backend, scale):
+    """(out, lse, received buffer) by the backend's fused kernel over the forward's tiles
+    (plan/forward_tiles.py, attention/triton_forward.py): the tiles needing no received key
+    while the keys travel, then the others; each row written once, no merge."""
+    out_THD = _empty_like(q_THD)
+    # [T, H] over H-major memory, as a varlen kernel's lse (the backward reads it so).
+    lse_TH = torch.empty((q_THD.shape[1], q_THD.shape[0]), dtype=accumulation_dtype(
+        q_THD.dtype), device=q_THD.device).transpose(0, 1)
+    backend.forward_tiles(q_THD, k_TGD, v_TGD, None, None, tiles.local_only, out_THD, lse_TH,
+                          scale, tiles.block_m)
+    recv_2NGD = None if pending is None else pending.wait()
+    if tiles.with_received.shape[0]:
+        k, v = _keys(recv_2NGD)
+        backend.forward_tiles(q_THD, k_TGD, v_TGD, k, v, tiles.with_received, out_THD, lse_TH,
+                              scale, tiles.block_m)
+    return out_THD, lse_TH, recv_2NGD
 
 
 def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, transport,

@@ -31,7 +31,8 @@ import torch
 
 from megatron_eod.plan.pieces import Pieces, ranges
 
-if TYPE_CHECKING:  # kv_batched.py builds on this module
+if TYPE_CHECKING:  # kv_batched.py and forward_tiles.py build on this module
+    from megatron_eod.plan.forward_tiles import ForwardTiles
     from megatron_eod.plan.kv_batched import BatchedExchange
 
 __all__ = ["KernelCall", "RingStep", "GroupSchedule", "SplitDocuments", "build_schedule",
@@ -102,13 +103,17 @@ class GroupSchedule:
     # The local call as two calls over two runs of rows, the one to launch first first
     # (local_split.py): what the batched executors run side by side with concurrent_calls.
     local_parts: Optional[Tuple[KernelCall, KernelCall]] = None
+    # The batched forward as query tiles of one fused kernel (forward_tiles.py): what a
+    # kernel backend with `forward_tiles` runs instead of the two calls and the merge.
+    forward_tiles: Optional["ForwardTiles"] = None
 
     def to(self, device) -> "GroupSchedule":
         parts = None if self.local_parts is None else \
             tuple(part.to(device) for part in self.local_parts)
         return GroupSchedule(self.group, self.num_tokens, self.local.to(device),
                              tuple(s.to(device) for s in self.steps),
-                             None if self.batched is None else self.batched.to(device), parts)
+                             None if self.batched is None else self.batched.to(device), parts,
+                             None if self.forward_tiles is None else self.forward_tiles.to(device))
 
     @property
     def kv_tokens_received(self) -> int:

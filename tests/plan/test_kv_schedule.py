@@ -49,6 +49,17 @@ def expected_pairs(cu, queries):
     return np.sort(np.repeat(queries, counts) * _CODE + keys)
 
 
+def receive_buffer(schedules, tokens, g):
+    """Group g's batched receive buffer in stream positions: each message as its sender
+    (`schedules[peer].batched`) sends it; `tokens[peer]`: the peer's local rows' positions."""
+    parts = [torch.zeros(0, dtype=torch.int64)]
+    for m in schedules[g].batched.recvs:
+        sender = schedules[m.peer].batched
+        sent = next(s for s in sender.sends if s.peer == g and s.ordinal == m.ordinal)
+        parts.append(tokens[m.peer][sender.send_index[sent.start:sent.stop]])
+    return torch.cat(parts)
+
+
 @settings(max_examples=examples(120))
 @given(plan_inputs(max_log2_tokens=10, max_cp=simulated_max_cp()))
 def test_schedules_cover_exactly_the_document_mask(case):
@@ -153,8 +164,6 @@ def test_batched_exchange_is_the_steps_at_once(case):
             assert [m.start for m in messages] == [0, *[m.stop for m in messages]][:len(messages)]
             assert (messages[-1].stop if messages else 0) == size
         assert batched.recv_count == received[g]
-        # The receive buffer, in stream positions: each message as its sender sends it.
-        parts = [torch.zeros(0, dtype=torch.int64)]
         for peer in range(plan.ring_size):
             mine = [m for m in batched.recvs if m.peer == peer]
             theirs = [m for m in schedules[peer].batched.sends if m.peer == g] if \
@@ -162,11 +171,7 @@ def test_batched_exchange_is_the_steps_at_once(case):
             assert [m.ordinal for m in mine] == list(range(len(mine)))
             assert [m.ordinal for m in theirs] == list(range(len(theirs)))
             assert [m.stop - m.start for m in mine] == [m.stop - m.start for m in theirs]
-        for m in batched.recvs:
-            sender = schedules[m.peer].batched
-            sent = next(s for s in sender.sends if s.peer == g and s.ordinal == m.ordinal)
-            parts.append(tokens[m.peer][sender.send_index[sent.start:sent.stop]])
-        buffer = torch.cat(parts)
+        buffer = receive_buffer(schedules, tokens, g)
         step_pairs = [np.zeros(0, np.int64)]
         for step in schedule.steps:
             if step.call is not None:

@@ -16,17 +16,39 @@ import torch  # noqa: E402
 from megatron_eod import plan_context_parallel  # noqa: E402
 
 
-def test_small_cpu_run_prints_every_layout_fwd_bwd(capsys):
-    bench_cp_gpu.main(["--samples", "1", "--repeats", "1", "--heads", "4", "--kv-heads", "2",
-                       "--head-dim", "16", "--configs", "1024:4", "--steps"])
+def _rows(capsys):
     out = capsys.readouterr().out
-    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ")
+    return [line.split(" | ") for line in out.splitlines() if line.startswith("| ")
             and not line.startswith("| layout")]
+
+
+def test_small_cpu_run_prints_every_layout_fwd_bwd(capsys):
+    # The fused rows apart (below): Triton's interpreter is slow at this size.
+    bench_cp_gpu.main(["--samples", "1", "--repeats", "1", "--heads", "4", "--kv-heads", "2",
+                       "--head-dim", "16", "--configs", "1024:4", "--steps",
+                       "--only", "^(?!.*fused)"])
+    rows = _rows(capsys)
     assert [r[0] for r in rows] == ["| " + name for name in (
         "ideal", "ours ring", "ours ring (one call)", "ours ring (steps)", "ours hybrid u=2",
         "ours hybrid u=2 (one call)", "ours hybrid u=2 (steps)", "ours ring (concurrent)",
         "ours hybrid u=2 (concurrent)", "ours ring (concurrent, split)",
         "ours hybrid u=2 (concurrent, split)", "contiguous", "doc-zigzag (padded)")] * 2
+    _check_cells(rows)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the fused kernel on a CPU needs Triton's interpreter")
+def test_small_cpu_run_of_the_fused_rows(capsys):
+    bench_cp_gpu.main(["--samples", "1", "--repeats", "1", "--heads", "2", "--kv-heads", "1",
+                       "--head-dim", "16", "--configs", "256:2", "--mixes", "web",
+                       "--only", "fused", "--tile-rows", "32"])
+    rows = _rows(capsys)
+    assert [r[0] for r in rows] == ["| " + name for name in (
+        "ideal", "ours ring (fused)", "ours hybrid u=2 (fused)", "whole row, fused kernel")]
+    _check_cells(rows)
+
+
+def _check_cells(rows):
     for cells in rows:
         fwd, bwd, both = (float(x) for x in cells[1].split(" / "))
         # backward = both - forward, two timings: on a busy CPU it can come out <= 0
@@ -166,7 +188,8 @@ def _printed_layouts(out):
     ("^ours", ["ideal", "ours ring", "ours ring (one call)", "ours hybrid u=2",
                "ours hybrid u=2 (one call)", "ours ring (concurrent)",
                "ours hybrid u=2 (concurrent)", "ours ring (concurrent, split)",
-               "ours hybrid u=2 (concurrent, split)"]),
+               "ours hybrid u=2 (concurrent, split)", "ours ring (fused)",
+               "ours hybrid u=2 (fused)"]),
 ])
 def test_only_times_the_layouts_it_names_and_the_ideal(monkeypatch, capsys, only, expected):
     """--only (a short GPU lease's way to the open rows): the layouts whose name the pattern

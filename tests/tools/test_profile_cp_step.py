@@ -34,7 +34,8 @@ def test_split_tells_attention_from_glue_and_adds_up_to_the_wall():
 
 def test_small_cpu_run_prints_our_layouts(capsys):
     profile_cp_step.main(["--configs", "2048:4", "--mixes", "web", "--heads", "4",
-                          "--kv-heads", "2", "--head-dim", "16", "--repeats", "1"])
+                          "--kv-heads", "2", "--head-dim", "16", "--repeats", "1",
+                          "--only", "^(?!.*fused)"])  # Triton's interpreter: slow here
     out = capsys.readouterr().out
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ours")]
     layouts = ["| ours ring", "| ours ring (steps)", "| ours hybrid u=2",

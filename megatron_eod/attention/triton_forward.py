@@ -1,0 +1,204 @@
+"""The batched ring's forward as ONE fused Triton kernel over query tiles, longest first.
+
+One job: run a group's forward tiles (plan/forward_tiles.py): for each tile of local query
+rows and each query head, one program reads the tile's received keys (no mask), then its
+document's local keys up to each row (causal), with one online softmax, and writes the rows'
+final out and lse. Where the batched executor makes a local call, a call over received keys
+and a log-sum-exp merge (three launches, a float32 round trip of the split rows, each call's
+own tail), this makes one launch per half of the exchange: the tiles needing no received key
+while the keys travel, the others after; every row is written once, and each launch starts
+its longest tiles first.
+
+    backend = TritonForwardBackend(get_backend(device, dtype))   # forward/backward: base's
+    backend.forward_tiles(q, k, v, received_k, received_v, tiles, out, lse, scale, block_m)
+
+q: [T, H, D], k/v: [T, G, D] (G divides H), received_k/v: [N, G, D] or None, tiles: int32
+[n, 5] on q's device, out: [T, H, D] like q, lse: float32 [T, H] (any strides). Only the
+forward is fused: the backward is the base backend's (it takes any exact out and lse).
+Triton is imported on first use; with TRITON_INTERPRET=1 set before anything imports it
+(megatron-core does), the kernel runs on CPU tensors through Triton's interpreter: how the
+tests check it without a GPU (tests/conftest.py sets it where there is none).
+
+What it does not do: no backward, no communication, no dropout, no head_dim above 256.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+
+import torch
+
+__all__ = ["TritonForwardBackend", "triton_problem", "tile_forward", "compile_for"]
+
+_MAX_HEAD_DIM = 256
+
+
+def triton_problem():
+    """None where the fused forward can run here, else why not (for the flag checks)."""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (it ships with PyTorch's CUDA wheels)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    """The jitted kernel, defined on first use (compiled for CUDA tensors; interpreted for
+    CPU ones where TRITON_INTERPRET=1 was set before triton was first imported)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def attention_tile_kernel(Q, K, V, RK, RV, O, LSE, TILES,
+                    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_rkt, s_rkh, s_rvt, s_rvh,
+                    s_ot, s_oh, s_lt, s_lh, qk_scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        tile = tl.program_id(0)
+        head = tl.program_id(1)
+        kv_head = head // GROUP
+        q_start = tl.load(TILES + tile * 5)
+        q_stop = tl.load(TILES + tile * 5 + 1)
+        r_start = tl.load(TILES + tile * 5 + 2)
+        r_stop = tl.load(TILES + tile * 5 + 3)
+        l_start = tl.load(TILES + tile * 5 + 4)
+        rows = q_start + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_stop
+        row_at = rows.to(tl.int64)  # offsets in 64 bits: rows x a fused qkv's stride
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < HEAD_DIM
+        q = tl.load(Q + row_at[:, None] * s_qt + head * s_qh + dims[None, :],
+                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # The received rows of the document (all before every row of the tile): no mask.
+        for start in range(r_start, r_stop, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_ok = cols < r_stop
+            col_at = cols.to(tl.int64)
+            kv_mask = col_ok[:, None] & dim_ok[None, :]
+            k = tl.load(RK + col_at[:, None] * s_rkt + kv_head * s_rkh + dims[None, :],
+                        mask=kv_mask, other=0.0)
+            v = tl.load(RV + col_at[:, None] * s_rvt + kv_head * s_rvh + dims[None, :],
+                        mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(col_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        # The document's local rows from its first local row up to each row: causal.
+        for start in range(l_start, q_stop, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_ok = cols < q_stop
+            col_at = cols.to(tl.int64)
+            kv_mask = col_ok[:, None] & dim_ok[None, :]
+            k = tl.load(K + col_at[:, None] * s_kt + kv_head * s_kh + dims[None, :],
+                        mask=kv_mask, other=0.0)
+            v = tl.load(V + col_at[:, None] * s_vt + kv_head * s_vh + dims[None, :],
+                        mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        # Every row sees at least itself: l_i > 0 and m_i finite on the rows written.
+        out = acc / l_i[:, None]
+        tl.store(O + row_at[:, None] * s_ot + head * s_oh + dims[None, :],
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+        tl.store(LSE + row_at * s_lt + head * s_lh, lse, mask=row_ok)
+
+    return attention_tile_kernel
+
+
+def _launch_shape(head_dim: int, block_m: int):
+    """(BLOCK_N, num_warps, num_stages) for a head_dim and query block: the shapes of
+    Triton's own fused attention on Hopper for 128, smaller blocks for small heads."""
+    block_n = 64 if head_dim <= 128 else 32
+    return min(block_n, max(block_m, 16)), (8 if block_m >= 128 else 4), 3
+
+
+def tile_forward(q, k, v, received_k, received_v, tiles, out, lse, scale, block_m):
+    """Writes out and lse of every row of `tiles` (see the module); nothing to launch for
+    no tiles. received_k/v None: the tiles read no received row (keys are passed for both)."""
+    if tiles.shape[0] == 0:
+        return
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    if head_dim > _MAX_HEAD_DIM:
+        raise ValueError(f"the fused forward takes head_dim <= {_MAX_HEAD_DIM}, got {head_dim}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"the fused forward needs a dense head_dim in {name}")
+    if block_m < 16:
+        raise ValueError(f"the fused forward's query tiles need block_m >= 16, got {block_m}")
+    if received_k is None:
+        received_k, received_v = k, v
+    constants, options = _compile_time(head_dim, heads // kv_heads, block_m)
+    grid = (tiles.shape[0], heads)
+    _kernel()[grid](
+        q, k, v, received_k, received_v, out, lse, tiles,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        received_k.stride(0), received_k.stride(1), received_v.stride(0),
+        received_v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        float(scale) * math.log2(math.e), **constants, **options)
+
+
+def _compile_time(head_dim, group, block_m):
+    """(the kernel's constexpr arguments, its launch options) for a shape."""
+    block_n, num_warps, num_stages = _launch_shape(head_dim, block_m)
+    return (dict(HEAD_DIM=head_dim, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()),
+                 GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n),
+            dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def compile_for(arch: int, dtype: str = "bf16", head_dim: int = 128, group: int = 4,
+                block_m: int = 128):
+    """The kernel compiled for CUDA compute capability `arch` (e.g. 90) without a GPU (Triton
+    ships its own ptxas): how the tests check, on a CPU, that it compiles for the GPUs it will
+    run on. Needs TRITON_INTERPRET unset when triton was imported. -> Triton's CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = _kernel()
+    constants, options = _compile_time(head_dim, group, block_m)
+    types = {"LSE": "*fp32", "TILES": "*i32", "qk_scale": "fp32"}
+    signature = {name: types.get(name, "i32" if name.startswith("s_") else f"*{dtype}")
+                 for name in kernel.arg_names}
+    signature.update({name: "constexpr" for name in constants})
+    source = ASTSource(kernel, signature, constexprs={
+        (kernel.arg_names.index(name),): value for name, value in constants.items()})
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+class TritonForwardBackend:
+    """A kernel backend whose forward over a group's tiles is the fused kernel: the batched
+    executor runs `forward_tiles` where the schedule has tiles; every other call (the steps
+    executor, the backward, Ulysses' one call) is the base backend's."""
+
+    name = "triton"
+
+    def __init__(self, base):
+        self.base = base
+        self.writes_out = getattr(base, "writes_out", False)
+        self.writes_grads = getattr(base, "writes_grads", False)
+
+    def forward(self, *args, **kwargs):
+        return self.base.forward(*args, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        return self.base.backward(*args, **kwargs)
+
+    @staticmethod
+    def forward_tiles(q, k, v, received_k, received_v, tiles, out, lse, scale, block_m):
+        tile_forward(q, k, v, received_k, received_v, tiles, out, lse, scale, block_m)

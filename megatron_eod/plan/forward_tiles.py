@@ -1,0 +1,132 @@
+"""A group's batched forward as query tiles for one fused kernel (attention/triton_forward.py).
+
+One job: from a group's local call and its batched call over received keys (host tensors),
+the list of query tiles the fused forward runs, longest first, in two launches: the tiles
+whose rows need no received key (launched while the exchange is in flight) and the others.
+
+A tile is at most `block_m` consecutive local rows of one piece of a document, and says where
+all of its rows' keys are: int32 (q_start, q_stop, r_start, r_stop, l_start). Row i
+(q_start <= i < q_stop) attends to the received rows r_start:r_stop (the earlier pieces of
+its document that other groups hold, all before it: no mask) and to the local rows
+l_start..i (its document's run of local rows up to itself: causal). That is all of row i's
+keys, so the kernel's online softmax ends with the row's final out and lse: no merge of two
+calls' results, no float32 copy of out, written once.
+
+Why tiles longest first: a launch's tail is its last long tiles running alone; the cost of
+a tile is its keys (r_stop - r_start + q_stop - l_start) and a GPU starts programs in
+launch order, so launching the longest first leaves the short ones to fill the tail. The
+varlen flash kernels launch a grid of (query block, sequence, head) in that order, the
+longest document's last blocks wherever the document happens to be.
+
+What it does not do: no kernel, no device work (attention/triton_forward.py runs the tiles).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from megatron_eod.plan.kv_schedule import GroupSchedule, to_device
+
+__all__ = ["ForwardTiles", "forward_tiles", "with_forward_tiles", "TILE_FIELDS",
+           "DEFAULT_BLOCK_M"]
+
+TILE_FIELDS = ("q_start", "q_stop", "r_start", "r_stop", "l_start")
+DEFAULT_BLOCK_M = 128  # query rows per tile (the fused kernel's BLOCK_M: a power of two)
+
+
+class ForwardTiles(NamedTuple):
+    """`local_only`, `with_received`: int32 [n, 5] tiles (TILE_FIELDS), each longest first;
+    `block_m`: the most rows a tile has (the kernel's query block)."""
+
+    local_only: torch.Tensor
+    with_received: torch.Tensor
+    block_m: int
+
+    def to(self, device) -> "ForwardTiles":
+        return ForwardTiles(to_device(self.local_only, device),
+                            to_device(self.with_received, device), self.block_m)
+
+
+def _cut(q_start: np.ndarray, q_stop: np.ndarray, block_m: int) -> np.ndarray:
+    """Index into the row ranges of each tile of at most block_m rows, and each tile's first
+    row: (range index, tile start)."""
+    count = -(-(q_stop - q_start) // block_m)
+    which = np.repeat(np.arange(q_start.size), count)
+    first = np.cumsum(count) - count
+    offset = (np.arange(int(count.sum())) - np.repeat(first, count)) * block_m
+    return which, q_start[which] + offset
+
+
+def _rows_received(num_rows: int, first: np.ndarray, stop: np.ndarray) -> np.ndarray:
+    """bool [num_rows]: the rows inside one of the runs first[i]:stop[i]."""
+    edges = np.zeros(num_rows + 1, np.int64)
+    np.add.at(edges, first, 1)
+    np.add.at(edges, stop, -1)
+    return np.cumsum(edges)[:-1] > 0
+
+
+def _table(q_start, q_stop, r_start, r_stop, run_start, block_m) -> torch.Tensor:
+    """int32 [n, 5] tiles of the row ranges q_start:q_stop (keys r_start:r_stop received and
+    the local run from run_start), cut in tiles of at most block_m rows, longest first."""
+    which, t_start = _cut(q_start, q_stop, block_m)
+    table = np.stack([t_start, np.minimum(t_start + block_m, q_stop[which]), r_start[which],
+                      r_stop[which], run_start[which]], axis=1)
+    cost = (table[:, 3] - table[:, 2]) + (table[:, 1] - table[:, 4])
+    table = table[np.argsort(-cost, kind="stable")]
+    return torch.from_numpy(np.ascontiguousarray(table, dtype=np.int32).reshape(-1, 5))
+
+
+def forward_tiles(local_cu, call_rows=None, call_cu_q=None, call_cu_k=None,
+                  block_m: int = DEFAULT_BLOCK_M) -> ForwardTiles:
+    """The tiles of a group: `local_cu`, the local call's cu_seqlens (its runs of local rows,
+    one per document); the batched call over received keys (None: nothing received) as its
+    query rows (local rows, piece after piece), cu_seqlens_q and cu_seqlens_k (its keys are
+    the receive buffer in order: piece i's are rows cu_k[i]:cu_k[i+1] of it)."""
+    if not isinstance(block_m, int) or block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two, got {block_m!r}")
+    local_cu = np.asarray(local_cu, np.int64)
+    num_rows = int(local_cu[-1]) if local_cu.size else 0
+    run_of_row = np.repeat(np.arange(max(local_cu.size - 1, 0)), np.diff(local_cu))
+    nothing = np.zeros(0, np.int64)
+    first, stop, r_start, r_stop = nothing, nothing, nothing, nothing
+    if call_rows is not None and len(call_cu_q) > 1:
+        cu_q, cu_k = np.asarray(call_cu_q, np.int64), np.asarray(call_cu_k, np.int64)
+        rows = np.asarray(call_rows, np.int64)
+        keep = np.diff(cu_q) > 0
+        first, last = rows[cu_q[:-1][keep]], rows[cu_q[1:][keep] - 1]
+        stop = first + np.diff(cu_q)[keep]
+        if np.any(last != stop - 1) or np.any(run_of_row[first] != run_of_row[last]):
+            raise ValueError("each query piece of the call over received keys must be a run "
+                             "of local rows inside one local sequence")
+        r_start, r_stop = cu_k[:-1][keep], cu_k[1:][keep]
+    # The other rows: cut at every local sequence's start and every received piece's ends.
+    received = _rows_received(num_rows, first, stop)
+    change = np.flatnonzero(received[1:] != received[:-1]) + 1
+    cuts = np.unique(np.concatenate([local_cu, change, [0, num_rows]]))
+    a, b = cuts[:-1], cuts[1:]
+    plain = ~received[a] if a.size else np.zeros(0, bool)
+    a, b = a[plain], b[plain]
+    zero = np.zeros(a.size, np.int64)
+    return ForwardTiles(
+        _table(a, b, zero, zero, local_cu[run_of_row[a]] if a.size else nothing, block_m),
+        _table(first, stop, r_start, r_stop,
+               local_cu[run_of_row[first]] if first.size else nothing, block_m),
+        block_m)
+
+
+def with_forward_tiles(schedule: GroupSchedule, block_m: int = DEFAULT_BLOCK_M) -> GroupSchedule:
+    """The schedule with its fused forward's tiles (index tensors on the host, before any
+    `to(device)`), for a schedule that runs batched (no ring steps, or their batched form)."""
+    if schedule.steps and schedule.batched is None:
+        raise ValueError("forward tiles need the batched form of the ring steps")
+    call = schedule.batched.call if schedule.batched is not None else None
+    tiles = forward_tiles(
+        schedule.local.cu_seqlens_q.numpy(),
+        None if call is None else call.q_index.numpy(),
+        None if call is None else call.cu_seqlens_q.numpy(),
+        None if call is None else call.cu_seqlens_k.numpy(), block_m)
+    return dataclasses.replace(schedule, forward_tiles=tiles)

@@ -1,0 +1,212 @@
+"""The fused Triton forward (attention/triton_forward.py) against the float64 dense oracle.
+
+On the CPU the kernel runs through Triton's interpreter (TRITON_INTERPRET=1, set here before
+the kernel is first defined) in float32: the batched executors with the fused forward, on
+random layouts (1-token documents, a document over every group, rows without EoD, GQA, a
+head_dim that is not a power of two), give the out and the q, k, v gradients of the oracle
+within float32 rounding; the backward is the base kernel's from the fused out and lse, so a
+wrong lse fails the gradients. Small tiles (16 rows) make several tiles per document. Also on
+gloo ranks, through `context_parallel_attention`. On a GPU (marked): the compiled kernel in
+bf16 within twice CP=1's error, and with no host synchronisation.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("triton")
+
+from megatron_eod import (build_doc_layout, context_parallel_attention,  # noqa: E402
+                          create_hybrid_groups, plan_context_parallel)
+from megatron_eod.attention.backends import CPUExactBackend, TorchVarlenBackend  # noqa: E402
+from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
+from megatron_eod.attention.triton_forward import (TritonForwardBackend,  # noqa: E402
+                                                   tile_forward)
+from megatron_eod.plan.forward_tiles import forward_tiles, with_forward_tiles  # noqa: E402
+from tests.harness import run_ranks  # noqa: E402
+from tests.reference import dense_document_attention, random_layout_tokens  # noqa: E402
+
+EOD = 50
+
+
+# CPU tensors need Triton's interpreter, chosen before triton is first imported
+# (tests/conftest.py, where there is no GPU; on a GPU machine the compiled kernel runs).
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="Triton's interpreter is off (TRITON_INTERPRET)")
+
+
+def _case(kind, b, s, heads, kv_heads, dim, seed, device="cpu", dtype=torch.float32):
+    tokens = random_layout_tokens(kind, b, s, EOD, seed)
+    cu = build_doc_layout(tokens, EOD).cu_seqlens
+    gen = torch.Generator().manual_seed(seed)
+    n = b * s
+    q, dout = (torch.randn(n, heads, dim, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(n, kv_heads, dim, generator=gen, dtype=torch.float64) for _ in range(2))
+    return cu, [t.to(device, dtype) for t in (q, k, v, dout)]
+
+
+def _oracle(q, k, v, dout, cu, scale):
+    q, k, v = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    out = dense_document_attention(q, k, v, cu.cpu(), scale)
+    out.backward(dout.cpu().double())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _small_tiles(simulated, block_m=16):
+    """The simulation's schedules with tiles of block_m rows (the plan's are 128)."""
+    simulated.schedules = [s if s.forward_tiles is None else with_forward_tiles(s, block_m)
+                           for s in simulated.schedules]
+    return simulated
+
+
+@interpreted
+@pytest.mark.parametrize("exchange", ["batched", "batched-keep"])
+@pytest.mark.parametrize("algo,cp,degree,kind,b,kv_heads,dim,received", [
+    ("ring", 4, None, "mixed", 2, 2, 8, True), ("ring", 4, None, "spanning", 1, 4, 12, True),
+    ("hybrid", 8, 2, "mixed", 2, 1, 8, True), ("ring", 2, None, "short", 2, 2, 8, False),
+    ("ulysses", 4, None, "mixed", 2, 2, 8, False)])
+def test_fused_forward_equals_dense_reference(algo, cp, degree, kind, b, kv_heads, dim,
+                                              received, exchange):
+    """`received`: whether some tile reads received keys (the planner splits no document
+    of the short layout; Ulysses has no ring)."""
+    cu, (q, k, v, dout) = _case(kind, b, 96, 4, kv_heads, dim, seed=cp + b)
+    plan = plan_context_parallel(cu, cp, algo, degree)
+    backend = TritonForwardBackend(CPUExactBackend())
+    simulated = _small_tiles(SimulatedPlan(plan, q, k, v, dout, backend, 0.3, exchange))
+    assert received == any(s.forward_tiles.with_received.shape[0]
+                           for s in simulated.schedules)
+    for name, mine, ref in zip(("out", "dq", "dk", "dv"), simulated.run(),
+                               _oracle(q, k, v, dout, cu, 0.3)):
+        assert (mine.double() - ref).abs().max().item() < 2e-5, name
+
+
+@interpreted
+def test_tile_forward_writes_every_row_once_and_only_its_rows():
+    """Rows outside the tiles keep what they held; rows inside equal the oracle, lse too."""
+    local_cu = torch.tensor([0, 10, 40, 43])
+    tiles = forward_tiles(local_cu.numpy(), torch.arange(10, 25).numpy(),
+                          torch.tensor([0, 15]).numpy(), torch.tensor([0, 7]).numpy(), 16)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(48, h, 24, generator=gen) for h in (4, 2, 2))
+    rk, rv = (torch.randn(7, 2, 24, generator=gen) for _ in range(2))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((4, 48), float("nan")).t()
+    tile_forward(q, k, v, None, None, tiles.local_only, out, lse, 0.3, 16)
+    assert out[10:25].isnan().all() and out[43:].isnan().all()
+    tile_forward(q, k, v, rk, rv, tiles.with_received, out, lse, 0.3, 16)
+    assert out[43:].isnan().all() and lse[43:].isnan().all()
+    for row in range(43):
+        run = 0 if row < 10 else 10 if row < 40 else 40
+        keys, values = k[run:row + 1], v[run:row + 1]
+        if 10 <= row < 25:
+            keys, values = torch.cat([rk, keys]), torch.cat([rv, values])
+        s = torch.einsum("hd,khd->hk", q[row].double(),
+                         keys.double().repeat_interleave(2, 1)) * 0.3
+        expected = torch.einsum("hk,khd->hd", s.softmax(-1),
+                                values.double().repeat_interleave(2, 1))
+        assert (out[row].double() - expected).abs().max() < 1e-5, row
+        assert (lse[row].double() - s.logsumexp(-1)).abs().max() < 1e-5, row
+
+
+@interpreted
+def test_tile_forward_refuses_what_it_cannot_run():
+    q, k = torch.randn(8, 2, 512), torch.randn(8, 1, 512)
+    tiles = forward_tiles([0, 8], block_m=16).local_only
+    with pytest.raises(ValueError, match="head_dim <= 256"):
+        tile_forward(q, k, k, None, None, tiles, q, torch.empty(8, 2), 1.0, 16)
+    q, k = torch.randn(8, 2, 16), torch.randn(8, 1, 16)
+    with pytest.raises(ValueError, match="block_m >= 16"):
+        tile_forward(q, k, k, None, None, forward_tiles([0, 8], block_m=8).local_only, q,
+                     torch.empty(8, 2), 1.0, 8)
+
+
+def _rank(rank, world, algo, degree, exchange):
+    tokens = random_layout_tokens("mixed", 2, 64, EOD, seed=world)
+    layout = build_doc_layout(tokens, EOD)
+    plan = plan_context_parallel(layout.cu_seqlens, world, algo, degree)
+    if algo == "hybrid":
+        create_hybrid_groups(dist.group.WORLD, degree)
+    cu, (q, k, v, dout) = _case("mixed", 2, 64, 4, 2, 16, seed=world)
+    idx = plan.token_index(rank)
+    mine = [t[idx].clone().requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attention(*mine, plan, group=dist.group.WORLD, softmax_scale=0.3,
+                                     backend=TritonForwardBackend(CPUExactBackend()),
+                                     ring_exchange=exchange)
+    out.backward(dout[idx])
+    ref = _oracle(q, k, v, dout, layout.cu_seqlens, 0.3)
+    got = (out, mine[0].grad, mine[1].grad, mine[2].grad)
+    return max((g.double() - r[idx]).abs().max().item() for g, r in zip(got, ref))
+
+
+@interpreted
+@pytest.mark.parametrize("algo,world,degree,exchange", [("ring", 4, None, "batched"),
+                                                        ("hybrid", 4, 2, "batched-keep")])
+def test_fused_forward_on_gloo_ranks(algo, world, degree, exchange):
+    assert max(run_ranks(_rank, world, algo, degree, exchange)) < 2e-5
+
+
+COMPILE = """
+import sys
+from megatron_eod.attention.triton_forward import compile_for
+for arch in (80, 90):
+    for dtype, head_dim, group, block_m in (("bf16", 128, 4, 128), ("fp16", 64, 1, 64),
+                                            ("bf16", 80, 8, 16), ("bf16", 256, 2, 128)):
+        kernel = compile_for(arch, dtype, head_dim, group, block_m)
+        assert kernel.asm["cubin"], (arch, dtype, head_dim)
+print("compiled")
+"""
+
+
+def test_kernel_compiles_for_ampere_and_hopper(tmp_path):
+    """Without a GPU: Triton (its own ptxas) compiles the kernel to sm_80 and sm_90 machine
+    code for the shapes training uses (bf16/fp16, head_dim 64-256 and one not a power of two,
+    GQA groups, 16-128 row tiles), in a process where its interpreter is off."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compiled here, not read from a cache
+    result = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
+                            text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(
+                                os.path.dirname(os.path.abspath(__file__)))))
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exchange", ["batched", "batched-keep"])
+@pytest.mark.parametrize("algo,cp,degree", [("ring", 4, None), ("ring", 8, None),
+                                            ("hybrid", 8, 2)])
+def test_fused_forward_on_gpu_in_bf16(algo, cp, degree, exchange):
+    cu, tensors = _case("mixed", 2, 1024, 8, 2, 64, seed=1, device="cuda",
+                        dtype=torch.bfloat16)
+    plan = plan_context_parallel(cu, cp, algo, degree)
+    ref = _oracle(*tensors, cu, 0.125)
+    backend = TritonForwardBackend(TorchVarlenBackend())
+    got = SimulatedPlan(plan, *tensors, backend, 0.125, exchange).run()
+    one = SimulatedPlan(plan_context_parallel(cu, 1, "ring"), *tensors, TorchVarlenBackend(),
+                        0.125).run()
+    for name, mine, single, exact in zip(("out", "dq", "dk", "dv"), got, one, ref):
+        err = (mine.cpu().double() - exact).abs().max().item()
+        base = (single.cpu().double() - exact).abs().max().item()
+        print(f"[figure] fused forward {algo} ({exchange}) cp={cp} bf16 {name}: max error vs "
+              f"float64 {err:.2e}, CP=1's {base:.2e}")
+        assert err <= 2 * base + 1e-3, (name, err, base)
+
+
+@pytest.mark.gpu
+def test_fused_forward_makes_no_host_syncs_on_gpu():
+    cu, tensors = _case("mixed", 2, 1024, 8, 2, 64, seed=2, device="cuda",
+                        dtype=torch.bfloat16)
+    plan = plan_context_parallel(cu, 4, "ring")
+    simulated = SimulatedPlan(plan, *tensors, TritonForwardBackend(TorchVarlenBackend()),
+                              0.125)
+    for g in range(plan.ring_size):  # compiles the kernel (compiling may sync)
+        simulated.run_group(g)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for g in range(plan.ring_size):
+            simulated.run_group(g)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

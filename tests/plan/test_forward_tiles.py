@@ -1,0 +1,94 @@
+"""The fused forward's tiles against the document mask: over random plans (every algorithm,
+CP size and layout the plan tests draw) and tile sizes, every group's tiles, each row's keys
+expanded into (query, key) stream positions, give exactly the causal same-document pairs of
+the group's queries, each once; every local row is in one tile; a tile has at most block_m
+rows of one document; the tiles needing no received key are launched apart; each launch's
+tiles come longest first."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_eod import plan_context_parallel
+from megatron_eod.plan.forward_tiles import DEFAULT_BLOCK_M, forward_tiles, with_forward_tiles
+from tests.plan.mixes import examples, plan_inputs, simulated_max_cp
+from tests.plan.test_kv_schedule import _CODE, expected_pairs, receive_buffer
+
+
+def _tile_pairs(tiles, own, received):
+    """Codes of the (query, key) stream positions of every row of `tiles`; own: the group's
+    local rows' positions, received: its receive buffer's."""
+    out = [np.zeros(0, np.int64)]
+    for q_start, q_stop, r_start, r_stop, l_start in tiles.tolist():
+        for row in range(q_start, q_stop):
+            keys = np.concatenate([received[r_start:r_stop], own[l_start:row + 1]])
+            out.append(own[row] * _CODE + keys)
+    return np.concatenate(out)
+
+
+def _cost(tiles):
+    t = tiles.long()
+    return (t[:, 3] - t[:, 2]) + (t[:, 1] - t[:, 4])
+
+
+@settings(max_examples=examples(80))
+@given(plan_inputs(max_log2_tokens=10, max_cp=simulated_max_cp()),
+       st.sampled_from([16, 32, DEFAULT_BLOCK_M]))
+def test_tiles_cover_exactly_the_document_mask(case, block_m):
+    cu, cp, algo, degree, _ = case
+    plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, degree)
+    tokens = [plan.group_tokens(g) for g in range(plan.ring_size)]
+    schedules = plan.schedules
+    for g, schedule in enumerate(schedules):
+        if schedule.steps and schedule.batched is None:  # the steps executor runs it
+            assert schedule.forward_tiles is None
+            continue
+        assert schedule.forward_tiles.block_m == DEFAULT_BLOCK_M
+        tiles = with_forward_tiles(schedule, block_m).forward_tiles
+        own = tokens[g].numpy()
+        received = receive_buffer(schedules, tokens, g).numpy() if schedule.batched else \
+            np.zeros(0, np.int64)
+        pairs = np.sort(np.concatenate([_tile_pairs(tiles.local_only, own, received),
+                                        _tile_pairs(tiles.with_received, own, received)]))
+        assert np.array_equal(pairs, expected_pairs(cu, own))
+        both = torch.cat([tiles.local_only, tiles.with_received]).long()
+        rows = np.concatenate([np.arange(a, b) for a, b in both[:, :2].tolist()] +
+                              [np.zeros(0, np.int64)])
+        assert np.array_equal(np.sort(rows), np.arange(schedule.num_tokens))
+        assert bool(((both[:, 1] > both[:, 0]) & (both[:, 1] - both[:, 0] <= block_m)).all())
+        doc = np.searchsorted(cu, own, side="right") - 1
+        for q_start, q_stop, _, _, l_start in both.tolist():  # one document, its run's start
+            assert doc[l_start] == doc[q_start] == doc[q_stop - 1]
+            assert l_start == 0 or doc[l_start - 1] != doc[l_start]
+        assert bool((tiles.local_only[:, 2] == tiles.local_only[:, 3]).all())
+        assert bool((tiles.with_received[:, 3] > tiles.with_received[:, 2]).all())
+        for launch in (tiles.local_only, tiles.with_received):
+            assert launch.dtype == torch.int32 and launch.shape[1] == 5
+            cost = _cost(launch)
+            assert bool((cost[:-1] >= cost[1:]).all())
+
+
+def test_tiles_of_a_small_group_by_hand():
+    """Local runs 0:10 (one document), 10:40 (another, whose rows 10:25 read received keys
+    0:7 of the buffer), 40:43; 16-row tiles."""
+    tiles = forward_tiles(np.array([0, 10, 40, 43]), np.arange(10, 25), np.array([0, 15]),
+                          np.array([0, 7]), block_m=16)
+    assert tiles.local_only.tolist() == [[25, 40, 0, 0, 10], [0, 10, 0, 0, 0],
+                                         [40, 43, 0, 0, 40]]
+    assert tiles.with_received.tolist() == [[10, 25, 0, 7, 10]]
+    assert forward_tiles(np.array([0, 40]), block_m=16).local_only.tolist() == [
+        [32, 40, 0, 0, 0], [16, 32, 0, 0, 0], [0, 16, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("block_m", [0, 3, 48, 16.0])
+def test_block_m_must_be_a_power_of_two(block_m):
+    with pytest.raises(ValueError, match="block_m must be a power of two"):
+        forward_tiles(np.array([0, 8]), block_m=block_m)
+
+
+def test_a_received_piece_must_be_a_run_inside_one_local_sequence():
+    with pytest.raises(ValueError, match="run of local rows inside one local sequence"):
+        forward_tiles(np.array([0, 10, 20]), np.arange(5, 15), np.array([0, 10]),
+                      np.array([0, 4]), block_m=16)
