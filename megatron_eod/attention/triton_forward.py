@@ -27,12 +27,18 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import os
 
-import torch
 
-__all__ = ["TritonForwardBackend", "triton_problem", "tile_forward", "compile_for"]
+__all__ = ["TritonForwardBackend", "compile_for", "interpreting_triton", "tile_forward",
+           "triton_problem"]
 
 _MAX_HEAD_DIM = 256
+
+
+def interpreting_triton() -> bool:
+    """Whether Triton's interpreter is asked for (CPU tensors; tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def triton_problem():

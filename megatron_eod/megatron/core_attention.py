@@ -25,6 +25,7 @@ from typing import Optional
 from megatron_eod.attention import context_parallel_attention
 from megatron_eod.attention.backends import default_scale, get_backend
 from megatron_eod.attention.ring import check_ring_exchange
+from megatron_eod.attention.triton_forward import TritonForwardBackend, interpreting_triton
 from megatron_eod.megatron.imports import import_megatron
 
 __all__ = ["EodCoreAttention"]
@@ -59,7 +60,8 @@ class EodCoreAttention(_module.MegatronModule):
                  rotary_percent: float = 1.0, rope_scaling: bool = False,
                  rope_scaling_factor: float = 8.0,
                  seq_len_interpolation_factor: Optional[float] = None, kernel: str = "auto",
-                 ring_exchange: str = "batched", concurrent_calls: bool = False):
+                 ring_exchange: str = "batched", concurrent_calls: bool = False,
+                 fused_forward: bool = False):
         super().__init__(config=config)
         if kernel not in ("auto", "flash_attn", "torch"):
             raise ValueError(f"kernel must be 'auto', 'flash_attn' or 'torch', got {kernel!r}")
@@ -87,6 +89,7 @@ class EodCoreAttention(_module.MegatronModule):
         self.kernel = kernel  # GPU kernel choice (--use-flash-attn: "flash_attn"); CPU: exact
         self.ring_exchange = ring_exchange  # the ring executor (--cp-ring-exchange)
         self.concurrent_calls = concurrent_calls  # --cp-concurrent-calls
+        self.fused_forward = fused_forward  # --cp-fused-forward
         self._backends = {}  # (device, dtype) -> backend: chosen once, not per forward
         self._inv_freq = {}  # device -> the rotary inverse frequencies there
 
@@ -121,5 +124,11 @@ class EodCoreAttention(_module.MegatronModule):
     def _backend(self, query):
         key = (query.device, query.dtype)
         if key not in self._backends:
-            self._backends[key] = get_backend(query.device, query.dtype, prefer=self.kernel)
+            backend = get_backend(query.device, query.dtype, prefer=self.kernel)
+            if self.fused_forward:
+                if query.device.type != "cuda" and not interpreting_triton():
+                    raise ValueError("fused_forward (--cp-fused-forward) needs CUDA tensors "
+                                     "(or Triton's interpreter, TRITON_INTERPRET=1, for tests)")
+                backend = TritonForwardBackend(backend)
+            self._backends[key] = backend
         return self._backends[key]

@@ -24,7 +24,7 @@ What it does not do: no kernel, no device work (attention/triton_forward.py runs
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import numpy as np
 import torch

@@ -21,11 +21,13 @@ import sys
 import warnings
 
 from megatron_eod.attention.backends import flash_attn_problem
+from megatron_eod.attention.triton_forward import interpreting_triton, triton_problem
 from megatron_eod.attention.ring import RING_EXCHANGES
 from megatron_eod.megatron import gloo_on_cuda
 from megatron_eod.plan import ulysses_degree_for
 
-__all__ = ["CONCURRENT_CALLS_HELP", "CP_ALGO_ALIASES", "FlagError", "RING_EXCHANGES",
+__all__ = ["CONCURRENT_CALLS_HELP", "CP_ALGO_ALIASES", "FUSED_FORWARD_HELP", "FlagError",
+           "RING_EXCHANGES",
            "RING_EXCHANGE_HELP", "check_context_parallel", "check_gloo_on_cuda",
            "check_gpu_attention", "check_hybrid_degree", "check_query_groups",
            "check_sequence_parallel_rows", "exit_with_error", "say_error"]
@@ -47,6 +49,14 @@ CONCURRENT_CALLS_HELP = ("on GPUs, run each CP rank's attention kernel calls sid
                          "the others' blocks; no effect on CPU. Not yet measured on "
                          "hardware: tools/dispatch_model.py "
                          "predicts it, tools/bench_cp_gpu.py measures it")
+
+FUSED_FORWARD_HELP = ("on GPUs, run the batched ring executors' attention forward as ONE fused "
+                      "Triton kernel over query tiles, longest first, each row's received and "
+                      "local keys in one softmax (attention/triton_forward.py): one launch "
+                      "per half of the exchange instead of two calls and a log-sum-exp "
+                      "merge; the backward is unchanged. Needs CUDA and Triton (PyTorch's "
+                      "CUDA wheels bring it). Off by default until measured on hardware: "
+                      "tools/bench_cp_gpu.py's '(fused)' rows")
 
 # Accepted --context-parallel-algo values -> the name stored in args.context_parallel_algo.
 CP_ALGO_ALIASES = {"ring": "ring", "ulysses": "ulysses", "hybrid": "hybrid",
@@ -139,6 +149,9 @@ def check_context_parallel(args) -> None:
     if exchange != "batched" and (cp == 1 or algo == "ulysses"):
         warnings.warn(f"--cp-ring-exchange {exchange} has no effect with "
                       f"--context-parallel-size {cp} --context-parallel-algo {algo} (no ring)")
+    _require(not getattr(args, "cp_fused_forward", False) or exchange != "steps",
+             "--cp-fused-forward fuses the batched ring executors' forward: it needs "
+             "--cp-ring-exchange batched or batched-keep, not steps")
     if getattr(args, "cp_concurrent_calls", False):
         _require(exchange != "steps",
                  "--cp-concurrent-calls runs the batched ring executors' two calls side by "
@@ -194,6 +207,12 @@ def check_gpu_attention(args, cuda_available: bool) -> None:
                  f"the attention head dim (--kv-channels, default --hidden-size / "
                  f"--num-attention-heads) is {head_dim}: the GPU flash kernels take a "
                  f"multiple of 8, at most 256")
+    if getattr(args, "cp_fused_forward", False):
+        _require(cuda_available or interpreting_triton(),
+                 "--cp-fused-forward needs CUDA (its Triton kernel runs on CPU tensors only "
+                 "through Triton's interpreter, TRITON_INTERPRET=1, for tests); drop it on CPU")
+        problem = triton_problem()
+        _require(problem is None, f"--cp-fused-forward needs Triton: {problem}")
     if not getattr(args, "use_flash_attn", False):
         return
     _require(cuda_available, "--use-flash-attn needs CUDA; drop it on CPU")

@@ -144,6 +144,18 @@ def test_cp_losses_equal_cp1(cp1, short_docs_data, world, algo):
     assert_same(losses, cp1)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the fused forward on a CPU needs Triton's interpreter")
+@pytest.mark.parametrize("world,algo", [(2, ["ring"]), (4, ["hybrid", "--ulysses-degree-in-cp",
+                                                            "2"])], ids=["ring2", "hybrid2x2"])
+def test_fused_forward_trains_as_cp1(cp1, short_docs_data, world, algo):
+    """--cp-fused-forward (attention/triton_forward.py, through Triton's interpreter here):
+    the attention's forward is another kernel, the losses those of CP=1."""
+    losses = train(world, short_docs_data, "--context-parallel-size", str(world),
+                   "--context-parallel-algo", *algo, "--cp-fused-forward")
+    assert_same(losses, cp1)
+
+
 def test_tp2_cp2_equals_cp1(cp1, short_docs_data):
     """CPU initialisation makes tensor-parallel weights TP-invariant; the vocabulary is padded
     to a multiple of divisible-by x TP, so halve divisible-by to keep 384 rows."""

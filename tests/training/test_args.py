@@ -176,6 +176,23 @@ def test_cp_concurrent_calls():
               "--cp-concurrent-calls", world_size=4)
 
 
+def test_cp_fused_forward(monkeypatch):
+    assert not parse("--context-parallel-size", 4, world_size=4).cp_fused_forward
+    for exchange in ("batched", "batched-keep"):
+        assert parse("--context-parallel-size", 4, "--cp-ring-exchange", exchange,
+                     "--cp-fused-forward", "--bf16", world_size=4, cuda=True).cp_fused_forward
+    with pytest.raises(FlagError, match=r"--cp-fused-forward .*--cp-ring-exchange batched "
+                                        r"or batched-keep, not steps"):
+        parse("--context-parallel-size", 4, "--cp-ring-exchange", "steps",
+              "--cp-fused-forward", "--bf16", world_size=4, cuda=True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(FlagError, match=r"--cp-fused-forward needs CUDA .*drop it on CPU"):
+        parse("--context-parallel-size", 4, "--cp-fused-forward", world_size=4)
+    monkeypatch.setattr("megatron_eod.training.cp_flags.triton_problem", lambda: "not here")
+    with pytest.raises(FlagError, match=r"--cp-fused-forward needs Triton: not here"):
+        parse("--context-parallel-size", 4, "--cp-fused-forward", "--bf16", world_size=4, cuda=True)
+
+
 def test_algo_aliases_cover_the_plan_algorithms():
     from megatron_eod.plan.cp_plan import ALGORITHMS
     assert set(CP_ALGO_ALIASES.values()) == set(ALGORITHMS)

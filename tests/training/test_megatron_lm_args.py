@@ -220,6 +220,18 @@ def test_cp_concurrent_calls_is_ours_too():
                 "--cp-concurrent-calls")
 
 
+def test_cp_fused_forward_is_ours_too(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the CPU's way to run it (tests)
+    assert not checked("--context-parallel-size", "4").cp_fused_forward
+    assert checked("--context-parallel-size", "4", "--cp-fused-forward").cp_fused_forward
+    with pytest.raises(FlagError, match=r"--cp-fused-forward .*not steps"):
+        checked("--context-parallel-size", "4", "--cp-ring-exchange", "steps",
+                "--cp-fused-forward")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(FlagError, match=r"--cp-fused-forward needs CUDA"):
+        checked("--context-parallel-size", "4", "--cp-fused-forward")
+
+
 def test_honoured_model_flags_pass():
     args = checked("--qk-layernorm", "--rotary-interleaved", "--use-rope-scaling",
                    "--position-embedding-type", "rope", "--rotary-percent", "0.5",
