@@ -199,13 +199,13 @@ def _fused_forward(q_THD, k_TGD, v_TGD, tiles, pending, backend, scale):
     # [T, H] over H-major memory, as a varlen kernel's lse (the backward reads it so).
     lse_TH = torch.empty((q_THD.shape[1], q_THD.shape[0]), dtype=accumulation_dtype(
         q_THD.dtype), device=q_THD.device).transpose(0, 1)
-    backend.forward_tiles(q_THD, k_TGD, v_TGD, None, None, tiles.local_only, out_THD, lse_TH,
-                          scale, tiles.block_m)
+    backend.forward_tiles(q_THD, k_TGD, v_TGD, None, None, tiles.local_only, tiles.row_start,
+                          out_THD, lse_TH, scale, tiles.block_m)
     recv_2NGD = None if pending is None else pending.wait()
     if tiles.with_received.shape[0]:
         k, v = _keys(recv_2NGD)
-        backend.forward_tiles(q_THD, k_TGD, v_TGD, k, v, tiles.with_received, out_THD, lse_TH,
-                              scale, tiles.block_m)
+        backend.forward_tiles(q_THD, k_TGD, v_TGD, k, v, tiles.with_received, tiles.row_start,
+                              out_THD, lse_TH, scale, tiles.block_m)
     return out_THD, lse_TH, recv_2NGD
 
 

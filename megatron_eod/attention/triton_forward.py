@@ -10,10 +10,11 @@ while the keys travel, the others after; every row is written once, and each lau
 its longest tiles first.
 
     backend = TritonForwardBackend(get_backend(device, dtype))   # forward/backward: base's
-    backend.forward_tiles(q, k, v, received_k, received_v, tiles, out, lse, scale, block_m)
+    backend.forward_tiles(q, k, v, received_k, received_v, tiles, row_start, out, lse, scale,
+                          block_m)
 
 q: [T, H, D], k/v: [T, G, D] (G divides H), received_k/v: [N, G, D] or None, tiles: int32
-[n, 5] on q's device, out: [T, H, D] like q, lse: float32 [T, H] (any strides). Only the
+[n, 5] and row_start: int32 [T] on q's device (plan/forward_tiles.py), out: [T, H, D] like q, lse: float32 [T, H] (any strides). Only the
 forward is fused: the backward is the base backend's (it takes any exact out and lse).
 Triton is imported on first use; with TRITON_INTERPRET=1 set before anything imports it
 (megatron-core does), the kernel runs on CPU tensors through Triton's interpreter: how the
@@ -56,13 +57,17 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def attention_tile_kernel(Q, K, V, RK, RV, O, LSE, TILES,
+    def attention_tile_kernel(Q, K, V, RK, RV, O, LSE, TILES, ROW_START,
                     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_rkt, s_rkh, s_rvt, s_rvh,
                     s_ot, s_oh, s_lt, s_lh, qk_scale,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
+                    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    GROUP: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        tile = tl.program_id(0)
-        head = tl.program_id(1)
+        # Heads fastest: the GPU starts programs in this order, so every head of the longest
+        # tile starts first (with heads slowest, the last head's longest tiles would start
+        # last and run on alone), and heads sharing key/value heads run side by side.
+        tile = tl.program_id(0) // HEADS
+        head = tl.program_id(0) % HEADS
         kv_head = head // GROUP
         q_start = tl.load(TILES + tile * 5)
         q_stop = tl.load(TILES + tile * 5 + 1)
@@ -72,6 +77,8 @@ def _kernel():
         rows = q_start + tl.arange(0, BLOCK_M)
         row_ok = rows < q_stop
         row_at = rows.to(tl.int64)  # offsets in 64 bits: rows x a fused qkv's stride
+        # Each row's document's first local row: a tile may hold several documents.
+        starts = tl.load(ROW_START + rows, mask=row_ok, other=0)
         dims = tl.arange(0, BLOCK_D)
         dim_ok = dims < HEAD_DIM
         q = tl.load(Q + row_at[:, None] * s_qt + head * s_qh + dims[None, :],
@@ -98,7 +105,8 @@ def _kernel():
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        # The document's local rows from its first local row up to each row: causal.
+        # Each row's document's local rows from its first up to the row itself (causal); the
+        # first rows of a tile's first document are where its documents' keys start.
         for start in range(l_start, q_stop, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_ok = cols < q_stop
@@ -109,7 +117,8 @@ def _kernel():
             v = tl.load(V + col_at[:, None] * s_vt + kv_head * s_vh + dims[None, :],
                         mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k)) * qk_scale
-            s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
+            visible = (cols[None, :] >= starts[:, None]) & (cols[None, :] <= rows[:, None])
+            s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_use[:, None])
@@ -134,7 +143,8 @@ def _launch_shape(head_dim: int, block_m: int):
     return min(block_n, max(block_m, 16)), (8 if block_m >= 128 else 4), 3
 
 
-def tile_forward(q, k, v, received_k, received_v, tiles, out, lse, scale, block_m):
+def tile_forward(q, k, v, received_k, received_v, tiles, row_start, out, lse, scale,
+                 block_m):
     """Writes out and lse of every row of `tiles` (see the module); nothing to launch for
     no tiles. received_k/v None: the tiles read no received row (keys are passed for both)."""
     if tiles.shape[0] == 0:
@@ -149,26 +159,26 @@ def tile_forward(q, k, v, received_k, received_v, tiles, out, lse, scale, block_
         raise ValueError(f"the fused forward's query tiles need block_m >= 16, got {block_m}")
     if received_k is None:
         received_k, received_v = k, v
-    constants, options = _compile_time(head_dim, heads // kv_heads, block_m)
-    grid = (tiles.shape[0], heads)
+    constants, options = _compile_time(heads, head_dim, heads // kv_heads, block_m)
+    grid = (tiles.shape[0] * heads,)
     _kernel()[grid](
-        q, k, v, received_k, received_v, out, lse, tiles,
+        q, k, v, received_k, received_v, out, lse, tiles, row_start,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         received_k.stride(0), received_k.stride(1), received_v.stride(0),
         received_v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         float(scale) * math.log2(math.e), **constants, **options)
 
 
-def _compile_time(head_dim, group, block_m):
+def _compile_time(heads, head_dim, group, block_m):
     """(the kernel's constexpr arguments, its launch options) for a shape."""
     block_n, num_warps, num_stages = _launch_shape(head_dim, block_m)
-    return (dict(HEAD_DIM=head_dim, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()),
+    return (dict(HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()),
                  GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n),
             dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def compile_for(arch: int, dtype: str = "bf16", head_dim: int = 128, group: int = 4,
-                block_m: int = 128):
+                block_m: int = 128, heads: int = 32):
     """The kernel compiled for CUDA compute capability `arch` (e.g. 90) without a GPU (Triton
     ships its own ptxas): how the tests check, on a CPU, that it compiles for the GPUs it will
     run on. Needs TRITON_INTERPRET unset when triton was imported. -> Triton's CompiledKernel."""
@@ -177,8 +187,8 @@ def compile_for(arch: int, dtype: str = "bf16", head_dim: int = 128, group: int 
     from triton.compiler import ASTSource
 
     kernel = _kernel()
-    constants, options = _compile_time(head_dim, group, block_m)
-    types = {"LSE": "*fp32", "TILES": "*i32", "qk_scale": "fp32"}
+    constants, options = _compile_time(heads, head_dim, group, block_m)
+    types = {"LSE": "*fp32", "TILES": "*i32", "ROW_START": "*i32", "qk_scale": "fp32"}
     signature = {name: types.get(name, "i32" if name.startswith("s_") else f"*{dtype}")
                  for name in kernel.arg_names}
     signature.update({name: "constexpr" for name in constants})
@@ -206,5 +216,7 @@ class TritonForwardBackend:
         return self.base.backward(*args, **kwargs)
 
     @staticmethod
-    def forward_tiles(q, k, v, received_k, received_v, tiles, out, lse, scale, block_m):
-        tile_forward(q, k, v, received_k, received_v, tiles, out, lse, scale, block_m)
+    def forward_tiles(q, k, v, received_k, received_v, tiles, row_start, out, lse, scale,
+                      block_m):
+        tile_forward(q, k, v, received_k, received_v, tiles, row_start, out, lse, scale,
+                     block_m)

@@ -4,13 +4,22 @@ One job: from a group's local call and its batched call over received keys (host
 the list of query tiles the fused forward runs, longest first, in two launches: the tiles
 whose rows need no received key (launched while the exchange is in flight) and the others.
 
-A tile is at most `block_m` consecutive local rows of one piece of a document, and says where
-all of its rows' keys are: int32 (q_start, q_stop, r_start, r_stop, l_start). Row i
+A tile is at most `block_m` consecutive local rows, int32 (q_start, q_stop, r_start, r_stop,
+l_start), and `row_start[i]` is local row i's first local row of its document. Row i
 (q_start <= i < q_stop) attends to the received rows r_start:r_stop (the earlier pieces of
 its document that other groups hold, all before it: no mask) and to the local rows
-l_start..i (its document's run of local rows up to itself: causal). That is all of row i's
-keys, so the kernel's online softmax ends with the row's final out and lse: no merge of two
-calls' results, no float32 copy of out, written once.
+row_start[i]..i (its document's run of local rows up to itself: causal); the kernel reads the
+local rows from l_start = row_start[q_start] on. That is all of row i's keys, so the
+kernel's online softmax ends with the row's final out and lse: no merge of two calls'
+results, no float32 copy of out, written once.
+
+Which rows share a tile: a piece with received keys is cut alone (its rows share them); the
+rows needing no received key are cut in block_m-row tiles across document boundaries, so
+that short documents share a tile instead of each padding one to block_m rows, as a varlen
+kernel's (query block, sequence) grid does. That costs nothing a document-aligned cut does
+not: a program computes block_m rows against its keys whatever rows are real, and a tile
+from the middle of document A into B reads A's start to its last row, what A's last rows
+need anyway (B's rows see their own keys in that range, A's are masked for them).
 
 Why tiles longest first: a launch's tail is its last long tiles running alone; the cost of
 a tile is its keys (r_stop - r_start + q_stop - l_start) and a GPU starts programs in
@@ -40,15 +49,18 @@ DEFAULT_BLOCK_M = 128  # query rows per tile (the fused kernel's BLOCK_M: a powe
 
 class ForwardTiles(NamedTuple):
     """`local_only`, `with_received`: int32 [n, 5] tiles (TILE_FIELDS), each longest first;
+    `row_start`: int32 [T], each local row's first local row of its document (its run);
     `block_m`: the most rows a tile has (the kernel's query block)."""
 
     local_only: torch.Tensor
     with_received: torch.Tensor
+    row_start: torch.Tensor
     block_m: int
 
     def to(self, device) -> "ForwardTiles":
         return ForwardTiles(to_device(self.local_only, device),
-                            to_device(self.with_received, device), self.block_m)
+                            to_device(self.with_received, device),
+                            to_device(self.row_start, device), self.block_m)
 
 
 def _cut(q_start: np.ndarray, q_stop: np.ndarray, block_m: int) -> np.ndarray:
@@ -69,12 +81,13 @@ def _rows_received(num_rows: int, first: np.ndarray, stop: np.ndarray) -> np.nda
     return np.cumsum(edges)[:-1] > 0
 
 
-def _table(q_start, q_stop, r_start, r_stop, run_start, block_m) -> torch.Tensor:
-    """int32 [n, 5] tiles of the row ranges q_start:q_stop (keys r_start:r_stop received and
-    the local run from run_start), cut in tiles of at most block_m rows, longest first."""
+def _table(q_start, q_stop, r_start, r_stop, row_start, block_m) -> torch.Tensor:
+    """int32 [n, 5] tiles of the row ranges q_start:q_stop (keys r_start:r_stop received),
+    cut in tiles of at most block_m rows, each reading local keys from its first row's
+    document start (row_start), longest first."""
     which, t_start = _cut(q_start, q_stop, block_m)
     table = np.stack([t_start, np.minimum(t_start + block_m, q_stop[which]), r_start[which],
-                      r_stop[which], run_start[which]], axis=1)
+                      r_stop[which], row_start[t_start] if t_start.size else t_start], axis=1)
     cost = (table[:, 3] - table[:, 2]) + (table[:, 1] - table[:, 4])
     table = table[np.argsort(-cost, kind="stable")]
     return torch.from_numpy(np.ascontiguousarray(table, dtype=np.int32).reshape(-1, 5))
@@ -103,19 +116,15 @@ def forward_tiles(local_cu, call_rows=None, call_cu_q=None, call_cu_k=None,
             raise ValueError("each query piece of the call over received keys must be a run "
                              "of local rows inside one local sequence")
         r_start, r_stop = cu_k[:-1][keep], cu_k[1:][keep]
-    # The other rows: cut at every local sequence's start and every received piece's ends.
+    # The other rows: each run of them between received pieces, documents packed together.
     received = _rows_received(num_rows, first, stop)
-    change = np.flatnonzero(received[1:] != received[:-1]) + 1
-    cuts = np.unique(np.concatenate([local_cu, change, [0, num_rows]]))
-    a, b = cuts[:-1], cuts[1:]
-    plain = ~received[a] if a.size else np.zeros(0, bool)
-    a, b = a[plain], b[plain]
+    edges = np.flatnonzero(np.diff(np.concatenate([[1], received.astype(np.int8), [1]])))
+    a, b = edges[0::2], edges[1::2]
     zero = np.zeros(a.size, np.int64)
-    return ForwardTiles(
-        _table(a, b, zero, zero, local_cu[run_of_row[a]] if a.size else nothing, block_m),
-        _table(first, stop, r_start, r_stop,
-               local_cu[run_of_row[first]] if first.size else nothing, block_m),
-        block_m)
+    row_start = local_cu[run_of_row] if num_rows else nothing
+    return ForwardTiles(_table(a, b, zero, zero, row_start, block_m),
+                        _table(first, stop, r_start, r_stop, row_start, block_m),
+                        torch.from_numpy(row_start.astype(np.int32)), block_m)
 
 
 def with_forward_tiles(schedule: GroupSchedule, block_m: int = DEFAULT_BLOCK_M) -> GroupSchedule:

@@ -95,9 +95,9 @@ def test_tile_forward_writes_every_row_once_and_only_its_rows():
     rk, rv = (torch.randn(7, 2, 24, generator=gen) for _ in range(2))
     out = torch.full_like(q, float("nan"))
     lse = torch.full((4, 48), float("nan")).t()
-    tile_forward(q, k, v, None, None, tiles.local_only, out, lse, 0.3, 16)
+    tile_forward(q, k, v, None, None, tiles.local_only, tiles.row_start, out, lse, 0.3, 16)
     assert out[10:25].isnan().all() and out[43:].isnan().all()
-    tile_forward(q, k, v, rk, rv, tiles.with_received, out, lse, 0.3, 16)
+    tile_forward(q, k, v, rk, rv, tiles.with_received, tiles.row_start, out, lse, 0.3, 16)
     assert out[43:].isnan().all() and lse[43:].isnan().all()
     for row in range(43):
         run = 0 if row < 10 else 10 if row < 40 else 40
@@ -115,12 +115,14 @@ def test_tile_forward_writes_every_row_once_and_only_its_rows():
 @interpreted
 def test_tile_forward_refuses_what_it_cannot_run():
     q, k = torch.randn(8, 2, 512), torch.randn(8, 1, 512)
-    tiles = forward_tiles([0, 8], block_m=16).local_only
+    tiles = forward_tiles([0, 8], block_m=16)
     with pytest.raises(ValueError, match="head_dim <= 256"):
-        tile_forward(q, k, k, None, None, tiles, q, torch.empty(8, 2), 1.0, 16)
+        tile_forward(q, k, k, None, None, tiles.local_only, tiles.row_start, q,
+                     torch.empty(8, 2), 1.0, 16)
     q, k = torch.randn(8, 2, 16), torch.randn(8, 1, 16)
+    tiles = forward_tiles([0, 8], block_m=8)
     with pytest.raises(ValueError, match="block_m >= 16"):
-        tile_forward(q, k, k, None, None, forward_tiles([0, 8], block_m=8).local_only, q,
+        tile_forward(q, k, k, None, None, tiles.local_only, tiles.row_start, q,
                      torch.empty(8, 2), 1.0, 8)
 
 

@@ -17,13 +17,17 @@ from tests.plan.mixes import examples, plan_inputs, simulated_max_cp
 from tests.plan.test_kv_schedule import _CODE, expected_pairs, receive_buffer
 
 
-def _tile_pairs(tiles, own, received):
-    """Codes of the (query, key) stream positions of every row of `tiles`; own: the group's
-    local rows' positions, received: its receive buffer's."""
+def _tile_pairs(tiles, row_start, own, received):
+    """Codes of the (query, key) stream positions of every row of `tiles` as the kernel reads
+    them: the received rows r_start:r_stop and the local rows from l_start up to the row
+    that are in its document (from row_start[row] on); own: the group's local rows'
+    positions, received: its receive buffer's."""
     out = [np.zeros(0, np.int64)]
     for q_start, q_stop, r_start, r_stop, l_start in tiles.tolist():
         for row in range(q_start, q_stop):
-            keys = np.concatenate([received[r_start:r_stop], own[l_start:row + 1]])
+            local = np.arange(l_start, row + 1)
+            local = local[local >= row_start[row]]
+            keys = np.concatenate([received[r_start:r_stop], own[local]])
             out.append(own[row] * _CODE + keys)
     return np.concatenate(out)
 
@@ -50,18 +54,26 @@ def test_tiles_cover_exactly_the_document_mask(case, block_m):
         own = tokens[g].numpy()
         received = receive_buffer(schedules, tokens, g).numpy() if schedule.batched else \
             np.zeros(0, np.int64)
-        pairs = np.sort(np.concatenate([_tile_pairs(tiles.local_only, own, received),
-                                        _tile_pairs(tiles.with_received, own, received)]))
+        row_start = tiles.row_start.numpy()
+        pairs = np.sort(np.concatenate([
+            _tile_pairs(tiles.local_only, row_start, own, received),
+            _tile_pairs(tiles.with_received, row_start, own, received)]))
         assert np.array_equal(pairs, expected_pairs(cu, own))
         both = torch.cat([tiles.local_only, tiles.with_received]).long()
         rows = np.concatenate([np.arange(a, b) for a, b in both[:, :2].tolist()] +
                               [np.zeros(0, np.int64)])
         assert np.array_equal(np.sort(rows), np.arange(schedule.num_tokens))
         assert bool(((both[:, 1] > both[:, 0]) & (both[:, 1] - both[:, 0] <= block_m)).all())
+        # row_start: each row's document's first local row; a tile reads its local keys from
+        # its first row's, which no later row's precedes; a piece with received keys is one
+        # document.
         doc = np.searchsorted(cu, own, side="right") - 1
-        for q_start, q_stop, _, _, l_start in both.tolist():  # one document, its run's start
-            assert doc[l_start] == doc[q_start] == doc[q_stop - 1]
-            assert l_start == 0 or doc[l_start - 1] != doc[l_start]
+        assert np.array_equal(doc[row_start], doc) and bool(
+            np.all((row_start == 0) | (doc[np.maximum(row_start - 1, 0)] != doc)))
+        for q_start, q_stop, _, _, l_start in both.tolist():
+            assert l_start == row_start[q_start] <= row_start[q_stop - 1]
+        for q_start, q_stop, *_ in tiles.with_received.tolist():
+            assert doc[q_start] == doc[q_stop - 1]
         assert bool((tiles.local_only[:, 2] == tiles.local_only[:, 3]).all())
         assert bool((tiles.with_received[:, 3] > tiles.with_received[:, 2]).all())
         for launch in (tiles.local_only, tiles.with_received):
@@ -72,14 +84,19 @@ def test_tiles_cover_exactly_the_document_mask(case, block_m):
 
 def test_tiles_of_a_small_group_by_hand():
     """Local runs 0:10 (one document), 10:40 (another, whose rows 10:25 read received keys
-    0:7 of the buffer), 40:43; 16-row tiles."""
+    0:7 of the buffer), 40:43; 16-row tiles: the piece alone, the other rows in 16-row tiles
+    across documents (25:41 holds rows of the second and third), longest first."""
     tiles = forward_tiles(np.array([0, 10, 40, 43]), np.arange(10, 25), np.array([0, 15]),
                           np.array([0, 7]), block_m=16)
-    assert tiles.local_only.tolist() == [[25, 40, 0, 0, 10], [0, 10, 0, 0, 0],
-                                         [40, 43, 0, 0, 40]]
+    assert tiles.local_only.tolist() == [[25, 41, 0, 0, 10], [0, 10, 0, 0, 0],
+                                         [41, 43, 0, 0, 40]]
     assert tiles.with_received.tolist() == [[10, 25, 0, 7, 10]]
+    assert tiles.row_start.tolist() == [0] * 10 + [10] * 30 + [40] * 3
     assert forward_tiles(np.array([0, 40]), block_m=16).local_only.tolist() == [
         [32, 40, 0, 0, 0], [16, 32, 0, 0, 0], [0, 16, 0, 0, 0]]
+    # Short documents share a tile: 30 rows of three documents in two tiles, not three.
+    assert forward_tiles(np.array([0, 5, 9, 30]), block_m=16).local_only.tolist() == [
+        [16, 30, 0, 0, 9], [0, 16, 0, 0, 0]]
 
 
 @pytest.mark.parametrize("block_m", [0, 3, 48, 16.0])
