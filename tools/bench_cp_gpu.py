@@ -336,7 +336,9 @@ def bench_row(cu, cp, args, device, dtype, backend):
             times[name] = busiest([(lambda g=g: sim.forward_group(g),
                                     lambda g=g: sim.run_group(g))
                                    for g in range(plan.ring_size)], args.repeats, device)
-            tiles[name] = tiles_over_ideal(plan_calls(plan, exchange), cu, cp, u or 1)
+            fused = [s.forward_tiles for s in sim.schedules] if concurrent == "fused" and \
+                all(s.forward_tiles is not None for s in sim.schedules) else None
+            tiles[name] = tiles_over_ideal(plan_calls(plan, exchange), cu, cp, u or 1, fused)
         if run_one:
             calls = [to_dev(c) for c in prefix_calls(
                 cu, [plan_segments(plan, g, cu) for g in range(plan.ring_size)])]
@@ -348,7 +350,8 @@ def bench_row(cu, cp, args, device, dtype, backend):
         sim.schedules = fused_schedules(whole, device, args.tile_rows)
         times[FUSED_IDEAL] = busiest([(lambda: sim.forward_group(0), lambda: sim.run_group(0))],
                                      args.repeats, device, cp)
-        tiles[FUSED_IDEAL] = tiles["ideal"]
+        tiles[FUSED_IDEAL] = tiles_over_ideal([[whole.schedules[0].local]], cu, cp, 1,
+                                              [s.forward_tiles for s in sim.schedules])
     if wanted(args.only, "contiguous"):
         calls = [to_dev(c) for c in prefix_calls(cu, contiguous_segments(cu, cp))]
         times["contiguous"] = busiest([fns(c, q, k, v, dout) for c in calls], args.repeats,

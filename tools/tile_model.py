@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_eod.attention.ring import BATCHED, executor_for  # noqa: E402
 
-__all__ = ["TILES", "call_tiles", "plan_calls", "tiles_over_ideal"]
+__all__ = ["TILES", "call_tiles", "fused_forward_tiles", "plan_calls", "tiles_over_ideal"]
 
 # Tile shapes of FlashAttention-2 at head dim 128 (forward 128 queries x 64 keys, backward
 # 64 x 128); the bench mixes' ratios move by under 1.5% with 128 x 128 for both.
@@ -43,6 +43,19 @@ def call_tiles(cu_seqlens_q, cu_seqlens_k, causal, block_q, block_k):
     return int(np.sum(-(-keys // block_k)))
 
 
+def fused_forward_tiles(forward_tiles, block_k=TILES["forward"][1]):
+    """Tiles the fused forward (attention/triton_forward.py) computes over a group's
+    `ForwardTiles` (plan/forward_tiles.py), in query blocks of its block_m rows (a tile of
+    fewer rows costs a whole block): per tile, its received keys' blocks and its local keys'
+    from its first row's document start."""
+    blocks = 0
+    for table in (forward_tiles.local_only, forward_tiles.with_received):
+        t = table.cpu().numpy().astype(np.int64)
+        blocks += int(np.sum(-(-(t[:, 3] - t[:, 2]) // block_k) +
+                             -(-(t[:, 1] - t[:, 4]) // block_k)))
+    return blocks * forward_tiles.block_m / TILES["forward"][0]
+
+
 def plan_calls(plan, exchange):
     """[the KernelCalls of one direction, per ring group] as the ring executor `exchange`
     makes them (ring.executor_for decides which runs the group)."""
@@ -57,15 +70,19 @@ def plan_calls(plan, exchange):
     return out
 
 
-def tiles_over_ideal(calls_per_rank, cu, cp, share=1):
+def tiles_over_ideal(calls_per_rank, cu, cp, share=1, fused=None):
     """{direction: the busiest rank's tiles / (the whole row's one causal call's tiles / cp)};
     calls_per_rank: [KernelCalls] per rank, or per group of `share` ranks splitting its work
-    (a hybrid ring group over its Ulysses degree)."""
+    (a hybrid ring group over its Ulysses degree); `fused`: each group's ForwardTiles where
+    the forward is the fused kernel (its forward's tiles instead of the calls')."""
     out = {}
     for direction, (bq, bk) in TILES.items():
         ideal = call_tiles(cu, cu, True, bq, bk) / cp
-        busiest = max(sum(call_tiles(c.cu_seqlens_q.cpu().numpy(), c.cu_seqlens_k.cpu().numpy(),
-                                     c.causal, bq, bk) for c in calls)
-                      for calls in calls_per_rank) / share
+        if fused is not None and direction == "forward":
+            busiest = max(fused_forward_tiles(tiles, bk) for tiles in fused) / share
+        else:
+            busiest = max(sum(call_tiles(c.cu_seqlens_q.cpu().numpy(),
+                                         c.cu_seqlens_k.cpu().numpy(), c.causal, bq, bk)
+                              for c in calls) for calls in calls_per_rank) / share
         out[direction] = busiest / ideal
     return out

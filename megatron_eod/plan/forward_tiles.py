@@ -13,13 +13,12 @@ local rows from l_start = row_start[q_start] on. That is all of row i's keys, so
 kernel's online softmax ends with the row's final out and lse: no merge of two calls'
 results, no float32 copy of out, written once.
 
-Which rows share a tile: a piece with received keys is cut alone (its rows share them); the
-rows needing no received key are cut in block_m-row tiles across document boundaries, so
-that short documents share a tile instead of each padding one to block_m rows, as a varlen
-kernel's (query block, sequence) grid does. That costs nothing a document-aligned cut does
-not: a program computes block_m rows against its keys whatever rows are real, and a tile
-from the middle of document A into B reads A's start to its last row, what A's last rows
-need anyway (B's rows see their own keys in that range, A's are masked for them).
+Which rows share a tile: a piece with received keys is cut alone (its rows share them), as
+is each document of block_m rows or more needing no received key, from its first row (as a
+varlen kernel cuts a sequence); consecutive shorter documents are cut together, across their
+boundaries, so that they share tiles instead of each padding one to block_m rows. A tile
+from document A into B reads from A's start to its last row (B's rows see only their own
+keys there): at most A's length, under block_m, more than B's rows need.
 
 Why tiles longest first: a launch's tail is its last long tiles running alone; the cost of
 a tile is its keys (r_stop - r_start + q_stop - l_start) and a GPU starts programs in
@@ -81,6 +80,21 @@ def _rows_received(num_rows: int, first: np.ndarray, stop: np.ndarray) -> np.nda
     return np.cumsum(edges)[:-1] > 0
 
 
+def _pack_short(a, b, block_m):
+    """The row ranges a:b (in order) with each run of consecutive ranges shorter than block_m
+    that follow each other (b[i] == a[i + 1]) merged into one: tiles then cut across the short
+    documents, which share a tile instead of each padding one. Long documents keep their own
+    ranges, so that their tiles start at their first row, as a varlen kernel's do (cut from
+    elsewhere, each of a long document's tiles would reach its causal edge part way through
+    a key block)."""
+    if a.size < 2:
+        return a, b
+    short = (b - a) < block_m
+    joins = short[1:] & short[:-1] & (a[1:] == b[:-1])
+    starts = np.flatnonzero(np.concatenate([[True], ~joins]))
+    return a[starts], np.maximum.reduceat(b, starts)
+
+
 def _table(q_start, q_stop, r_start, r_stop, row_start, block_m) -> torch.Tensor:
     """int32 [n, 5] tiles of the row ranges q_start:q_stop (keys r_start:r_stop received),
     cut in tiles of at most block_m rows, each reading local keys from its first row's
@@ -116,10 +130,14 @@ def forward_tiles(local_cu, call_rows=None, call_cu_q=None, call_cu_k=None,
             raise ValueError("each query piece of the call over received keys must be a run "
                              "of local rows inside one local sequence")
         r_start, r_stop = cu_k[:-1][keep], cu_k[1:][keep]
-    # The other rows: each run of them between received pieces, documents packed together.
+    # The other rows: per document (cut at local runs' starts and received pieces' ends),
+    # consecutive documents shorter than a tile packed together.
     received = _rows_received(num_rows, first, stop)
-    edges = np.flatnonzero(np.diff(np.concatenate([[1], received.astype(np.int8), [1]])))
-    a, b = edges[0::2], edges[1::2]
+    change = np.flatnonzero(received[1:] != received[:-1]) + 1
+    cuts = np.unique(np.concatenate([local_cu, change, [0, num_rows]]))
+    a, b = cuts[:-1], cuts[1:]
+    plain = ~received[a] if a.size else np.zeros(0, bool)
+    a, b = _pack_short(a[plain], b[plain], block_m)
     zero = np.zeros(a.size, np.int64)
     row_start = local_cu[run_of_row] if num_rows else nothing
     return ForwardTiles(_table(a, b, zero, zero, row_start, block_m),

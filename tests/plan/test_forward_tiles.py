@@ -94,9 +94,10 @@ def test_tiles_of_a_small_group_by_hand():
     assert tiles.row_start.tolist() == [0] * 10 + [10] * 30 + [40] * 3
     assert forward_tiles(np.array([0, 40]), block_m=16).local_only.tolist() == [
         [32, 40, 0, 0, 0], [16, 32, 0, 0, 0], [0, 16, 0, 0, 0]]
-    # Short documents share a tile: 30 rows of three documents in two tiles, not three.
-    assert forward_tiles(np.array([0, 5, 9, 30]), block_m=16).local_only.tolist() == [
-        [16, 30, 0, 0, 9], [0, 16, 0, 0, 0]]
+    # Consecutive short documents share tiles (5 and 4 rows: one tile); a document of a tile
+    # or more is cut from its first row (9:30), as is the one after it (30:33, 33:35 share).
+    assert forward_tiles(np.array([0, 5, 9, 30, 33, 35]), block_m=16).local_only.tolist() == [
+        [25, 30, 0, 0, 9], [9, 25, 0, 0, 9], [0, 9, 0, 0, 0], [30, 35, 0, 0, 30]]
 
 
 @pytest.mark.parametrize("block_m", [0, 3, 48, 16.0])

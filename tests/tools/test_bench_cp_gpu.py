@@ -45,10 +45,11 @@ def test_small_cpu_run_of_the_fused_rows(capsys):
     rows = _rows(capsys)
     assert [r[0] for r in rows] == ["| " + name for name in (
         "ideal", "ours ring (fused)", "ours hybrid u=2 (fused)", "whole row, fused kernel")]
-    _check_cells(rows)
+    # Its tiles are its own (short documents share them): it may need fewer than the ideal's.
+    _check_cells(rows, least_tiles=0.5)
 
 
-def _check_cells(rows):
+def _check_cells(rows, least_tiles=0.95):
     for cells in rows:
         fwd, bwd, both = (float(x) for x in cells[1].split(" / "))
         # backward = both - forward, two timings: on a busy CPU it can come out <= 0
@@ -56,7 +57,8 @@ def _check_cells(rows):
         device_ms, over = cells[3].split(" (")
         assert float(device_ms) > 0 and float(over.rstrip(")")) > 0
         tile_fwd, tile_bwd = (float(x) for x in cells[4].split(" / "))
-        assert tile_fwd >= 0.95 and tile_bwd >= 0.95  # no layout beats the whole row's tiles
+        # no layout of the varlen kernel beats the whole row's tiles
+        assert tile_fwd >= least_tiles and tile_bwd >= least_tiles
     assert all(r[2] == "1.00 / 1.00 / 1.00" and r[3].endswith("(1.00)")
                and r[4] == "1.00 / 1.00" for r in rows if r[0] == "| ideal")
 
