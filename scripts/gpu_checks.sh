@@ -20,8 +20,9 @@
 #   e2e           tools/bench_e2e.py --preset 1b: EoD reset vs causal tokens/s, ~1.2B GPT, 32k
 # and, run only when named, the open rows of issue 11 with their baselines, for a short lease:
 #   bench-open    bench-cp's rows of ours and the ideal only (no reference layouts, whose
-#                 figures of 2026-11-24 stand), 2 rows per mix
-#   profile-open  profile's batched rows, with and without --cp-concurrent-calls
+#                 figures of 2026-11-24 stand), the fused forward's rows and its whole-row
+#                 call, 2 rows per mix
+#   profile-open  profile's batched rows, with and without --cp-concurrent-calls, and fused
 # A lease of 15 device minutes (the machine's start included; 10 minutes a command) fits two
 # calls, the second at once while the machine is warm (~30 s):
 #   1. bash scripts/gpu_checks.sh env kernels bench-open profile-open multiprocess

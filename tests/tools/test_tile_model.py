@@ -32,3 +32,18 @@ def test_call_tiles_counts_the_tiles_holding_a_pair(lengths, causal, blocks):
     cu_q = np.concatenate([[0], np.cumsum([lq for lq, _ in lengths])])
     cu_k = np.concatenate([[0], np.cumsum([lk for _, lk in lengths])])
     assert tile_model.call_tiles(cu_q, cu_k, causal, bq, bk) == expected
+
+
+def test_fused_forward_tiles_count_each_tiles_key_blocks():
+    """The fused forward's tiles (plan/forward_tiles.py): per tile, its received keys' blocks
+    and its local keys' from its first row's document start, in block_m-row units over the
+    flash forward's 128-row blocks. A 200-row document over one group: tiles 0:128 (2 key
+    blocks of 64) and 128:200 (keys 0:200, 4 blocks); with 7 received rows before 10:25 of
+    another document: 1 + 1 blocks more at 16-row tiles."""
+    from megatron_eod.plan.forward_tiles import forward_tiles
+
+    assert tile_model.fused_forward_tiles(forward_tiles(np.array([0, 200]))) == 6
+    tiles = forward_tiles(np.array([0, 10, 40]), np.arange(10, 25), np.array([0, 15]),
+                          np.array([0, 7]), block_m=16)
+    # local-only 0:10 (1 block), 25:40 (keys 10:40, 1 block); the piece 10:25: 1 + 1
+    assert tile_model.fused_forward_tiles(tiles) == 4 * 16 / 128
