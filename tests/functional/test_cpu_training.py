@@ -123,6 +123,22 @@ def test_megatron_lm_trainer_trains_like_the_lean_trainer(cp1, short_docs_data, 
     assert [r["lr"] for r in records if "kind" not in r] == tiny_lrs()
 
 
+@needs_megatron_lm
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the fused forward on a CPU needs Triton's interpreter")
+def test_megatron_lm_trainer_with_the_fused_forward(cp1, short_docs_data, tmp_path):
+    """Megatron-LM's `pretrain()` at CP=2 ring with --cp-fused-forward: CP=1's losses."""
+    import_megatron_lm()
+    metrics = tmp_path / "megatron_lm.jsonl"
+    argv = megatron_lm_tiny_flags(short_docs_data, null_tokenizer_vocab_size(256),
+                                  "--metrics-file", str(metrics), "--distributed-backend", "gloo",
+                                  "--eval-interval", "1000", "--use-cpu-initialization",
+                                  "--context-parallel-size", "2", "--cp-fused-forward")
+    run_ranks(_megatron_lm_rank, 2, argv, timeout=200, daemon=False)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert_same([r["lm_loss"] for r in records if "kind" not in r], cp1)
+
+
 def tiny_lrs():
     """The tiny GPT's LR at each iteration: --lr 2e-3 warmed up over 2 iterations of 4 samples,
     then cosine to --min-lr 2e-4 at iteration 10 (megatron-core counts samples)."""
