@@ -62,6 +62,7 @@ from bench_selection import (mix_rows, parse_configs, parse_mixes, parse_only,  
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
+from megatron_eod.attention import triton_forward  # noqa: E402
 from megatron_eod.attention.triton_forward import TritonForwardBackend  # noqa: E402
 from megatron_eod.attention.ulysses import kv_repeat_for_degree  # noqa: E402
 from megatron_eod.plan.cost import doc_pairs  # noqa: E402
@@ -87,6 +88,18 @@ def our_layouts(steps=True):
                    for label, mode in (("concurrent", "beside"), ("concurrent, split", "split"),
                                        ("fused", "fused"))
                    for name, algo, u, exchange in OURS if exchange == "batched"]
+
+
+def parse_fused_config(p, text):
+    """--fused-config BLOCK_N:WARPS:STAGES as a tuple, each checked (argparse error)."""
+    parts = text.split(":")
+    if len(parts) != 3 or not all(x.isdigit() for x in parts):
+        p.error(f"--fused-config: BLOCK_N:WARPS:STAGES (e.g. 64:8:3), got {text!r}")
+    block_n, warps, stages = (int(x) for x in parts)
+    if block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16) or stages < 1:
+        p.error(f"--fused-config {text}: BLOCK_N a power of two >= 16, WARPS 1, 2, 4, 8 or "
+                f"16, STAGES >= 1")
+    return block_n, warps, stages
 
 
 def concurrent_calls(mode) -> bool:
@@ -387,6 +400,9 @@ def main(argv=None):
     p.add_argument("--mixes", default="stdlib,web", help="comma-separated: stdlib, web")
     p.add_argument("--tile-rows", type=positive_int, default=DEFAULT_BLOCK_M,
                    help="query rows per tile of the fused rows (a power of two >= 16)")
+    p.add_argument("--fused-config", metavar="BLOCK_N:WARPS:STAGES",
+                   help="the fused kernel's key block, warps and pipeline stages for every "
+                        "launch (default: attention/triton_forward.py's choice per head dim)")
     p.add_argument("--only", metavar="REGEX",
                    help="time only the layouts whose name this regular expression finds "
                         "(the ideal row always): '^ours' leaves out the reference layouts, "
@@ -399,6 +415,8 @@ def main(argv=None):
         p.error("--heads must be divisible by --kv-heads")
     if args.tile_rows < 16 or args.tile_rows & (args.tile_rows - 1):
         p.error(f"--tile-rows must be a power of two >= 16, got {args.tile_rows}")
+    if args.fused_config is not None:
+        triton_forward.LAUNCH_OVERRIDE = parse_fused_config(p, args.fused_config)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backend = get_backend(device, dtype)

@@ -136,9 +136,16 @@ def _kernel():
     return attention_tile_kernel
 
 
+# (BLOCK_N, num_warps, num_stages) for every launch instead of `_launch_shape`'s, or None:
+# for benchmarks sweeping the kernel's shapes (tools/bench_cp_gpu.py --fused-config).
+LAUNCH_OVERRIDE = None
+
+
 def _launch_shape(head_dim: int, block_m: int):
     """(BLOCK_N, num_warps, num_stages) for a head_dim and query block: the shapes of
     Triton's own fused attention on Hopper for 128, smaller blocks for small heads."""
+    if LAUNCH_OVERRIDE is not None:
+        return LAUNCH_OVERRIDE
     block_n = 64 if head_dim <= 128 else 32
     return min(block_n, max(block_m, 16)), (8 if block_m >= 128 else 4), 3
 
@@ -172,8 +179,9 @@ def tile_forward(q, k, v, received_k, received_v, tiles, row_start, out, lse, sc
 def _compile_time(heads, head_dim, group, block_m):
     """(the kernel's constexpr arguments, its launch options) for a shape."""
     block_n, num_warps, num_stages = _launch_shape(head_dim, block_m)
-    return (dict(HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()),
-                 GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n),
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    return (dict(HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_M=block_m,
+                 BLOCK_N=block_n),
             dict(num_warps=num_warps, num_stages=num_stages))
 
 

@@ -38,10 +38,13 @@ def test_small_cpu_run_prints_every_layout_fwd_bwd(capsys):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the fused kernel on a CPU needs Triton's interpreter")
-def test_small_cpu_run_of_the_fused_rows(capsys):
+def test_small_cpu_run_of_the_fused_rows(capsys, monkeypatch):
+    from megatron_eod.attention import triton_forward
+    monkeypatch.setattr(triton_forward, "LAUNCH_OVERRIDE", None)  # restored after
     bench_cp_gpu.main(["--samples", "1", "--repeats", "1", "--heads", "2", "--kv-heads", "1",
                        "--head-dim", "16", "--configs", "256:2", "--mixes", "web",
-                       "--only", "fused", "--tile-rows", "32"])
+                       "--only", "fused", "--tile-rows", "32", "--fused-config", "16:4:2"])
+    assert triton_forward.LAUNCH_OVERRIDE == (16, 4, 2)
     rows = _rows(capsys)
     assert [r[0] for r in rows] == ["| " + name for name in (
         "ideal", "ours ring (fused)", "ours hybrid u=2 (fused)", "whole row, fused kernel")]
@@ -226,6 +229,10 @@ def test_only_times_the_layouts_it_names_and_the_ideal(monkeypatch, capsys, only
     (["--samples", "0"], "argument --samples: must be >= 1, got 0"),  # IndexError
     (["--repeats", "0"], "argument --repeats: must be >= 1"),  # the warm-up reported as timed
     (["--head-dim", "x"], "argument --head-dim: expected a positive integer, got 'x'"),
+    (["--tile-rows", "48"], "--tile-rows must be a power of two >= 16, got 48"),
+    (["--fused-config", "64:8"], "--fused-config: BLOCK_N:WARPS:STAGES (e.g. 64:8:3)"),
+    (["--fused-config", "48:8:3"], "--fused-config 48:8:3: BLOCK_N a power of two >= 16"),
+    (["--fused-config", "64:3:3"], "WARPS 1, 2, 4, 8 or 16"),
 ])
 def test_bad_selections_name_the_flag(capsys, argv, message):
     with pytest.raises(SystemExit):
