@@ -52,7 +52,7 @@ COMMAND[bench-cp]="$PYTHON tools/bench_cp_gpu.py"
 COMMAND[profile]="$PYTHON tools/profile_cp_step.py"
 COMMAND[e2e]="$PYTHON tools/bench_e2e.py --preset 1b --work-dir $WORK/bench_e2e"
 COMMAND[bench-open]="${COMMAND[bench-cp]} --samples 2 --only '^ours|fused kernel'"
-COMMAND[profile-open]="${COMMAND[profile]} --only '^ours (ring|hybrid u=2)( \((concurrent.*|fused)\))?\$'"
+COMMAND[profile-open]="${COMMAND[profile]} --only '^ours (ring|hybrid u=2)( \((concurrent|fused).*\))?\$'"
 LIMIT=([env]=120 [kernels]=300 [multiprocess]=420 [training]=540 [bench-cp]=480
        [profile]=240 [e2e]=540 [bench-open]=360 [profile-open]=180)
 

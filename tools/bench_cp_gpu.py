@@ -22,7 +22,9 @@ time (it sets the step time), forward, backward (forward+backward minus forward)
   ours ... (fused)  the batched ring with its forward as ONE fused Triton kernel over query
                tiles, longest first, each row's received and local keys in one softmax
                (attention/triton_forward.py; no merge), the backward the kernel's own;
-               "whole row, fused kernel" is the whole row as one launch of it, / cp
+               "whole row, fused kernel" is the whole row as one launch of it, / cp;
+               "(fused, concurrent)": also --cp-concurrent-calls (the fused forward's
+               first launch on a side stream; the backward's calls side by side)
   ours hybrid  Ulysses degree 2: what ONE rank of a group computes after the all-to-all:
                the group's rows over H/2 query heads (and its share of key/value heads),
                batched and steps (before 2026-11-25 this was the group's all-head work / 2,
@@ -86,7 +88,7 @@ def our_layouts(steps=True):
             if exchange != "steps" or steps]
     return rows + [(f"{name} ({label})", algo, u, exchange, mode)
                    for label, mode in (("concurrent", "beside"), ("concurrent, split", "split"),
-                                       ("fused", "fused"))
+                                       ("fused", "fused"), ("fused, concurrent", "fused beside"))
                    for name, algo, u, exchange in OURS if exchange == "batched"]
 
 
@@ -104,7 +106,12 @@ def parse_fused_config(p, text):
 
 def concurrent_calls(mode) -> bool:
     """Whether a layout of `our_layouts` runs with --cp-concurrent-calls."""
-    return mode in ("beside", "split")
+    return mode in ("beside", "split", "fused beside")
+
+
+def fused(mode) -> bool:
+    """Whether a layout of `our_layouts` runs with --cp-fused-forward."""
+    return mode in ("fused", "fused beside")
 
 
 class SplitForced:
@@ -150,7 +157,7 @@ def layout_backend(backend, mode):
     """The backend a layout of `our_layouts` runs with: "fused", the batched forward as the
     fused Triton kernel over query tiles (attention/triton_forward.py), its backward the
     kernel's own."""
-    if mode == "fused":
+    if fused(mode):
         return TritonForwardBackend(backend)
     return SplitForced(backend) if mode == "split" else backend
 
@@ -344,14 +351,15 @@ def bench_row(cu, cp, args, device, dtype, backend):
         if wanted(args.only, name):
             sim = SimulatedPlan(plan, *rank_qkv, layout_backend(backend, concurrent), scale,
                                 exchange, concurrent_calls(concurrent))
-            if concurrent == "fused":
+            if fused(concurrent):
                 sim.schedules = fused_schedules(plan, device, args.tile_rows)
             times[name] = busiest([(lambda g=g: sim.forward_group(g),
                                     lambda g=g: sim.run_group(g))
                                    for g in range(plan.ring_size)], args.repeats, device)
-            fused = [s.forward_tiles for s in sim.schedules] if concurrent == "fused" and \
+            fused_tiles = [s.forward_tiles for s in sim.schedules] if fused(concurrent) and \
                 all(s.forward_tiles is not None for s in sim.schedules) else None
-            tiles[name] = tiles_over_ideal(plan_calls(plan, exchange), cu, cp, u or 1, fused)
+            tiles[name] = tiles_over_ideal(plan_calls(plan, exchange), cu, cp, u or 1,
+                                           fused_tiles)
         if run_one:
             calls = [to_dev(c) for c in prefix_calls(
                 cu, [plan_segments(plan, g, cu) for g in range(plan.ring_size)])]

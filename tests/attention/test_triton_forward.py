@@ -64,7 +64,7 @@ def _small_tiles(simulated, block_m=16):
 
 
 @interpreted
-@pytest.mark.parametrize("exchange", ["batched", "batched-keep"])
+@pytest.mark.parametrize("exchange", ["batched", "batched-keep", "batched+concurrent"])
 @pytest.mark.parametrize("algo,cp,degree,kind,b,kv_heads,dim,received", [
     ("ring", 4, None, "mixed", 2, 2, 8, True), ("ring", 4, None, "spanning", 1, 4, 12, True),
     ("hybrid", 8, 2, "mixed", 2, 1, 8, True), ("ring", 2, None, "short", 2, 2, 8, False),
@@ -76,7 +76,9 @@ def test_fused_forward_equals_dense_reference(algo, cp, degree, kind, b, kv_head
     cu, (q, k, v, dout) = _case(kind, b, 96, 4, kv_heads, dim, seed=cp + b)
     plan = plan_context_parallel(cu, cp, algo, degree)
     backend = TritonForwardBackend(CPUExactBackend())
-    simulated = _small_tiles(SimulatedPlan(plan, q, k, v, dout, backend, 0.3, exchange))
+    exchange, _, concurrent = exchange.partition("+")
+    simulated = _small_tiles(SimulatedPlan(plan, q, k, v, dout, backend, 0.3, exchange,
+                                           bool(concurrent)))
     assert received == any(s.forward_tiles.with_received.shape[0]
                            for s in simulated.schedules)
     for name, mine, ref in zip(("out", "dq", "dk", "dv"), simulated.run(),
@@ -176,16 +178,26 @@ def test_kernel_compiles_for_ampere_and_hopper(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("exchange", ["batched", "batched-keep"])
+@pytest.mark.parametrize("exchange", ["batched", "batched-keep", "batched+concurrent"])
 @pytest.mark.parametrize("algo,cp,degree", [("ring", 4, None), ("ring", 8, None),
                                             ("hybrid", 8, 2)])
 def test_fused_forward_on_gpu_in_bf16(algo, cp, degree, exchange):
+    """bf16 within twice CP=1's error; with concurrent_calls (its first launch on a side
+    stream) the forward is the one-stream forward bit for bit, run after run."""
     cu, tensors = _case("mixed", 2, 1024, 8, 2, 64, seed=1, device="cuda",
                         dtype=torch.bfloat16)
     plan = plan_context_parallel(cu, cp, algo, degree)
     ref = _oracle(*tensors, cu, 0.125)
     backend = TritonForwardBackend(TorchVarlenBackend())
-    got = SimulatedPlan(plan, *tensors, backend, 0.125, exchange).run()
+    exchange, _, concurrent = exchange.partition("+")
+    got = SimulatedPlan(plan, *tensors, backend, 0.125, exchange, bool(concurrent)).run()
+    if concurrent:
+        both = SimulatedPlan(plan, *tensors, backend, 0.125, exchange, True)
+        alone = SimulatedPlan(plan, *tensors, backend, 0.125, exchange)
+        for g in range(plan.ring_size):
+            expected = alone.forward_group(g)[0]
+            for _ in range(5):
+                assert torch.equal(both.forward_group(g)[0], expected)
     one = SimulatedPlan(plan_context_parallel(cu, 1, "ring"), *tensors, TorchVarlenBackend(),
                         0.125).run()
     for name, mine, single, exact in zip(("out", "dq", "dk", "dv"), got, one, ref):

@@ -47,7 +47,9 @@ def test_small_cpu_run_of_the_fused_rows(capsys, monkeypatch):
     assert triton_forward.LAUNCH_OVERRIDE == (16, 4, 2)
     rows = _rows(capsys)
     assert [r[0] for r in rows] == ["| " + name for name in (
-        "ideal", "ours ring (fused)", "ours hybrid u=2 (fused)", "whole row, fused kernel")]
+        "ideal", "ours ring (fused)", "ours hybrid u=2 (fused)",
+        "ours ring (fused, concurrent)", "ours hybrid u=2 (fused, concurrent)",
+        "whole row, fused kernel")]
     # Its tiles are its own (short documents share them): it may need fewer than the ideal's.
     _check_cells(rows, least_tiles=0.5)
 
@@ -194,7 +196,8 @@ def _printed_layouts(out):
                "ours hybrid u=2 (one call)", "ours ring (concurrent)",
                "ours hybrid u=2 (concurrent)", "ours ring (concurrent, split)",
                "ours hybrid u=2 (concurrent, split)", "ours ring (fused)",
-               "ours hybrid u=2 (fused)"]),
+               "ours hybrid u=2 (fused)", "ours ring (fused, concurrent)",
+               "ours hybrid u=2 (fused, concurrent)"]),
 ])
 def test_only_times_the_layouts_it_names_and_the_ideal(monkeypatch, capsys, only, expected):
     """--only (a short GPU lease's way to the open rows): the layouts whose name the pattern
