@@ -103,7 +103,7 @@ def _kernel():
             p = tl.exp2(s - m_use[:, None])
             alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # accumulates in place
             m_i = m_new
         # Each row's document's local rows from its first up to the row itself (causal); the
         # first rows of a tile's first document are where its documents' keys start.
@@ -124,7 +124,7 @@ def _kernel():
             p = tl.exp2(s - m_use[:, None])
             alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # accumulates in place
             m_i = m_new
         # Every row sees at least itself: l_i > 0 and m_i finite on the rows written.
         out = acc / l_i[:, None]
