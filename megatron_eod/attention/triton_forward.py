@@ -31,8 +31,8 @@ import math
 import os
 
 
-__all__ = ["TritonForwardBackend", "compile_for", "interpreting_triton", "tile_forward",
-           "triton_problem"]
+__all__ = ["TritonForwardBackend", "compile_for", "device_problem", "interpreting_triton",
+           "tile_forward", "triton_problem"]
 
 _MAX_HEAD_DIM = 256
 
@@ -80,7 +80,10 @@ def _kernel():
         # Each row's document's first local row: a tile may hold several documents.
         starts = tl.load(ROW_START + rows, mask=row_ok, other=0)
         dims = tl.arange(0, BLOCK_D)
-        dim_ok = dims < HEAD_DIM
+        if HEAD_DIM == BLOCK_D:  # no mask along the head dim: its loads stay vectorised
+            dim_ok = tl.full([BLOCK_D], 1, tl.int1)
+        else:
+            dim_ok = dims < HEAD_DIM
         q = tl.load(Q + row_at[:, None] * s_qt + head * s_qh + dims[None, :],
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -147,7 +150,9 @@ def _launch_shape(head_dim: int, block_m: int):
     if LAUNCH_OVERRIDE is not None:
         return LAUNCH_OVERRIDE
     block_n = 64 if head_dim <= 128 else 32
-    return min(block_n, max(block_m, 16)), (8 if block_m >= 128 else 4), 3
+    # Above 128, two stages: three would need 136 KiB of shared memory (sm_86/89 have 99).
+    stages = 3 if head_dim <= 128 else 2
+    return min(block_n, max(block_m, 16)), (8 if block_m >= 128 else 4), stages
 
 
 def tile_forward(q, k, v, received_k, received_v, tiles, row_start, out, lse, scale,
@@ -185,6 +190,30 @@ def _compile_time(heads, head_dim, group, block_m):
             dict(num_warps=num_warps, num_stages=num_stages))
 
 
+def device_problem(head_dim: int, dtype: str = "bf16", block_m: int = 128, device=None):
+    """None where the kernel, compiled for this CUDA device's architecture at head_dim, fits
+    the shared memory a program may have there, else why not (start-up checks: a launch that
+    does not fit fails at the first layer, inside the step). Compiles once (Triton caches)."""
+    import torch
+
+    index = torch.cuda.current_device() if device is None else device
+    major, minor = torch.cuda.get_device_capability(index)
+    props = torch.cuda.get_device_properties(index)
+    available = getattr(props, "shared_memory_per_block_optin", None)
+    if not available:
+        return None  # an older PyTorch: the launch itself will say
+    needed = compile_for(major * 10 + minor, dtype, head_dim, block_m=block_m).metadata.shared
+    if needed <= available:
+        return None
+    return (f"its kernel needs {needed // 1024} KiB of shared memory per program at head dim "
+            f"{head_dim} on {props.name} (sm_{major}{minor}), which gives {available // 1024} "
+            f"KiB; use a head dim of at most 128 there (--kv-channels), or drop the flag")
+
+
+_ALIGNED_STRIDES = ("s_qt", "s_qh", "s_kt", "s_kh", "s_vt", "s_vh", "s_rkt", "s_rkh", "s_rvt",
+                    "s_rvh", "s_ot", "s_oh", "s_lh")
+
+
 def compile_for(arch: int, dtype: str = "bf16", head_dim: int = 128, group: int = 4,
                 block_m: int = 128, heads: int = 32):
     """The kernel compiled for CUDA compute capability `arch` (e.g. 90) without a GPU (Triton
@@ -200,8 +229,15 @@ def compile_for(arch: int, dtype: str = "bf16", head_dim: int = 128, group: int 
     signature = {name: types.get(name, "i32" if name.startswith("s_") else f"*{dtype}")
                  for name in kernel.arg_names}
     signature.update({name: "constexpr" for name in constants})
-    source = ASTSource(kernel, signature, constexprs={
-        (kernel.arg_names.index(name),): value for name, value in constants.items()})
+    # As a launch specialises them: pointers and row strides 16-aligned (what lets the loads
+    # be vectorised), lse's row stride 1 (lse is [H, T] memory, read as [T, H]).
+    aligned = [["tt.divisibility", 16]]
+    attrs = {(i,): aligned for i, name in enumerate(kernel.arg_names)
+             if signature[name].startswith("*") or name in _ALIGNED_STRIDES}
+    constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
+    constexprs[(kernel.arg_names.index("s_lt"),)] = 1
+    signature["s_lt"] = "constexpr"
+    source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 

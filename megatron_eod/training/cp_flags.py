@@ -21,7 +21,8 @@ import sys
 import warnings
 
 from megatron_eod.attention.backends import flash_attn_problem
-from megatron_eod.attention.triton_forward import interpreting_triton, triton_problem
+from megatron_eod.attention.triton_forward import (device_problem, interpreting_triton,
+                                                   triton_problem)
 from megatron_eod.attention.ring import RING_EXCHANGES
 from megatron_eod.megatron import gloo_on_cuda
 from megatron_eod.plan import ulysses_degree_for
@@ -213,6 +214,10 @@ def check_gpu_attention(args, cuda_available: bool) -> None:
                  "through Triton's interpreter, TRITON_INTERPRET=1, for tests); drop it on CPU")
         problem = triton_problem()
         _require(problem is None, f"--cp-fused-forward needs Triton: {problem}")
+        if cuda_available and head_dim is not None and not interpreting_triton():
+            problem = device_problem(head_dim, "bf16" if getattr(args, "bf16", False)
+                                     else "fp16")
+            _require(problem is None, f"--cp-fused-forward: {problem}")
     if not getattr(args, "use_flash_attn", False):
         return
     _require(cuda_available, "--use-flash-attn needs CUDA; drop it on CPU")

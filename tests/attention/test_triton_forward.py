@@ -161,17 +161,41 @@ for arch in (80, 90):
                                             ("bf16", 80, 8, 16), ("bf16", 256, 2, 128)):
         kernel = compile_for(arch, dtype, head_dim, group, block_m)
         assert kernel.asm["cubin"], (arch, dtype, head_dim)
+        # vectorised, pipelined loads (16-byte aligned rows, as a launch specialises them)
+        ptx = kernel.asm["ptx"]
+        assert "ld.global.v4" in ptx and "cp.async" in ptx, (arch, dtype, head_dim)
+        assert kernel.metadata.shared <= LIMIT[arch], (arch, head_dim, kernel.metadata.shared)
+
+# The start-up check: a device whose programs get too little shared memory is named.
+import types
+import torch
+import megatron_eod.attention.triton_forward as tf
+torch.cuda.current_device = lambda: 0
+for (major, minor), name, optin in (((8, 9), "L40S", 101376), ((9, 0), "H100", 232448)):
+    torch.cuda.get_device_capability = lambda index: (major, minor)
+    torch.cuda.get_device_properties = lambda index: types.SimpleNamespace(
+        name=name, shared_memory_per_block_optin=optin)
+    assert tf.device_problem(128) is None, name
+    problem = tf.device_problem(256)
+    assert (problem is None) == (name == "H100"), problem
+    assert problem is None or ("KiB of shared memory per program at head dim 256 on L40S "
+                               "(sm_89)" in problem), problem
 print("compiled")
 """
+# Shared memory a program may have: A100 (sm_80) 163 KiB, H100/H200 (sm_90) 227 KiB.
+LIMIT_LINE = "LIMIT = {80: 166912, 90: 232448}\n"
 
 
 def test_kernel_compiles_for_ampere_and_hopper(tmp_path):
     """Without a GPU: Triton (its own ptxas) compiles the kernel to sm_80 and sm_90 machine
     code for the shapes training uses (bf16/fp16, head_dim 64-256 and one not a power of two,
-    GQA groups, 16-128 row tiles), in a process where its interpreter is off."""
+    GQA groups, 16-128 row tiles), in a process where its interpreter is off: its loads
+    vectorised and pipelined, its shared memory within the GPU's; the start-up check refuses
+    head_dim 256 where programs get 99 KiB (sm_89) and not where they get 227 (sm_90)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compiled here, not read from a cache
-    result = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
+    result = subprocess.run([sys.executable, "-c", LIMIT_LINE + COMPILE], env=env,
+                            capture_output=True,
                             text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(
                                 os.path.dirname(os.path.abspath(__file__)))))
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]

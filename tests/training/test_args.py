@@ -188,6 +188,11 @@ def test_cp_fused_forward(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(FlagError, match=r"--cp-fused-forward needs CUDA .*drop it on CPU"):
         parse("--context-parallel-size", 4, "--cp-fused-forward", world_size=4)
+    monkeypatch.setattr("megatron_eod.training.cp_flags.device_problem",
+                        lambda head_dim, dtype: f"too big at {head_dim} in {dtype}")
+    with pytest.raises(FlagError, match=r"--cp-fused-forward: too big at 8 in bf16"):
+        parse("--context-parallel-size", 4, "--cp-fused-forward", "--bf16", world_size=4,
+              cuda=True)
     monkeypatch.setattr("megatron_eod.training.cp_flags.triton_problem", lambda: "not here")
     with pytest.raises(FlagError, match=r"--cp-fused-forward needs Triton: not here"):
         parse("--context-parallel-size", 4, "--cp-fused-forward", "--bf16", world_size=4, cuda=True)
