@@ -150,7 +150,8 @@ def _launch_shape(head_dim: int, block_m: int):
     if LAUNCH_OVERRIDE is not None:
         return LAUNCH_OVERRIDE
     block_n = 64 if head_dim <= 128 else 32
-    # Above 128, two stages: three would need 136 KiB of shared memory (sm_86/89 have 99).
+    # Above 128, two stages: three would need 136 KiB of shared memory on sm_80 (two: 104;
+    # sm_86/89 give 99, where device_problem refuses it at start-up).
     stages = 3 if head_dim <= 128 else 2
     return min(block_n, max(block_m, 16)), (8 if block_m >= 128 else 4), stages
 
