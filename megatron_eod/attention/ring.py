@@ -31,6 +31,8 @@ Shape key: T = local rows, H = query heads, G = key/value heads, D = head dim, N
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from megatron_eod.attention.backends import accumulation_dtype
@@ -229,6 +231,22 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
+_SAID = set()
+
+
+def _say_unfused(exchange):
+    """Once per process: a fused-forward backend (--cp-fused-forward) on a schedule the
+    steps executor runs, whose forward is then the base kernel's calls."""
+    if exchange in _SAID:
+        return
+    _SAID.add(exchange)
+    why = ("--cp-ring-exchange steps" if exchange not in BATCHED else
+           "a rank would receive over 4x its own rows at once, so this plan has no batched "
+           "form")
+    warnings.warn(f"--cp-fused-forward: a micro-batch's attention runs the steps executor "
+                  f"({why}); its forward is not fused (said once)")
+
+
 def ring_attention(q_THD, k_TGD, v_TGD, schedule, group, backend, softmax_scale,
                    exchange="batched", concurrent_calls=False):
     """Document-masked causal attention of the local rows (see module docstring);
@@ -236,5 +254,7 @@ def ring_attention(q_THD, k_TGD, v_TGD, schedule, group, backend, softmax_scale,
     batched executors run the local call (in two parts where the kernel writes into given
     tensors) beside the received keys' call on a GPU (batched.py, streams.py; the steps
     executor ignores it)."""
+    if hasattr(backend, "forward_tiles") and executor_for(schedule, exchange) == "steps":
+        _say_unfused(exchange)
     return _RingAttention.apply(q_THD, k_TGD, v_TGD, schedule, group, backend, softmax_scale,
                                 exchange, concurrent_calls)

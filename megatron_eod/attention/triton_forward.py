@@ -30,6 +30,8 @@ import importlib.util
 import math
 import os
 
+import torch
+
 
 __all__ = ["TritonForwardBackend", "compile_for", "device_problem", "interpreting_triton",
            "tile_forward", "triton_problem"]
@@ -67,7 +69,7 @@ def _kernel():
         # tile starts first (with heads slowest, the last head's longest tiles would start
         # last and run on alone), and heads sharing key/value heads run side by side.
         tile = tl.program_id(0) // HEADS
-        head = tl.program_id(0) % HEADS
+        head = (tl.program_id(0) % HEADS).to(tl.int64)  # head x its stride in 64 bits too
         kv_head = head // GROUP
         q_start = tl.load(TILES + tile * 5)
         q_stop = tl.load(TILES + tile * 5 + 1)
@@ -160,6 +162,17 @@ def tile_forward(q, k, v, received_k, received_v, tiles, row_start, out, lse, sc
                  block_m):
     """Writes out and lse of every row of `tiles` (see the module); nothing to launch for
     no tiles. received_k/v None: the tiles read no received row (keys are passed for both)."""
+    if q.device.type != "cuda" and not interpreting_triton():
+        raise ValueError(f"the fused forward (--cp-fused-forward, TritonForwardBackend) runs on "
+                         f"CUDA tensors, got {q.device} (on CPU tensors only through Triton's "
+                         f"interpreter, TRITON_INTERPRET=1 before triton is imported, for tests)")
+    if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the fused forward takes float16 or bfloat16 on CUDA, got {q.dtype}")
+    for name, t in (("tiles", tiles), ("row_start", row_start)):
+        if t.device != q.device or t.dtype != torch.int32:
+            raise ValueError(f"the fused forward's {name} must be int32 on q's device "
+                             f"({q.device}), got {t.dtype} on {t.device}: move the plan "
+                             f"(CPPlan.to)")
     if tiles.shape[0] == 0:
         return
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
@@ -195,8 +208,6 @@ def device_problem(head_dim: int, dtype: str = "bf16", block_m: int = 128, devic
     """None where the kernel, compiled for this CUDA device's architecture at head_dim, fits
     the shared memory a program may have there, else why not (start-up checks: a launch that
     does not fit fails at the first layer, inside the step). Compiles once (Triton caches)."""
-    import torch
-
     index = torch.cuda.current_device() if device is None else device
     major, minor = torch.cuda.get_device_capability(index)
     props = torch.cuda.get_device_properties(index)
@@ -244,8 +255,10 @@ def compile_for(arch: int, dtype: str = "bf16", head_dim: int = 128, group: int 
 
 class TritonForwardBackend:
     """A kernel backend whose forward over a group's tiles is the fused kernel: the batched
-    executor runs `forward_tiles` where the schedule has tiles; every other call (the steps
-    executor, the backward, Ulysses' one call) is the base backend's."""
+    executors run `forward_tiles` where the schedule has tiles (ring and hybrid groups, and
+    the one local call of Ulysses and CP=1, whose tiles are its documents'); every other call
+    (the backward, the steps executor, which runs plans without batched forms) is the base
+    backend's."""
 
     name = "triton"
 

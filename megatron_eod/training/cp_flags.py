@@ -51,13 +51,15 @@ CONCURRENT_CALLS_HELP = ("on GPUs, run each CP rank's attention kernel calls sid
                          "hardware: tools/dispatch_model.py "
                          "predicts it, tools/bench_cp_gpu.py measures it")
 
-FUSED_FORWARD_HELP = ("on GPUs, run the batched ring executors' attention forward as ONE fused "
-                      "Triton kernel over query tiles, longest first, each row's received and "
-                      "local keys in one softmax (attention/triton_forward.py): one launch "
-                      "per half of the exchange instead of two calls and a log-sum-exp "
-                      "merge; the backward is unchanged. Needs CUDA and Triton (PyTorch's "
-                      "CUDA wheels bring it). Off by default until measured on hardware: "
-                      "tools/bench_cp_gpu.py's '(fused)' rows")
+FUSED_FORWARD_HELP = ("on GPUs, run the attention forward of the batched executors (ring and "
+                      "hybrid groups; Ulysses' and CP=1's one call too) as ONE fused Triton "
+                      "kernel over query tiles, longest first, each row's received and local "
+                      "keys in one softmax (attention/triton_forward.py): one launch per half "
+                      "of the exchange instead of two calls and a log-sum-exp merge; the "
+                      "backward is unchanged; a plan that falls back to the steps executor "
+                      "(a rank receiving over 4x its rows) is not fused, said once. Needs "
+                      "CUDA and Triton (PyTorch's CUDA wheels bring it). Off by default "
+                      "until measured on hardware: tools/bench_cp_gpu.py's '(fused)' rows")
 
 # Accepted --context-parallel-algo values -> the name stored in args.context_parallel_algo.
 CP_ALGO_ALIASES = {"ring": "ring", "ulysses": "ulysses", "hybrid": "hybrid",

@@ -128,6 +128,42 @@ def test_tile_forward_refuses_what_it_cannot_run():
                      torch.empty(8, 2), 1.0, 8)
 
 
+def test_tile_forward_names_what_it_cannot_take(monkeypatch):
+    """CPU tensors without the interpreter, tiles not int32 on q's device: a ValueError
+    naming the rule (before: "0 active drivers" from Triton's launcher)."""
+    q, k = torch.randn(8, 2, 16), torch.randn(8, 1, 16)
+    tiles = forward_tiles([0, 8], block_m=16)
+    args = (q, k, k, None, None, tiles.local_only, tiles.row_start, q, torch.empty(8, 2), 1.0,
+            16)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"runs on CUDA tensors, got cpu .*TRITON_INTERPRET"):
+        tile_forward(*args)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match=r"tiles must be int32 on q's device"):
+        tile_forward(*args[:5], tiles.local_only.long(), *args[6:])
+
+
+def test_a_plan_the_steps_run_is_said_not_fused(monkeypatch):
+    """One document over 8 groups has no batched form (a group would receive 7x its rows):
+    the steps executor runs it, unfused; said once per process, not per layer."""
+    import warnings
+
+    from megatron_eod.attention import ring
+
+    cu, (q, k, v, _) = _case("spanning", 1, 128, 4, 2, 8, seed=1)
+    schedule = plan_context_parallel(cu, 8, "ring").schedule(7)
+    assert schedule.batched is None and schedule.forward_tiles is None
+    monkeypatch.setattr(ring._RingAttention, "apply", lambda *args: None)
+    monkeypatch.setattr(ring, "_SAID", set())
+    backend = TritonForwardBackend(CPUExactBackend())
+    with pytest.warns(UserWarning, match=r"--cp-fused-forward: .*receive over 4x its own rows"):
+        ring.ring_attention(q, k, v, schedule, None, backend, 0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ring.ring_attention(q, k, v, schedule, None, backend, 0.3)  # said already
+        ring.ring_attention(q, k, v, schedule, None, CPUExactBackend(), 0.3)  # not fused
+
+
 def _rank(rank, world, algo, degree, exchange):
     tokens = random_layout_tokens("mixed", 2, 64, EOD, seed=world)
     layout = build_doc_layout(tokens, EOD)
@@ -166,6 +202,19 @@ for arch in (80, 90):
         assert "ld.global.v4" in ptx and "cp.async" in ptx, (arch, dtype, head_dim)
         assert kernel.metadata.shared <= LIMIT[arch], (arch, head_dim, kernel.metadata.shared)
 
+# No register spills at the shapes training uses most (ptxas -v, Triton's own ptxas).
+import os, subprocess, tempfile
+import triton
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+for arch in (80, 90):
+    for dtype, head_dim in (("bf16", 128), ("fp16", 64)):
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(compile_for(arch, dtype, head_dim).asm["ptx"])
+        report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a" if arch == 90 else
+                                 "sm_80", f.name, "-o", os.devnull], capture_output=True,
+                                text=True, check=True).stderr
+        assert " 0 bytes spill stores" in report, (arch, dtype, head_dim, report)
+
 # The start-up check: a device whose programs get too little shared memory is named.
 import types
 import torch
@@ -190,7 +239,8 @@ def test_kernel_compiles_for_ampere_and_hopper(tmp_path):
     """Without a GPU: Triton (its own ptxas) compiles the kernel to sm_80 and sm_90 machine
     code for the shapes training uses (bf16/fp16, head_dim 64-256 and one not a power of two,
     GQA groups, 16-128 row tiles), in a process where its interpreter is off: its loads
-    vectorised and pipelined, its shared memory within the GPU's; the start-up check refuses
+    vectorised and pipelined, its shared memory within the GPU's, no register spills at head
+    dim 128 (bf16) and 64 (fp16); the start-up check refuses
     head_dim 256 where programs get 99 KiB (sm_89) and not where they get 227 (sm_90)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compiled here, not read from a cache
@@ -230,6 +280,15 @@ def test_fused_forward_on_gpu_in_bf16(algo, cp, degree, exchange):
         print(f"[figure] fused forward {algo} ({exchange}) cp={cp} bf16 {name}: max error vs "
               f"float64 {err:.2e}, CP=1's {base:.2e}")
         assert err <= 2 * base + 1e-3, (name, err, base)
+
+
+@pytest.mark.gpu
+def test_fused_forward_refuses_float32_on_gpu():
+    q, k = torch.randn(8, 2, 16, device="cuda"), torch.randn(8, 1, 16, device="cuda")
+    tiles = forward_tiles([0, 8], block_m=16).to("cuda")
+    with pytest.raises(ValueError, match="float16 or bfloat16 on CUDA, got torch.float32"):
+        tile_forward(q, k, k, None, None, tiles.local_only, tiles.row_start, q,
+                     torch.empty(8, 2, device="cuda"), 1.0, 16)
 
 
 @pytest.mark.gpu

@@ -126,8 +126,10 @@ def test_megatron_lm_trainer_trains_like_the_lean_trainer(cp1, short_docs_data, 
 @needs_megatron_lm
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the fused forward on a CPU needs Triton's interpreter")
-def test_megatron_lm_trainer_with_the_fused_forward(cp1, short_docs_data, tmp_path):
-    """Megatron-LM's `pretrain()` at CP=2 ring with --cp-fused-forward: CP=1's losses."""
+def test_megatron_lm_trainer_with_the_fused_forward(cp1, short_docs_data, tmp_path,
+                                                   fused_calls):
+    """Megatron-LM's `pretrain()` at CP=2 ring with --cp-fused-forward: both ranks' attention
+    forward is the fused kernel, CP=1's losses."""
     import_megatron_lm()
     metrics = tmp_path / "megatron_lm.jsonl"
     argv = megatron_lm_tiny_flags(short_docs_data, null_tokenizer_vocab_size(256),
@@ -137,6 +139,7 @@ def test_megatron_lm_trainer_with_the_fused_forward(cp1, short_docs_data, tmp_pa
     run_ranks(_megatron_lm_rank, 2, argv, timeout=200, daemon=False)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert_same([r["lm_loss"] for r in records if "kind" not in r], cp1)
+    assert len(fused_calls()) == 2
 
 
 def tiny_lrs():
@@ -160,16 +163,34 @@ def test_cp_losses_equal_cp1(cp1, short_docs_data, world, algo):
     assert_same(losses, cp1)
 
 
+@pytest.fixture
+def fused_calls(monkeypatch, tmp_path):
+    """A file each rank's fused kernel launches append their process id to (the ranks are
+    forked after the patch): shows the flag reached the attention."""
+    from megatron_eod.attention import triton_forward
+
+    log, launch = tmp_path / "fused_calls", triton_forward.tile_forward
+
+    def counted(*args, **kwargs):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(triton_forward, "tile_forward", counted)
+    return lambda: set(log.read_text().split()) if log.exists() else set()
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the fused forward on a CPU needs Triton's interpreter")
 @pytest.mark.parametrize("world,algo", [(2, ["ring"]), (4, ["hybrid", "--ulysses-degree-in-cp",
                                                             "2"])], ids=["ring2", "hybrid2x2"])
-def test_fused_forward_trains_as_cp1(cp1, short_docs_data, world, algo):
+def test_fused_forward_trains_as_cp1(cp1, short_docs_data, world, algo, fused_calls):
     """--cp-fused-forward (attention/triton_forward.py, through Triton's interpreter here):
-    the attention's forward is another kernel, the losses those of CP=1."""
+    every rank's attention forward is the fused kernel, the losses those of CP=1."""
     losses = train(world, short_docs_data, "--context-parallel-size", str(world),
                    "--context-parallel-algo", *algo, "--cp-fused-forward")
     assert_same(losses, cp1)
+    assert len(fused_calls()) == world
 
 
 def test_tp2_cp2_equals_cp1(cp1, short_docs_data):
