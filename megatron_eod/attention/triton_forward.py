@@ -14,8 +14,9 @@ its longest tiles first.
                           block_m)
 
 q: [T, H, D], k/v: [T, G, D] (G divides H), received_k/v: [N, G, D] or None, tiles: int32
-[n, 5] and row_start: int32 [T] on q's device (plan/forward_tiles.py), out: [T, H, D] like q, lse: float32 [T, H] (any strides). Only the
-forward is fused: the backward is the base backend's (it takes any exact out and lse).
+[n, 5] and row_start: int32 [T] on q's device (plan/forward_tiles.py), out: [T, H, D] like
+q, lse: float32 [T, H] (any strides). Only the forward is fused: the backward is the base
+backend's (it takes any exact out and lse).
 Triton is imported on first use; with TRITON_INTERPRET=1 set before anything imports it
 (megatron-core does), the kernel runs on CPU tensors through Triton's interpreter: how the
 tests check it without a GPU (tests/conftest.py sets it where there is none).
@@ -31,7 +32,6 @@ import math
 import os
 
 import torch
-
 
 __all__ = ["TritonForwardBackend", "compile_for", "device_problem", "interpreting_triton",
            "tile_forward", "triton_problem"]

@@ -62,7 +62,7 @@ class ForwardTiles(NamedTuple):
                             to_device(self.row_start, device), self.block_m)
 
 
-def _cut(q_start: np.ndarray, q_stop: np.ndarray, block_m: int) -> np.ndarray:
+def _cut(q_start: np.ndarray, q_stop: np.ndarray, block_m: int):
     """Index into the row ranges of each tile of at most block_m rows, and each tile's first
     row: (range index, tile start)."""
     count = -(-(q_stop - q_start) // block_m)
