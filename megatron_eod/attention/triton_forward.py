@@ -1,6 +1,7 @@
 """The batched ring's forward as ONE fused Triton kernel over query tiles, longest first.
 
-One job: run a group's forward tiles (plan/forward_tiles.py): for each tile of local query
+One job: launch the kernel (attention/triton_tile_kernel.py) over a group's forward tiles
+(plan/forward_tiles.py), checking what it can take: for each tile of local query
 rows and each query head, one program reads the tile's received keys (no mask), then its
 document's local keys up to each row (causal), with one online softmax, and writes the rows'
 final out and lse. Where the batched executor makes a local call, a call over received keys
@@ -26,7 +27,6 @@ What it does not do: no backward, no communication, no dropout, no head_dim abov
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import math
 import os
@@ -51,92 +51,9 @@ def triton_problem():
     return None
 
 
-@functools.lru_cache(maxsize=None)
 def _kernel():
-    """The jitted kernel, defined on first use (compiled for CUDA tensors; interpreted for
-    CPU ones where TRITON_INTERPRET=1 was set before triton was first imported)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def attention_tile_kernel(Q, K, V, RK, RV, O, LSE, TILES, ROW_START,
-                    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_rkt, s_rkh, s_rvt, s_rvh,
-                    s_ot, s_oh, s_lt, s_lh, qk_scale,
-                    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    GROUP: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        # Heads fastest: the GPU starts programs in this order, so every head of the longest
-        # tile starts first (with heads slowest, the last head's longest tiles would start
-        # last and run on alone), and heads sharing key/value heads run side by side.
-        tile = tl.program_id(0) // HEADS
-        head = (tl.program_id(0) % HEADS).to(tl.int64)  # head x its stride in 64 bits too
-        kv_head = head // GROUP
-        q_start = tl.load(TILES + tile * 5)
-        q_stop = tl.load(TILES + tile * 5 + 1)
-        r_start = tl.load(TILES + tile * 5 + 2)
-        r_stop = tl.load(TILES + tile * 5 + 3)
-        l_start = tl.load(TILES + tile * 5 + 4)
-        rows = q_start + tl.arange(0, BLOCK_M)
-        row_ok = rows < q_stop
-        row_at = rows.to(tl.int64)  # offsets in 64 bits: rows x a fused qkv's stride
-        # Each row's document's first local row: a tile may hold several documents.
-        starts = tl.load(ROW_START + rows, mask=row_ok, other=0)
-        dims = tl.arange(0, BLOCK_D)
-        if HEAD_DIM == BLOCK_D:  # no mask along the head dim: its loads stay vectorised
-            dim_ok = tl.full([BLOCK_D], 1, tl.int1)
-        else:
-            dim_ok = dims < HEAD_DIM
-        q = tl.load(Q + row_at[:, None] * s_qt + head * s_qh + dims[None, :],
-                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        # The received rows of the document (all before every row of the tile): no mask.
-        for start in range(r_start, r_stop, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_ok = cols < r_stop
-            col_at = cols.to(tl.int64)
-            kv_mask = col_ok[:, None] & dim_ok[None, :]
-            k = tl.load(RK + col_at[:, None] * s_rkt + kv_head * s_rkh + dims[None, :],
-                        mask=kv_mask, other=0.0)
-            v = tl.load(RV + col_at[:, None] * s_rvt + kv_head * s_rvh + dims[None, :],
-                        mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            s = tl.where(col_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # accumulates in place
-            m_i = m_new
-        # Each row's document's local rows from its first up to the row itself (causal); the
-        # first rows of a tile's first document are where its documents' keys start.
-        for start in range(l_start, q_stop, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_ok = cols < q_stop
-            col_at = cols.to(tl.int64)
-            kv_mask = col_ok[:, None] & dim_ok[None, :]
-            k = tl.load(K + col_at[:, None] * s_kt + kv_head * s_kh + dims[None, :],
-                        mask=kv_mask, other=0.0)
-            v = tl.load(V + col_at[:, None] * s_vt + kv_head * s_vh + dims[None, :],
-                        mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            visible = (cols[None, :] >= starts[:, None]) & (cols[None, :] <= rows[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # accumulates in place
-            m_i = m_new
-        # Every row sees at least itself: l_i > 0 and m_i finite on the rows written.
-        out = acc / l_i[:, None]
-        tl.store(O + row_at[:, None] * s_ot + head * s_oh + dims[None, :],
-                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
-        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
-        tl.store(LSE + row_at * s_lt + head * s_lh, lse, mask=row_ok)
+    """The jitted kernel, imported on first use (attention/triton_tile_kernel.py)."""
+    from megatron_eod.attention.triton_tile_kernel import attention_tile_kernel
 
     return attention_tile_kernel
 
