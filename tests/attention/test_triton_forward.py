@@ -27,8 +27,10 @@ from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
 from megatron_eod.attention.triton_forward import (TritonForwardBackend,  # noqa: E402
                                                    tile_forward)
 from megatron_eod.plan.forward_tiles import forward_tiles, with_forward_tiles  # noqa: E402
+from tests.attention.test_simulate import _case as simulate_case  # noqa: E402
+from tests.attention.test_simulate import _oracle  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
-from tests.reference import dense_document_attention, random_layout_tokens  # noqa: E402
+from tests.reference import random_layout_tokens  # noqa: E402
 
 EOD = 50
 
@@ -39,21 +41,9 @@ interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="Triton's interpreter is off (TRITON_INTERPRET)")
 
 
-def _case(kind, b, s, heads, kv_heads, dim, seed, device="cpu", dtype=torch.float32):
-    tokens = random_layout_tokens(kind, b, s, EOD, seed)
-    cu = build_doc_layout(tokens, EOD).cu_seqlens
-    gen = torch.Generator().manual_seed(seed)
-    n = b * s
-    q, dout = (torch.randn(n, heads, dim, generator=gen, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(n, kv_heads, dim, generator=gen, dtype=torch.float64) for _ in range(2))
-    return cu, [t.to(device, dtype) for t in (q, k, v, dout)]
-
-
-def _oracle(q, k, v, dout, cu, scale):
-    q, k, v = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
-    out = dense_document_attention(q, k, v, cu.cpu(), scale)
-    out.backward(dout.cpu().double())
-    return out.detach(), q.grad, k.grad, v.grad
+def _case(*args, **kwargs):
+    """test_simulate's random case, in float32 unless told (the interpreter's dtype here)."""
+    return simulate_case(*args, **{"dtype": torch.float32, **kwargs})
 
 
 def _small_tiles(simulated, block_m=16):
