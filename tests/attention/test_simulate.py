@@ -126,14 +126,20 @@ def test_ring_steps_make_no_host_syncs_on_gpu(algo, cp, degree, executor):
     cu, tensors = _case("mixed", 2, 1024, 8, 2, 64, seed=2, device="cuda",
                         dtype=torch.bfloat16)
     plan = plan_context_parallel(cu, cp, algo, degree)
-    simulated = SimulatedPlan(plan, *tensors, _gpu_backend(executor), 0.125,
-                              *_executor(executor))
-    for g in range(plan.ring_size):  # compiles the fused merges, by index and on runs of rows
-        simulated.run_group(g)        # (compiling may sync; running must not)
+    run_without_host_syncs(SimulatedPlan(plan, *tensors, _gpu_backend(executor), 0.125,
+                                         *_executor(executor)))
+
+
+def run_without_host_syncs(simulated):
+    """Every group's forward and backward once (compiling the fused merges, by index and on
+    runs of rows, or a Triton kernel: compiling may sync), then again where any device-to-host
+    synchronisation raises (running must not)."""
+    for g in range(len(simulated.schedules)):
+        simulated.run_group(g)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for g in range(plan.ring_size):
+        for g in range(len(simulated.schedules)):
             simulated.run_group(g)
     finally:
         torch.cuda.set_sync_debug_mode("default")

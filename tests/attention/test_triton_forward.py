@@ -28,7 +28,7 @@ from megatron_eod.attention.triton_forward import (TritonForwardBackend,  # noqa
                                                    tile_forward)
 from megatron_eod.plan.forward_tiles import forward_tiles, with_forward_tiles  # noqa: E402
 from tests.attention.test_simulate import _case as simulate_case  # noqa: E402
-from tests.attention.test_simulate import _oracle  # noqa: E402
+from tests.attention.test_simulate import _oracle, run_without_host_syncs  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
 from tests.reference import random_layout_tokens  # noqa: E402
 
@@ -286,14 +286,5 @@ def test_fused_forward_makes_no_host_syncs_on_gpu():
     cu, tensors = _case("mixed", 2, 1024, 8, 2, 64, seed=2, device="cuda",
                         dtype=torch.bfloat16)
     plan = plan_context_parallel(cu, 4, "ring")
-    simulated = SimulatedPlan(plan, *tensors, TritonForwardBackend(TorchVarlenBackend()),
-                              0.125)
-    for g in range(plan.ring_size):  # compiles the kernel (compiling may sync)
-        simulated.run_group(g)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for g in range(plan.ring_size):
-            simulated.run_group(g)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    run_without_host_syncs(SimulatedPlan(plan, *tensors,
+                                         TritonForwardBackend(TorchVarlenBackend()), 0.125))
