@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 
 from megatron_eod.attention.backends import accumulation_dtype
+from megatron_eod.attention import fused
 from megatron_eod.attention.lse import merge_into
 from megatron_eod.attention.streams import Beside, fork_point
 
@@ -159,8 +160,8 @@ def batched_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale,
     _check(schedule)
     pending = transport.start_all_kv(schedule, k_TGD, v_TGD) if schedule.batched else None
     if schedule.forward_tiles is not None and hasattr(backend, "forward_tiles"):
-        out_THD, lse_TH, recv_2NGD = _fused_forward(q_THD, k_TGD, v_TGD, schedule.forward_tiles,
-                                                    pending, backend, scale, concurrent_calls)
+        out_THD, lse_TH, recv_2NGD = fused.fused_forward(q_THD, k_TGD, v_TGD, schedule, pending,
+                                                         backend, scale, concurrent_calls)
         return (out_THD, lse_TH, recv_2NGD) if keep_received else (out_THD, lse_TH)
     call = schedule.batched.call if schedule.batched else None
     parts = _local_parts(schedule, concurrent_calls, backend, "writes_out")
@@ -191,31 +192,6 @@ def batched_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale,
     return (out_THD, lse_TH, recv_2NGD) if keep_received else (out_THD, lse_TH)
 
 
-def _fused_forward(q_THD, k_TGD, v_TGD, tiles, pending, backend, scale, concurrent_calls):
-    """(out, lse, received buffer) by the backend's fused kernel over the forward's tiles
-    (plan/forward_tiles.py, attention/triton_forward.py): the tiles needing no received key
-    while the keys travel, then the others; each row written once (disjoint rows), no merge.
-    concurrent_calls (on a GPU): the first launch on a side stream, so that the second one's
-    programs fill its tail (streams.py)."""
-    out_THD = _empty_like(q_THD)
-    # [T, H] over H-major memory, as a varlen kernel's lse (the backward reads it so).
-    lse_TH = torch.empty((q_THD.shape[1], q_THD.shape[0]), dtype=accumulation_dtype(
-        q_THD.dtype), device=q_THD.device).transpose(0, 1)
-
-    def launch(tables, k, v):
-        backend.forward_tiles(q_THD, k_TGD, v_TGD, k, v, tables, tiles.row_start, out_THD,
-                              lse_TH, scale, tiles.block_m)
-
-    received = tiles.with_received.shape[0] > 0
-    local = Beside(lambda: launch(tiles.local_only, None, None), q_THD.device,
-                   concurrent_calls and received)
-    recv_2NGD = None if pending is None else pending.wait()
-    if received:
-        launch(tiles.with_received, *_keys(recv_2NGD))
-    local.result()
-    return out_THD, lse_TH, recv_2NGD
-
-
 def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, transport,
                      backend, scale, keep_received=False, received_2NGD=None,
                      concurrent_calls=False):
@@ -227,6 +203,9 @@ def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, t
     beside the received keys' backward (queued first, so that both overlap), in two parts
     where the kernel writes into given gradients (`_LocalCalls`)."""
     _check(schedule)
+    if fused.fuses_backward(backend, schedule):
+        return fused.fused_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule,
+                                    transport, backend, scale, keep_received, received_2NGD)
     batched = schedule.batched
     parts = _local_parts(schedule, concurrent_calls, backend, "writes_grads")
     grads = None if parts is None else tuple(_empty_like(x) for x in (q_THD, k_TGD, v_TGD))

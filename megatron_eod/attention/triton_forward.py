@@ -33,8 +33,8 @@ import os
 
 import torch
 
-__all__ = ["TritonForwardBackend", "compile_for", "device_problem", "interpreting_triton",
-           "tile_forward", "triton_problem"]
+__all__ = ["TritonForwardBackend", "check_tensors", "compile_for", "device_problem",
+           "interpreting_triton", "tile_forward", "triton_problem"]
 
 _MAX_HEAD_DIM = 256
 
@@ -75,10 +75,10 @@ def _launch_shape(head_dim: int, block_m: int):
     return min(block_n, max(block_m, 16)), (8 if block_m >= 128 else 4), stages
 
 
-def tile_forward(q, k, v, received_k, received_v, tiles, row_start, out, lse, scale,
-                 block_m):
-    """Writes out and lse of every row of `tiles` (see the module); nothing to launch for
-    no tiles. received_k/v None: the tiles read no received row (keys are passed for both)."""
+def check_tensors(q, tiles, row_start, block_m, **dense):
+    """What the fused kernels cannot take, named (ValueError): CPU tensors without Triton's
+    interpreter, float32 on CUDA, tiles not int32 on q's device, head_dim above 256, query
+    blocks under 16 rows, and a strided head_dim in any of `dense` (name=tensor)."""
     if q.device.type != "cuda" and not interpreting_triton():
         raise ValueError(f"the fused forward (--cp-fused-forward, TritonForwardBackend) runs on "
                          f"CUDA tensors, got {q.device} (on CPU tensors only through Triton's "
@@ -90,16 +90,24 @@ def tile_forward(q, k, v, received_k, received_v, tiles, row_start, out, lse, sc
             raise ValueError(f"the fused forward's {name} must be int32 on q's device "
                              f"({q.device}), got {t.dtype} on {t.device}: move the plan "
                              f"(CPPlan.to)")
-    if tiles.shape[0] == 0:
-        return
-    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
-    if head_dim > _MAX_HEAD_DIM:
-        raise ValueError(f"the fused forward takes head_dim <= {_MAX_HEAD_DIM}, got {head_dim}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+    if q.shape[2] > _MAX_HEAD_DIM:
+        raise ValueError(f"the fused forward takes head_dim <= {_MAX_HEAD_DIM}, got "
+                         f"{q.shape[2]}")
+    for name, t in dict(dense, q=q).items():
         if t.stride(-1) != 1:
             raise ValueError(f"the fused forward needs a dense head_dim in {name}")
     if block_m < 16:
         raise ValueError(f"the fused forward's query tiles need block_m >= 16, got {block_m}")
+
+
+def tile_forward(q, k, v, received_k, received_v, tiles, row_start, out, lse, scale,
+                 block_m):
+    """Writes out and lse of every row of `tiles` (see the module); nothing to launch for
+    no tiles. received_k/v None: the tiles read no received row (keys are passed for both)."""
+    check_tensors(q, tiles, row_start, block_m, k=k, v=v, out=out)
+    if tiles.shape[0] == 0:
+        return
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     if received_k is None:
         received_k, received_v = k, v
     constants, options = _compile_time(heads, head_dim, heads // kv_heads, block_m)
@@ -179,10 +187,12 @@ class TritonForwardBackend:
 
     name = "triton"
 
-    def __init__(self, base):
+    def __init__(self, base, fused_backward: bool = False):
         self.base = base
         self.writes_out = getattr(base, "writes_out", False)
         self.writes_grads = getattr(base, "writes_grads", False)
+        # --cp-fused-backward: the batched backward as the fused kernels too (fused.py)
+        self.fused_backward = fused_backward
 
     def forward(self, *args, **kwargs):
         return self.base.forward(*args, **kwargs)
@@ -195,3 +205,23 @@ class TritonForwardBackend:
                       block_m):
         tile_forward(q, k, v, received_k, received_v, tiles, row_start, out, lse, scale,
                      block_m)
+
+    # The fused backward's steps (attention/triton_backward.py), as fused.py calls them.
+    @staticmethod
+    def row_delta(dout, out):
+        from megatron_eod.attention.triton_backward import row_delta
+        return row_delta(dout, out)
+
+    @staticmethod
+    def dq_tiles(dout, q, lse, delta, row_start, scale, k, v, received_k, received_v, tiles,
+                 dq, block_m):
+        from megatron_eod.attention.triton_backward import tile_dq
+        tile_dq(dout, q, k, v, received_k, received_v, lse, delta, tiles, row_start, dq, scale,
+                block_m)
+
+    @staticmethod
+    def dkdv_tiles(dout, q, lse, delta, row_start, scale, k, v, key_tiles, dk, dv, causal,
+                   block_n):
+        from megatron_eod.attention.triton_backward import tile_dkdv
+        tile_dkdv(dout, q, k, v, lse, delta, key_tiles, row_start, dk, dv, scale, causal,
+                  block_n)

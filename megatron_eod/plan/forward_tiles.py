@@ -107,6 +107,24 @@ def _table(q_start, q_stop, r_start, r_stop, row_start, block_m) -> torch.Tensor
     return torch.from_numpy(np.ascontiguousarray(table, dtype=np.int32).reshape(-1, 5))
 
 
+def received_pieces(run_of_row, call_rows, call_cu_q, call_cu_k):
+    """(first row, stop row, first received row, stop received row) int64 of each query
+    piece of the call over received keys (none for no call); each must be a run of local
+    rows inside one local sequence (run_of_row: each local row's sequence)."""
+    nothing = np.zeros(0, np.int64)
+    if call_rows is None or len(call_cu_q) < 2:
+        return nothing, nothing, nothing, nothing
+    cu_q, cu_k = np.asarray(call_cu_q, np.int64), np.asarray(call_cu_k, np.int64)
+    rows = np.asarray(call_rows, np.int64)
+    keep = np.diff(cu_q) > 0
+    first, last = rows[cu_q[:-1][keep]], rows[cu_q[1:][keep] - 1]
+    stop = first + np.diff(cu_q)[keep]
+    if np.any(last != stop - 1) or np.any(run_of_row[first] != run_of_row[last]):
+        raise ValueError("each query piece of the call over received keys must be a run "
+                         "of local rows inside one local sequence")
+    return first, stop, cu_k[:-1][keep], cu_k[1:][keep]
+
+
 def forward_tiles(local_cu, call_rows=None, call_cu_q=None, call_cu_k=None,
                   block_m: int = DEFAULT_BLOCK_M) -> ForwardTiles:
     """The tiles of a group: `local_cu`, the local call's cu_seqlens (its runs of local rows,
@@ -119,17 +137,7 @@ def forward_tiles(local_cu, call_rows=None, call_cu_q=None, call_cu_k=None,
     num_rows = int(local_cu[-1]) if local_cu.size else 0
     run_of_row = np.repeat(np.arange(max(local_cu.size - 1, 0)), np.diff(local_cu))
     nothing = np.zeros(0, np.int64)
-    first, stop, r_start, r_stop = nothing, nothing, nothing, nothing
-    if call_rows is not None and len(call_cu_q) > 1:
-        cu_q, cu_k = np.asarray(call_cu_q, np.int64), np.asarray(call_cu_k, np.int64)
-        rows = np.asarray(call_rows, np.int64)
-        keep = np.diff(cu_q) > 0
-        first, last = rows[cu_q[:-1][keep]], rows[cu_q[1:][keep] - 1]
-        stop = first + np.diff(cu_q)[keep]
-        if np.any(last != stop - 1) or np.any(run_of_row[first] != run_of_row[last]):
-            raise ValueError("each query piece of the call over received keys must be a run "
-                             "of local rows inside one local sequence")
-        r_start, r_stop = cu_k[:-1][keep], cu_k[1:][keep]
+    first, stop, r_start, r_stop = received_pieces(run_of_row, call_rows, call_cu_q, call_cu_k)
     # The other rows: per document (cut at local runs' starts and received pieces' ends),
     # consecutive documents shorter than a tile packed together.
     received = _rows_received(num_rows, first, stop)
@@ -146,14 +154,17 @@ def forward_tiles(local_cu, call_rows=None, call_cu_q=None, call_cu_k=None,
 
 
 def with_forward_tiles(schedule: GroupSchedule, block_m: int = DEFAULT_BLOCK_M) -> GroupSchedule:
-    """The schedule with its fused forward's tiles (index tensors on the host, before any
-    `to(device)`), for a schedule that runs batched (no ring steps, or their batched form)."""
+    """The schedule with its fused forward's tiles and its fused backward's key tiles
+    (plan/key_tiles.py; index tensors on the host, before any `to(device)`), for a schedule
+    that runs batched (no ring steps, or their batched form)."""
+    from megatron_eod.plan.key_tiles import key_tiles
+
     if schedule.steps and schedule.batched is None:
         raise ValueError("forward tiles need the batched form of the ring steps")
     call = schedule.batched.call if schedule.batched is not None else None
-    tiles = forward_tiles(
-        schedule.local.cu_seqlens_q.numpy(),
-        None if call is None else call.q_index.numpy(),
-        None if call is None else call.cu_seqlens_q.numpy(),
-        None if call is None else call.cu_seqlens_k.numpy(), block_m)
-    return dataclasses.replace(schedule, forward_tiles=tiles)
+    args = (schedule.local.cu_seqlens_q.numpy(),
+            None if call is None else call.q_index.numpy(),
+            None if call is None else call.cu_seqlens_q.numpy(),
+            None if call is None else call.cu_seqlens_k.numpy())
+    return dataclasses.replace(schedule, forward_tiles=forward_tiles(*args, block_m),
+                               key_tiles=key_tiles(*args))

@@ -33,6 +33,7 @@ from megatron_eod.plan.pieces import Pieces, ranges
 
 if TYPE_CHECKING:  # kv_batched.py and forward_tiles.py build on this module
     from megatron_eod.plan.forward_tiles import ForwardTiles
+    from megatron_eod.plan.key_tiles import KeyTiles
     from megatron_eod.plan.kv_batched import BatchedExchange
 
 __all__ = ["KernelCall", "RingStep", "GroupSchedule", "SplitDocuments", "build_schedule",
@@ -106,6 +107,8 @@ class GroupSchedule:
     # The batched forward as query tiles of one fused kernel (forward_tiles.py): what a
     # kernel backend with `forward_tiles` runs instead of the two calls and the merge.
     forward_tiles: Optional["ForwardTiles"] = None
+    # Its backward's key tiles (key_tiles.py), for the fused backward's dk/dv kernel.
+    key_tiles: Optional["KeyTiles"] = None
 
     def to(self, device) -> "GroupSchedule":
         parts = None if self.local_parts is None else \
@@ -113,7 +116,8 @@ class GroupSchedule:
         return GroupSchedule(self.group, self.num_tokens, self.local.to(device),
                              tuple(s.to(device) for s in self.steps),
                              None if self.batched is None else self.batched.to(device), parts,
-                             None if self.forward_tiles is None else self.forward_tiles.to(device))
+                             None if self.forward_tiles is None else self.forward_tiles.to(device),
+                             None if self.key_tiles is None else self.key_tiles.to(device))
 
     @property
     def kv_tokens_received(self) -> int:

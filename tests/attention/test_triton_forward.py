@@ -54,18 +54,19 @@ def _small_tiles(simulated, block_m=16):
 
 
 @interpreted
+@pytest.mark.parametrize("fused_backward", [False, True], ids=["fwd", "fwd+bwd"])
 @pytest.mark.parametrize("exchange", ["batched", "batched-keep", "batched+concurrent"])
 @pytest.mark.parametrize("algo,cp,degree,kind,b,kv_heads,dim,received", [
     ("ring", 4, None, "mixed", 2, 2, 8, True), ("ring", 4, None, "spanning", 1, 4, 12, True),
     ("hybrid", 8, 2, "mixed", 2, 1, 8, True), ("ring", 2, None, "short", 2, 2, 8, False),
     ("ulysses", 4, None, "mixed", 2, 2, 8, False)])
 def test_fused_forward_equals_dense_reference(algo, cp, degree, kind, b, kv_heads, dim,
-                                              received, exchange):
+                                              received, exchange, fused_backward):
     """`received`: whether some tile reads received keys (the planner splits no document
     of the short layout; Ulysses has no ring)."""
     cu, (q, k, v, dout) = _case(kind, b, 96, 4, kv_heads, dim, seed=cp + b)
     plan = plan_context_parallel(cu, cp, algo, degree)
-    backend = TritonForwardBackend(CPUExactBackend())
+    backend = TritonForwardBackend(CPUExactBackend(), fused_backward)
     exchange, _, concurrent = exchange.partition("+")
     simulated = _small_tiles(SimulatedPlan(plan, q, k, v, dout, backend, 0.3, exchange,
                                            bool(concurrent)))

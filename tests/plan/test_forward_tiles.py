@@ -82,6 +82,59 @@ def test_tiles_cover_exactly_the_document_mask(case, block_m):
             assert bool((cost[:-1] >= cost[1:]).all())
 
 
+def _key_tile_pairs(tiles, row_start, own, received, causal):
+    """Codes of the (query, key) pairs of key tiles as the dk/dv kernel reads them."""
+    out = [np.zeros(0, np.int64)]
+    for k_start, k_stop, q_start, q_stop in tiles.tolist():
+        for key in range(k_start, k_stop):
+            rows = np.arange(q_start, q_stop)
+            if causal:
+                rows = rows[(row_start[rows] <= key) & (key <= rows)]
+                out.append(own[rows] * _CODE + own[key])
+            else:
+                out.append(own[rows] * _CODE + received[key])
+    return np.concatenate(out)
+
+
+@settings(max_examples=examples(60))
+@given(plan_inputs(max_log2_tokens=10, max_cp=simulated_max_cp()),
+       st.sampled_from([16, 64]))
+def test_key_tiles_cover_exactly_the_document_mask(case, block_n):
+    """The fused backward's key tiles (plan/key_tiles.py): their (query, key) pairs are the
+    document mask's, each once; every key row in one tile of at most block_n; longest first."""
+    from megatron_eod.plan.key_tiles import key_tiles
+
+    cu, cp, algo, degree, _ = case
+    plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, degree)
+    tokens = [plan.group_tokens(g) for g in range(plan.ring_size)]
+    schedules = plan.schedules
+    for g, schedule in enumerate(schedules):
+        if schedule.forward_tiles is None:
+            assert schedule.key_tiles is None
+            continue
+        call = schedule.batched.call if schedule.batched else None
+        keys = key_tiles(schedule.local.cu_seqlens_q.numpy(),
+                         *(None, None, None) if call is None else
+                         (call.q_index.numpy(), call.cu_seqlens_q.numpy(),
+                          call.cu_seqlens_k.numpy()), block_n=block_n)
+        own = tokens[g].numpy()
+        received = receive_buffer(schedules, tokens, g).numpy() if schedule.batched else \
+            np.zeros(0, np.int64)
+        row_start = schedule.forward_tiles.row_start.numpy()
+        pairs = np.concatenate([_key_tile_pairs(keys.local, row_start, own, received, True),
+                                _key_tile_pairs(keys.received, row_start, own, received,
+                                                False)])
+        assert np.array_equal(np.sort(pairs), expected_pairs(cu, own))
+        for table, rows in ((keys.local, schedule.num_tokens), (keys.received, received.size)):
+            t = table.long()
+            covered = np.concatenate([np.arange(a, b) for a, b in t[:, :2].tolist()] +
+                                     [np.zeros(0, np.int64)])
+            assert np.array_equal(np.sort(covered), np.arange(rows))
+            assert bool((t[:, 1] - t[:, 0] <= block_n).all())
+            cost = t[:, 3] - t[:, 2]
+            assert bool((cost[:-1] >= cost[1:]).all())
+
+
 def test_tiles_of_a_small_group_by_hand():
     """Local runs 0:10 (one document), 10:40 (another, whose rows 10:25 read received keys
     0:7 of the buffer), 40:43; 16-row tiles: the piece alone, the other rows in 16-row tiles

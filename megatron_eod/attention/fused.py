@@ -1,0 +1,106 @@
+"""The batched executors' fused path: forward and backward as Triton kernels over the tiles.
+
+One job: what `batched_forward` / `batched_backward` (batched.py) run instead of their kernel
+calls and merges where the backend fuses (`TritonForwardBackend`, --cp-fused-forward and
+--cp-fused-backward) and the schedule carries its tiles (plan/forward_tiles.py,
+plan/key_tiles.py). Same exchange, same messages, same landing of returned gradients
+(batched.py's transport calls and `_land`); only the compute differs.
+
+Forward: the query tiles needing no received key while the keys travel, then the others,
+each row's out and lse written once (no merge). Backward: delta = rowsum(dout * out); the
+local keys' dk/dv while the keys travel (or, with the forward's buffer kept, after the
+received keys' dk/dv, whose gradients then travel during it); the received keys' dk/dv, sent
+back to their owners; dq of every row from its received and local keys; the returned
+gradients landed as the batched executor lands them.
+
+What it does not do: no kernels (triton_forward.py, triton_backward.py), no communication of
+its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_eod.attention import batched
+from megatron_eod.attention.backends import accumulation_dtype
+from megatron_eod.attention.streams import Beside
+
+__all__ = ["fused_forward", "fused_backward", "fuses_backward"]
+
+
+def fuses_backward(backend, schedule) -> bool:
+    """Whether `batched_backward` runs the fused backward for this backend and schedule."""
+    return bool(getattr(backend, "fused_backward", False)) and \
+        schedule.key_tiles is not None and schedule.forward_tiles is not None
+
+
+def fused_forward(q_THD, k_TGD, v_TGD, schedule, pending, backend, scale, concurrent_calls):
+    """(out, lse, received buffer) by the backend's fused kernel over the forward's tiles:
+    the tiles needing no received key while the keys travel (`pending`), then the others;
+    each row written once (disjoint rows), no merge. concurrent_calls (on a GPU): the first
+    launch on a side stream, so that the second one's programs fill its tail (streams.py)."""
+    tiles = schedule.forward_tiles
+    out_THD = batched._empty_like(q_THD)
+    # [T, H] over H-major memory, as a varlen kernel's lse (the backward reads it so).
+    lse_TH = torch.empty((q_THD.shape[1], q_THD.shape[0]), dtype=accumulation_dtype(
+        q_THD.dtype), device=q_THD.device).transpose(0, 1)
+
+    def launch(tables, k, v):
+        backend.forward_tiles(q_THD, k_TGD, v_TGD, k, v, tables, tiles.row_start, out_THD,
+                              lse_TH, scale, tiles.block_m)
+
+    received = tiles.with_received.shape[0] > 0
+    local = Beside(lambda: launch(tiles.local_only, None, None), q_THD.device,
+                   concurrent_calls and received)
+    recv_2NGD = None if pending is None else pending.wait()
+    if received:
+        launch(tiles.with_received, *batched._keys(recv_2NGD))
+    local.result()
+    return out_THD, lse_TH, recv_2NGD
+
+
+def fused_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, transport,
+                   backend, scale, keep_received=False, received_2NGD=None):
+    """(dq, dk, dv) in the dtypes of q, k, v by the fused kernels (see the module)."""
+    tiles, keys, exchange = schedule.forward_tiles, schedule.key_tiles, schedule.batched
+    dout_THD = dout_THD if dout_THD.stride(-1) == 1 else dout_THD.contiguous()
+    delta_TH = backend.row_delta(dout_THD, out_THD)
+    dq = batched._empty_like(q_THD)
+    dk, dv = batched._empty_like(k_TGD), batched._empty_like(v_TGD)
+    common = (dout_THD, q_THD, lse_TH, delta_TH, tiles.row_start, scale)
+
+    def local_dkdv():
+        backend.dkdv_tiles(*common, k_TGD, v_TGD, keys.local, dk, dv, True, keys.block_n)
+
+    def received_dkdv(recv_2NGD):
+        """The received rows' gradients, on their way back to their owners."""
+        gk = gv = None
+        if exchange.call is not None:
+            k, v = batched._keys(recv_2NGD)
+            gk, gv = batched._empty_like(k), batched._empty_like(v)
+            backend.dkdv_tiles(*common, k, v, keys.received, gk, gv, False, keys.block_n)
+        return transport.start_all_grad(schedule, gk, gv, k_TGD.shape[1:], k_TGD.dtype,
+                                        q_THD.device)
+
+    def all_dq(recv_2NGD):
+        backend.dq_tiles(*common, k_TGD, v_TGD, None, None, tiles.local_only, dq,
+                         tiles.block_m)
+        if tiles.with_received.shape[0]:
+            backend.dq_tiles(*common, k_TGD, v_TGD, *batched._keys(recv_2NGD),
+                             tiles.with_received, dq, tiles.block_m)
+
+    if exchange is None:  # nothing exchanged (Ulysses, CP=1, a lone group)
+        local_dkdv()
+        all_dq(None)
+        return dq, dk, dv
+    if keep_received:  # the received keys' gradients first: they travel meanwhile
+        recv_2NGD = received_2NGD
+        returning = received_dkdv(recv_2NGD)
+        local_dkdv()
+    else:
+        pending = transport.start_all_kv(schedule, k_TGD, v_TGD)
+        local_dkdv()
+        recv_2NGD = pending.wait()
+        returning = received_dkdv(recv_2NGD)
+    all_dq(recv_2NGD)
+    return (dq,) + batched._land(returning.wait(), dk, dv, exchange, k_TGD.dtype)

@@ -1,0 +1,76 @@
+"""The batched ring's backward as fused Triton kernels over the plan's tiles.
+
+One job: launch the fused backward's kernels (attention/triton_backward_kernels.py) from the
+rows' final out and lse: `tile_dq` over the forward's query tiles (plan/forward_tiles.py;
+each row's received and local keys), `tile_dkdv` over a launch's key tiles
+(plan/key_tiles.py: the local keys, or the received ones), and `row_delta`, the
+rowsum(dout * out) both read. The batched executor (batched.py `_fused_backward`) runs the
+local keys' dk/dv while the keys travel, then the received keys' (their gradients go back to
+their owners) and dq: three kernels and one reduction instead of two backward calls and a
+sum of dq's two terms.
+
+What it does not do: no communication (batched.py), no dropout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_eod.attention.triton_forward import check_tensors
+
+__all__ = ["row_delta", "tile_dq", "tile_dkdv"]
+
+
+def row_delta(dout, out):
+    """float32 [T, H]: each row's and head's dout . out."""
+    return torch.einsum("thd,thd->th", dout.float(), out.float())
+
+
+def _shape(head_dim, block_m, block_n):
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n), \
+        dict(num_warps=4 if block_m * block_n <= 64 * 64 else 8, num_stages=2)
+
+
+def tile_dq(dout, q, k, v, received_k, received_v, lse, delta, tiles, row_start, dq, scale,
+            block_m, block_n=64):
+    """Writes dq of every row of `tiles` (the forward's query tiles of block_m rows)."""
+    check_tensors(q, tiles, row_start, block_m, k=k, v=v, dout=dout, dq=dq)
+    if tiles.shape[0] == 0:
+        return
+    if received_k is None:
+        received_k, received_v = k, v
+    heads, kv_heads = q.shape[1], k.shape[1]
+    constants, options = _shape(q.shape[2], block_m, block_n)
+    from megatron_eod.attention.triton_backward_kernels import attention_dq_kernel
+
+    attention_dq_kernel[(tiles.shape[0] * heads,)](
+        q, k, v, received_k, received_v, dout, lse, delta, dq, tiles, row_start,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        received_k.stride(0), received_k.stride(1), received_v.stride(0),
+        received_v.stride(1), dout.stride(0), dout.stride(1), lse.stride(0), lse.stride(1),
+        delta.stride(0), delta.stride(1), dq.stride(0), dq.stride(1),
+        float(scale) * math.log2(math.e), float(scale), HEADS=heads,
+        GROUP=heads // kv_heads, **constants, **options)
+
+
+def tile_dkdv(dout, q, k, v, lse, delta, key_tiles, row_start, dk, dv, scale, causal,
+              block_n, block_m=64):
+    """Writes dk, dv of every key row of `key_tiles` ([n, 4] of plan/key_tiles.py; k, v the
+    local rows with `causal`, else the receive buffer's)."""
+    check_tensors(q, key_tiles, row_start, 16, k=k, v=v, dout=dout, dk=dk, dv=dv)
+    if key_tiles.shape[0] == 0:
+        return
+    heads, kv_heads = q.shape[1], k.shape[1]
+    constants, options = _shape(q.shape[2], block_m, block_n)
+    from megatron_eod.attention.triton_backward_kernels import attention_dkdv_kernel
+
+    attention_dkdv_kernel[(key_tiles.shape[0] * kv_heads,)](
+        q, k, v, dout, lse, delta, dk, dv, key_tiles, row_start,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        dout.stride(0), dout.stride(1), lse.stride(0), lse.stride(1), delta.stride(0),
+        delta.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        float(scale) * math.log2(math.e), float(scale), KV_HEADS=kv_heads,
+        GROUP=heads // kv_heads, CAUSAL=causal, **constants, **options)

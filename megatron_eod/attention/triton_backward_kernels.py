@@ -1,0 +1,130 @@
+"""The fused backward's Triton kernels (attention/triton_backward.py launches them).
+
+One job: the two kernels of the backward, from the rows' final out and lse (as a flash
+backward): `attention_dq_kernel`, one program per (query tile, head) over the forward's
+tiles, each row's received then local keys (dq = scale * sum_j ds_ij k_j); and
+`attention_dkdv_kernel`, one program per (key tile, key/value head) over a launch's key tiles,
+the query rows that see its keys, every query head of its group (dk = scale * sum_i ds_ij q_i,
+dv = sum_i p_ij dout_i), written once: no atomics. ds_ij = p_ij (dout_i . v_j - delta_i),
+delta_i = dout_i . out_i, p_ij = exp(scale q_i . k_j - lse_i), in base 2 here.
+Imported on first use, as the forward's kernel (Triton reads TRITON_INTERPRET when imported).
+"""
+
+import triton
+import triton.language as tl
+
+from megatron_eod.attention.triton_tile_kernel import _rows
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _ds(q, k, v, do, lse2, delta, visible, qk_scale):
+    """(p, ds) of a block of rows against a block of keys, 0 where a row does not see a key."""
+    p = tl.where(visible, tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v))
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def attention_dq_kernel(Q, K, V, RK, RV, DO, LSE, DELTA, DQ, TILES, ROW_START,
+                        s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_rkt, s_rkh, s_rvt, s_rvh,
+                        s_dot, s_doh, s_lt, s_lh, s_et, s_eh, s_dqt, s_dqh, qk_scale, sm_scale,
+                        HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    tile = tl.program_id(0) // HEADS
+    head = (tl.program_id(0) % HEADS).to(tl.int64)
+    kv_head = head // GROUP
+    q_start = tl.load(TILES + tile * 5)
+    q_stop = tl.load(TILES + tile * 5 + 1)
+    r_start = tl.load(TILES + tile * 5 + 2)
+    r_stop = tl.load(TILES + tile * 5 + 3)
+    l_start = tl.load(TILES + tile * 5 + 4)
+    rows = q_start + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_stop
+    row_at = rows.to(tl.int64)
+    starts = tl.load(ROW_START + rows, mask=row_ok, other=0)
+    dims = tl.arange(0, BLOCK_D)
+    if HEAD_DIM == BLOCK_D:
+        dim_ok = tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        dim_ok = dims < HEAD_DIM
+    row_mask = row_ok[:, None] & dim_ok[None, :]
+    q = _rows(Q, row_at, s_qt, head * s_qh, dims, row_mask)
+    do = _rows(DO, row_at, s_dot, head * s_doh, dims, row_mask)
+    lse2 = tl.load(LSE + row_at * s_lt + head * s_lh, mask=row_ok, other=0.0) * LOG2E
+    delta = tl.load(DELTA + row_at * s_et + head * s_eh, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(r_start, r_stop, BLOCK_N):  # received rows: all visible
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < r_stop
+        at, mask = cols.to(tl.int64), col_ok[:, None] & dim_ok[None, :]
+        k = _rows(RK, at, s_rkt, kv_head * s_rkh, dims, mask)
+        v = _rows(RV, at, s_rvt, kv_head * s_rvh, dims, mask)
+        p, ds = _ds(q, k, v, do, lse2, delta, row_ok[:, None] & col_ok[None, :], qk_scale)
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    for start in range(l_start, q_stop, BLOCK_N):  # local rows: own document, causal
+        cols = start + tl.arange(0, BLOCK_N)
+        at, mask = cols.to(tl.int64), (cols < q_stop)[:, None] & dim_ok[None, :]
+        k = _rows(K, at, s_kt, kv_head * s_kh, dims, mask)
+        v = _rows(V, at, s_vt, kv_head * s_vh, dims, mask)
+        visible = (cols[None, :] >= starts[:, None]) & (cols[None, :] <= rows[:, None]) & \
+            row_ok[:, None]
+        p, ds = _ds(q, k, v, do, lse2, delta, visible, qk_scale)
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    tl.store(DQ + row_at[:, None] * s_dqt + head * s_dqh + dims[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_TILES, ROW_START,
+                          s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_dot, s_doh, s_lt, s_lh,
+                          s_et, s_eh, s_dkt, s_dkh, s_dvt, s_dvh, qk_scale, sm_scale,
+                          KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Key tiles (k_start, k_stop, q_start, q_stop): keys k_start:k_stop of K/V (local rows
+    with CAUSAL: each seen by the rows of its document from itself on; else received rows,
+    seen by every row q_start:q_stop); dk/dv like K/V."""
+    tile = tl.program_id(0) // KV_HEADS
+    kv_head = (tl.program_id(0) % KV_HEADS).to(tl.int64)
+    k_start = tl.load(KEY_TILES + tile * 4)
+    k_stop = tl.load(KEY_TILES + tile * 4 + 1)
+    q_start = tl.load(KEY_TILES + tile * 4 + 2)
+    q_stop = tl.load(KEY_TILES + tile * 4 + 3)
+    cols = k_start + tl.arange(0, BLOCK_N)
+    col_ok = cols < k_stop
+    col_at = cols.to(tl.int64)
+    dims = tl.arange(0, BLOCK_D)
+    if HEAD_DIM == BLOCK_D:
+        dim_ok = tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        dim_ok = dims < HEAD_DIM
+    col_mask = col_ok[:, None] & dim_ok[None, :]
+    k = _rows(K, col_at, s_kt, kv_head * s_kh, dims, col_mask)
+    v = _rows(V, col_at, s_vt, kv_head * s_vh, dims, col_mask)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for member in range(GROUP):  # the query heads reading this key/value head
+        head = kv_head * GROUP + member
+        for start in range(q_start, q_stop, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            row_ok = rows < q_stop
+            row_at = rows.to(tl.int64)
+            row_mask = row_ok[:, None] & dim_ok[None, :]
+            q = _rows(Q, row_at, s_qt, head * s_qh, dims, row_mask)
+            do = _rows(DO, row_at, s_dot, head * s_doh, dims, row_mask)
+            lse2 = tl.load(LSE + row_at * s_lt + head * s_lh, mask=row_ok, other=0.0) * LOG2E
+            delta = tl.load(DELTA + row_at * s_et + head * s_eh, mask=row_ok, other=0.0)
+            visible = row_ok[:, None] & col_ok[None, :]
+            if CAUSAL:
+                starts = tl.load(ROW_START + rows, mask=row_ok, other=0)
+                visible = visible & (cols[None, :] >= starts[:, None]) & \
+                    (cols[None, :] <= rows[:, None])
+            p, ds = _ds(q, k, v, do, lse2, delta, visible, qk_scale)
+            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv)
+            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk)
+    tl.store(DK + col_at[:, None] * s_dkt + kv_head * s_dkh + dims[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=col_mask)
+    tl.store(DV + col_at[:, None] * s_dvt + kv_head * s_dvh + dims[None, :],
+             dv.to(DV.dtype.element_ty), mask=col_mask)
