@@ -61,7 +61,7 @@ class EodCoreAttention(_module.MegatronModule):
                  rope_scaling_factor: float = 8.0,
                  seq_len_interpolation_factor: Optional[float] = None, kernel: str = "auto",
                  ring_exchange: str = "batched", concurrent_calls: bool = False,
-                 fused_forward: bool = False):
+                 fused_forward: bool = False, fused_backward: bool = False):
         super().__init__(config=config)
         if kernel not in ("auto", "flash_attn", "torch"):
             raise ValueError(f"kernel must be 'auto', 'flash_attn' or 'torch', got {kernel!r}")
@@ -90,6 +90,10 @@ class EodCoreAttention(_module.MegatronModule):
         self.ring_exchange = ring_exchange  # the ring executor (--cp-ring-exchange)
         self.concurrent_calls = concurrent_calls  # --cp-concurrent-calls
         self.fused_forward = fused_forward  # --cp-fused-forward
+        self.fused_backward = fused_backward  # --cp-fused-backward (with fused_forward)
+        if fused_backward and not fused_forward:
+            raise ValueError("fused_backward (--cp-fused-backward) needs fused_forward "
+                             "(--cp-fused-forward)")
         self._backends = {}  # (device, dtype) -> backend: chosen once, not per forward
         self._inv_freq = {}  # device -> the rotary inverse frequencies there
 
@@ -126,6 +130,6 @@ class EodCoreAttention(_module.MegatronModule):
         if key not in self._backends:
             backend = get_backend(query.device, query.dtype, prefer=self.kernel)
             if self.fused_forward:  # its kernel names tensors it cannot take
-                backend = TritonForwardBackend(backend)
+                backend = TritonForwardBackend(backend, self.fused_backward)
             self._backends[key] = backend
         return self._backends[key]

@@ -16,7 +16,8 @@ varlen kernel), "flash_attn" (required; what --use-flash-attn asks for) or "torc
 `ring_exchange` the ring executor ("batched", "batched-keep" or "steps", --cp-ring-exchange);
 `concurrent_calls` runs its local call beside the received keys' call on a GPU
 (--cp-concurrent-calls); `fused_forward` the batched forward as one fused Triton kernel
-(--cp-fused-forward, attention/triton_forward.py).
+(--cp-fused-forward, attention/triton_forward.py), `fused_backward` its backward too
+(--cp-fused-backward, attention/triton_backward.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def get_gpt_layer_eod_spec(registry, use_transformer_engine: bool = False,
                            kernel: str = "auto", rope_scaling: bool = False,
                            rope_scaling_factor: float = 8.0,
                            seq_len_interpolation_factor=None, ring_exchange: str = "batched",
-                           concurrent_calls: bool = False, fused_forward: bool = False):
+                           concurrent_calls: bool = False, fused_forward: bool = False,
+                           fused_backward: bool = False):
     specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs")
     spec_module = import_megatron("megatron.core.transformer.spec_utils")
     if use_transformer_engine:
@@ -54,7 +56,8 @@ def get_gpt_layer_eod_spec(registry, use_transformer_engine: bool = False,
                 "rope_scaling_factor": rope_scaling_factor,
                 "seq_len_interpolation_factor": seq_len_interpolation_factor,
                 "kernel": kernel, "ring_exchange": ring_exchange,
-                "concurrent_calls": concurrent_calls, "fused_forward": fused_forward})
+                "concurrent_calls": concurrent_calls, "fused_forward": fused_forward,
+                "fused_backward": fused_backward})
     return spec
 
 

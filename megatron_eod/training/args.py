@@ -38,7 +38,7 @@ from megatron_eod.training.args_pipeline import (add_virtual_pipeline_args,
                                                  chunk_layers)
 from megatron_eod.training.args_device import check_device_flags
 from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIASES,
-                                            FUSED_FORWARD_HELP,
+                                            FUSED_BACKWARD_HELP, FUSED_FORWARD_HELP,
                                             RING_EXCHANGE_HELP, RING_EXCHANGES, FlagError,
                                             check_context_parallel, check_sequence_parallel_rows)
 from megatron_eod.training.cp_spellings import NotGiven, resolve_cp_spellings
@@ -176,6 +176,7 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help=RING_EXCHANGE_HELP)
     g.add_argument("--cp-concurrent-calls", action="store_true", help=CONCURRENT_CALLS_HELP)
     g.add_argument("--cp-fused-forward", action="store_true", help=FUSED_FORWARD_HELP)
+    g.add_argument("--cp-fused-backward", action="store_true", help=FUSED_BACKWARD_HELP)
     switches(g, "--sequence-parallel", "--use-flash-attn", "--reset-attention-mask",
               "--reset-position-ids", "--eod-mask-loss")
     g.add_argument("--use-tp-pp-dp-mapping", action="store_true",

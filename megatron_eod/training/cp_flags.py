@@ -27,7 +27,8 @@ from megatron_eod.attention.ring import RING_EXCHANGES
 from megatron_eod.megatron import gloo_on_cuda
 from megatron_eod.plan import ulysses_degree_for
 
-__all__ = ["CONCURRENT_CALLS_HELP", "CP_ALGO_ALIASES", "FUSED_FORWARD_HELP", "FlagError",
+__all__ = ["CONCURRENT_CALLS_HELP", "CP_ALGO_ALIASES", "FUSED_BACKWARD_HELP",
+           "FUSED_FORWARD_HELP", "FlagError",
            "RING_EXCHANGES",
            "RING_EXCHANGE_HELP", "check_context_parallel", "check_gloo_on_cuda",
            "check_gpu_attention", "check_hybrid_degree", "check_query_groups",
@@ -60,6 +61,12 @@ FUSED_FORWARD_HELP = ("on GPUs, run the attention forward of the batched executo
                       "(a rank receiving over 4x its rows) is not fused, said once. Needs "
                       "CUDA and Triton (PyTorch's CUDA wheels bring it). Off by default "
                       "until measured on hardware: tools/bench_cp_gpu.py's '(fused)' rows")
+
+FUSED_BACKWARD_HELP = ("with --cp-fused-forward, the backward too as fused Triton kernels "
+                       "(attention/triton_backward.py): dq over the forward's query tiles, "
+                       "dk/dv over key tiles with every query head of a key/value head, no "
+                       "atomics; three kernels instead of two backward calls and their sums. "
+                       "Off by default until measured on hardware")
 
 # Accepted --context-parallel-algo values -> the name stored in args.context_parallel_algo.
 CP_ALGO_ALIASES = {"ring": "ring", "ulysses": "ulysses", "hybrid": "hybrid",
@@ -152,6 +159,10 @@ def check_context_parallel(args) -> None:
     if exchange != "batched" and (cp == 1 or algo == "ulysses"):
         warnings.warn(f"--cp-ring-exchange {exchange} has no effect with "
                       f"--context-parallel-size {cp} --context-parallel-algo {algo} (no ring)")
+    _require(not getattr(args, "cp_fused_backward", False) or
+             getattr(args, "cp_fused_forward", False),
+             "--cp-fused-backward needs --cp-fused-forward (its kernels are the fused "
+             "forward's backend's)")
     _require(not getattr(args, "cp_fused_forward", False) or exchange != "steps",
              "--cp-fused-forward fuses the batched ring executors' forward: it needs "
              "--cp-ring-exchange batched or batched-keep, not steps")

@@ -45,7 +45,8 @@ def block_spec(registry, config, args, use_transformer_engine: bool, vp_stage=No
         kernel="flash_attn" if getattr(args, "use_flash_attn", False) else "auto",
         ring_exchange=getattr(args, "cp_ring_exchange", "batched"),
         concurrent_calls=getattr(args, "cp_concurrent_calls", False),
-        fused_forward=getattr(args, "cp_fused_forward", False))
+        fused_forward=getattr(args, "cp_fused_forward", False),
+        fused_backward=getattr(args, "cp_fused_backward", False))
 
 
 def contexts_in_flight(args) -> int:

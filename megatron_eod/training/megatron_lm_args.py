@@ -35,7 +35,7 @@ from megatron_eod.training.megatron_lm_ckpt_rules import (check_decoupled_lr_che
                                                           keep_the_flags_attention_dropout)
 from megatron_eod.training.args_optim import ramp_as_step_schedule
 from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIASES,
-                                            FUSED_FORWARD_HELP,
+                                            FUSED_BACKWARD_HELP, FUSED_FORWARD_HELP,
                                             RING_EXCHANGE_HELP, RING_EXCHANGES, FlagError,
                                             check_context_parallel, check_gloo_on_cuda,
                                             check_gpu_attention,
@@ -121,6 +121,7 @@ def add_eod_args(parser):
                    help=RING_EXCHANGE_HELP)
     g.add_argument("--cp-concurrent-calls", action="store_true", help=CONCURRENT_CALLS_HELP)
     g.add_argument("--cp-fused-forward", action="store_true", help=FUSED_FORWARD_HELP)
+    g.add_argument("--cp-fused-backward", action="store_true", help=FUSED_BACKWARD_HELP)
     g.add_argument("--metrics-file", default=None,
                    help="append one JSON line per iteration and per evaluation")
     g.add_argument("--no-plan-ahead", action="store_false", dest="plan_ahead",

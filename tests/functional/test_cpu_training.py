@@ -169,28 +169,47 @@ def fused_calls(monkeypatch, tmp_path):
     forked after the patch): shows the flag reached the attention."""
     from megatron_eod.attention import triton_forward
 
-    log, launch = tmp_path / "fused_calls", triton_forward.tile_forward
+    from megatron_eod.attention import triton_backward
 
-    def counted(*args, **kwargs):
-        with open(log, "a") as f:
-            f.write(f"{os.getpid()}\n")
-        return launch(*args, **kwargs)
+    log = tmp_path / "fused_calls"
 
-    monkeypatch.setattr(triton_forward, "tile_forward", counted)
-    return lambda: set(log.read_text().split()) if log.exists() else set()
+    def counting(module, name):
+        launch = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            with open(log, "a") as f:
+                f.write(f"{name}:{os.getpid()}\n")
+            return launch(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+
+    for module, name in ((triton_forward, "tile_forward"), (triton_backward, "tile_dq"),
+                         (triton_backward, "tile_dkdv")):
+        counting(module, name)
+
+    def ranks(name="tile_forward"):
+        """The processes that launched `name`."""
+        lines = log.read_text().split() if log.exists() else []
+        return {line.split(":")[1] for line in lines if line.startswith(name + ":")}
+    return ranks
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the fused forward on a CPU needs Triton's interpreter")
-@pytest.mark.parametrize("world,algo", [(2, ["ring"]), (4, ["hybrid", "--ulysses-degree-in-cp",
-                                                            "2"])], ids=["ring2", "hybrid2x2"])
-def test_fused_forward_trains_as_cp1(cp1, short_docs_data, world, algo, fused_calls):
-    """--cp-fused-forward (attention/triton_forward.py, through Triton's interpreter here):
-    every rank's attention forward is the fused kernel, the losses those of CP=1."""
+@pytest.mark.parametrize("world,algo,backward", [
+    (2, ["ring"], False), (4, ["hybrid", "--ulysses-degree-in-cp", "2"], False),
+    (4, ["hybrid", "--ulysses-degree-in-cp", "2"], True)],
+    ids=["ring2", "hybrid2x2", "hybrid2x2-backward"])
+def test_fused_forward_trains_as_cp1(cp1, short_docs_data, world, algo, backward, fused_calls):
+    """--cp-fused-forward (attention/triton_forward.py, through Triton's interpreter here),
+    and --cp-fused-backward: every rank's attention forward (and backward) is the fused
+    kernels, the losses those of CP=1."""
     losses = train(world, short_docs_data, "--context-parallel-size", str(world),
-                   "--context-parallel-algo", *algo, "--cp-fused-forward")
+                   "--context-parallel-algo", *algo, "--cp-fused-forward",
+                   *(["--cp-fused-backward"] if backward else []))
     assert_same(losses, cp1)
     assert len(fused_calls()) == world
+    assert len(fused_calls("tile_dq")) == len(fused_calls("tile_dkdv")) == \
+        (world if backward else 0)
 
 
 def test_tp2_cp2_equals_cp1(cp1, short_docs_data):

@@ -185,6 +185,11 @@ def test_cp_fused_forward(monkeypatch):
                                         r"or batched-keep, not steps"):
         parse("--context-parallel-size", 4, "--cp-ring-exchange", "steps",
               "--cp-fused-forward", "--bf16", world_size=4, cuda=True)
+    args = parse("--context-parallel-size", 4, "--cp-fused-forward", "--cp-fused-backward",
+                 "--bf16", world_size=4, cuda=True)
+    assert args.cp_fused_forward and args.cp_fused_backward
+    with pytest.raises(FlagError, match=r"--cp-fused-backward needs --cp-fused-forward"):
+        parse("--context-parallel-size", 4, "--cp-fused-backward", world_size=4)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(FlagError, match=r"--cp-fused-forward needs CUDA .*drop it on CPU"):
         parse("--context-parallel-size", 4, "--cp-fused-forward", world_size=4)

@@ -12,7 +12,7 @@ from tests.harness import run_ranks
 from tests.megatron.tiny_model import cp_setup
 
 KEYS = ("rotary_percent", "rope_scaling", "rope_scaling_factor", "seq_len_interpolation_factor",
-        "ring_exchange", "concurrent_calls", "fused_forward")
+        "ring_exchange", "concurrent_calls", "fused_forward", "fused_backward")
 
 
 def _wired(rank, world, argv):
@@ -32,12 +32,12 @@ def test_lean_flags_reach_the_spec_and_the_config(tiny_data):
         tiny_data, "--qk-layernorm", "--rotary-interleaved", "--use-rope-scaling",
         "--rope-scaling-factor", "16", "--rotary-seq-len-interpolation-factor", "2",
         "--rotary-percent", "0.5", "--cp-ring-exchange", "batched-keep",
-        "--cp-concurrent-calls", "--cp-fused-forward"))
+        "--cp-concurrent-calls", "--cp-fused-forward", "--cp-fused-backward"))
     assert wired == {"params": {"rotary_percent": 0.5, "rope_scaling": True,
                                 "rope_scaling_factor": 16.0,
                                 "seq_len_interpolation_factor": 2.0,
                                 "ring_exchange": "batched-keep", "concurrent_calls": True,
-                                "fused_forward": True},
+                                "fused_forward": True, "fused_backward": True},
                      "qk_norm": True, "qk_config": True, "interleaved": True,
                      "gpt_positions": "none"}
 
