@@ -22,9 +22,11 @@ time (it sets the step time), forward, backward (forward+backward minus forward)
   ours ... (fused)  the batched ring with its forward as ONE fused Triton kernel over query
                tiles, longest first, each row's received and local keys in one softmax
                (attention/triton_forward.py; no merge), the backward the kernel's own;
-               "whole row, fused kernel" is the whole row as one launch of it, / cp;
+               "whole row, fused kernel" is the whole row as one launch of it, / cp
+               ("... fwd+bwd": with the fused backward's kernels too);
                "(fused, concurrent)": also --cp-concurrent-calls (the fused forward's
-               first launch on a side stream; the backward's calls side by side)
+               first launch on a side stream; the backward's calls side by side);
+               "(fused fwd+bwd)": the backward fused too (--cp-fused-backward)
   ours hybrid  Ulysses degree 2: what ONE rank of a group computes after the all-to-all:
                the group's rows over H/2 query heads (and its share of key/value heads),
                batched and steps (before 2026-11-25 this was the group's all-head work / 2,
@@ -88,7 +90,8 @@ def our_layouts(steps=True):
             if exchange != "steps" or steps]
     return rows + [(f"{name} ({label})", algo, u, exchange, mode)
                    for label, mode in (("concurrent", "beside"), ("concurrent, split", "split"),
-                                       ("fused", "fused"), ("fused, concurrent", "fused beside"))
+                                       ("fused", "fused"), ("fused, concurrent", "fused beside"),
+                                       ("fused fwd+bwd", "fused both"))
                    for name, algo, u, exchange in OURS if exchange == "batched"]
 
 
@@ -111,7 +114,7 @@ def concurrent_calls(mode) -> bool:
 
 def fused(mode) -> bool:
     """Whether a layout of `our_layouts` runs with --cp-fused-forward."""
-    return mode in ("fused", "fused beside")
+    return mode in ("fused", "fused beside", "fused both")
 
 
 class SplitForced:
@@ -146,11 +149,12 @@ def layout_names(steps=True):
     layouts = our_layouts(steps)
     ones = [one_call(name, exchange, mode) for name, _, _, exchange, mode in layouts]
     return (["ideal"] + [name for name, *_ in layouts] + [one for one in ones if one] +
-            [FUSED_IDEAL] + list(REFERENCES))
+            list(FUSED_IDEALS) + list(REFERENCES))
 
 
-# The whole row as ONE launch of the fused kernel, divided by cp: the ideal with that kernel.
-FUSED_IDEAL = "whole row, fused kernel"
+# The whole row as ONE launch of the fused forward kernel (and its backward's), divided by
+# cp: the ideal with those kernels. {row name: fused backward}
+FUSED_IDEALS = {"whole row, fused kernel": False, "whole row, fused kernels fwd+bwd": True}
 
 
 def layout_backend(backend, mode):
@@ -158,7 +162,7 @@ def layout_backend(backend, mode):
     fused Triton kernel over query tiles (attention/triton_forward.py), its backward the
     kernel's own."""
     if fused(mode):
-        return TritonForwardBackend(backend)
+        return TritonForwardBackend(backend, fused_backward=mode == "fused both")
     return SplitForced(backend) if mode == "split" else backend
 
 
@@ -365,14 +369,17 @@ def bench_row(cu, cp, args, device, dtype, backend):
                 cu, [plan_segments(plan, g, cu) for g in range(plan.ring_size)])]
             times[one] = busiest([fns(c, *rank_qkv) for c in calls], args.repeats, device)
             tiles[one] = tiles_over_ideal([[c] for c in calls], cu, cp, u or 1)
-    if wanted(args.only, FUSED_IDEAL):
+    for row, fused_backward in FUSED_IDEALS.items():
+        if not wanted(args.only, row):
+            continue
         whole = plan_context_parallel(torch.from_numpy(cu), 1, "ring")
-        sim = SimulatedPlan(whole, q, k, v, dout, TritonForwardBackend(backend), scale)
+        sim = SimulatedPlan(whole, q, k, v, dout,
+                            TritonForwardBackend(backend, fused_backward), scale)
         sim.schedules = fused_schedules(whole, device, args.tile_rows)
-        times[FUSED_IDEAL] = busiest([(lambda: sim.forward_group(0), lambda: sim.run_group(0))],
-                                     args.repeats, device, cp)
-        tiles[FUSED_IDEAL] = tiles_over_ideal([[whole.schedules[0].local]], cu, cp, 1,
-                                              [s.forward_tiles for s in sim.schedules])
+        times[row] = busiest([(lambda s=sim: s.forward_group(0), lambda s=sim: s.run_group(0))],
+                             args.repeats, device, cp)
+        tiles[row] = tiles_over_ideal([[whole.schedules[0].local]], cu, cp, 1,
+                                      [s.forward_tiles for s in sim.schedules])
     if wanted(args.only, "contiguous"):
         calls = [to_dev(c) for c in prefix_calls(cu, contiguous_segments(cu, cp))]
         times["contiguous"] = busiest([fns(c, q, k, v, dout) for c in calls], args.repeats,

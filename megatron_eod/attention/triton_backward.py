@@ -18,9 +18,9 @@ import math
 
 import torch
 
-from megatron_eod.attention.triton_forward import check_tensors
+from megatron_eod.attention.triton_forward import check_tensors, compile_kernel
 
-__all__ = ["row_delta", "tile_dq", "tile_dkdv"]
+__all__ = ["compile_backward_for", "row_delta", "tile_dq", "tile_dkdv"]
 
 
 def row_delta(dout, out):
@@ -28,14 +28,20 @@ def row_delta(dout, out):
     return torch.einsum("thd,thd->th", dout.float(), out.float())
 
 
+# Blocks without register spills at head_dim 128 on sm_80 and sm_90 (ptxas -v on the PTX of
+# compile_backward_for, tested): dq 128 query rows x 32 keys (64 keys spill on sm_80);
+# dk/dv 64 keys x 32 query rows (64 rows spill on sm_90); 8 warps, 2 stages.
+DQ_BLOCK_N, DKDV_BLOCK_M = 32, 32
+
+
 def _shape(head_dim, block_m, block_n):
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n), \
-        dict(num_warps=4 if block_m * block_n <= 64 * 64 else 8, num_stages=2)
+        dict(num_warps=8, num_stages=2 if head_dim <= 128 else 1)  # shared memory above 128
 
 
 def tile_dq(dout, q, k, v, received_k, received_v, lse, delta, tiles, row_start, dq, scale,
-            block_m, block_n=64):
+            block_m, block_n=DQ_BLOCK_N):
     """Writes dq of every row of `tiles` (the forward's query tiles of block_m rows)."""
     check_tensors(q, tiles, row_start, block_m, k=k, v=v, dout=dout, dq=dq)
     if tiles.shape[0] == 0:
@@ -57,7 +63,7 @@ def tile_dq(dout, q, k, v, received_k, received_v, lse, delta, tiles, row_start,
 
 
 def tile_dkdv(dout, q, k, v, lse, delta, key_tiles, row_start, dk, dv, scale, causal,
-              block_n, block_m=64):
+              block_n, block_m=DKDV_BLOCK_M):
     """Writes dk, dv of every key row of `key_tiles` ([n, 4] of plan/key_tiles.py; k, v the
     local rows with `causal`, else the receive buffer's)."""
     check_tensors(q, key_tiles, row_start, 16, k=k, v=v, dout=dout, dk=dk, dv=dv)
@@ -74,3 +80,20 @@ def tile_dkdv(dout, q, k, v, lse, delta, key_tiles, row_start, dk, dv, scale, ca
         delta.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         float(scale) * math.log2(math.e), float(scale), KV_HEADS=kv_heads,
         GROUP=heads // kv_heads, CAUSAL=causal, **constants, **options)
+
+
+def compile_backward_for(arch: int, dtype: str = "bf16", head_dim: int = 128, group: int = 4,
+                         block_m: int = 128, block_n: int = 64, heads: int = 32):
+    """(dq kernel, dk/dv kernel) compiled for `arch` without a GPU, as
+    triton_forward.compile_for (lse [H, T] memory, delta [T, H] contiguous)."""
+    from megatron_eod.attention.triton_backward_kernels import (attention_dkdv_kernel,
+                                                                attention_dq_kernel)
+
+    constants, options = _shape(head_dim, block_m, DQ_BLOCK_N)
+    dq = compile_kernel(attention_dq_kernel, arch, dtype,
+                        dict(constants, HEADS=heads, GROUP=group), options, ("s_lt", "s_eh"))
+    constants, options = _shape(head_dim, DKDV_BLOCK_M, block_n)
+    dkdv = compile_kernel(attention_dkdv_kernel, arch, dtype,
+                          dict(constants, KV_HEADS=heads // group, GROUP=group, CAUSAL=True),
+                          options, ("s_lt", "s_eh"))
+    return dq, dkdv

@@ -129,26 +129,29 @@ def _compile_time(heads, head_dim, group, block_m):
             dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def device_problem(head_dim: int, dtype: str = "bf16", block_m: int = 128, device=None):
-    """None where the kernel, compiled for this CUDA device's architecture at head_dim, fits
-    the shared memory a program may have there, else why not (start-up checks: a launch that
-    does not fit fails at the first layer, inside the step). Compiles once (Triton caches)."""
+def device_problem(head_dim: int, dtype: str = "bf16", block_m: int = 128, device=None,
+                   backward: bool = False):
+    """None where the kernel (and with `backward` the fused backward's), compiled for this
+    CUDA device's architecture at head_dim, fits the shared memory a program may have there,
+    else why not (start-up checks: a launch that does not fit fails at the first layer,
+    inside the step). Compiles once (Triton caches)."""
     index = torch.cuda.current_device() if device is None else device
     major, minor = torch.cuda.get_device_capability(index)
     props = torch.cuda.get_device_properties(index)
     available = getattr(props, "shared_memory_per_block_optin", None)
     if not available:
         return None  # an older PyTorch: the launch itself will say
-    needed = compile_for(major * 10 + minor, dtype, head_dim, block_m=block_m).metadata.shared
+    arch = major * 10 + minor
+    kernels = [compile_for(arch, dtype, head_dim, block_m=block_m)]
+    if backward:
+        from megatron_eod.attention.triton_backward import compile_backward_for
+        kernels += compile_backward_for(arch, dtype, head_dim, block_m=block_m)
+    needed = max(kernel.metadata.shared for kernel in kernels)
     if needed <= available:
         return None
-    return (f"its kernel needs {needed // 1024} KiB of shared memory per program at head dim "
+    return (f"its kernels need {needed // 1024} KiB of shared memory per program at head dim "
             f"{head_dim} on {props.name} (sm_{major}{minor}), which gives {available // 1024} "
             f"KiB; use a head dim of at most 128 there (--kv-channels), or drop the flag")
-
-
-_ALIGNED_STRIDES = ("s_qt", "s_qh", "s_kt", "s_kh", "s_vt", "s_vh", "s_rkt", "s_rkh", "s_rvt",
-                    "s_rvh", "s_ot", "s_oh", "s_lh")
 
 
 def compile_for(arch: int, dtype: str = "bf16", head_dim: int = 128, group: int = 4,
@@ -156,24 +159,29 @@ def compile_for(arch: int, dtype: str = "bf16", head_dim: int = 128, group: int 
     """The kernel compiled for CUDA compute capability `arch` (e.g. 90) without a GPU (Triton
     ships its own ptxas): how the tests check, on a CPU, that it compiles for the GPUs it will
     run on. Needs TRITON_INTERPRET unset when triton was imported. -> Triton's CompiledKernel."""
+    constants, options = _compile_time(heads, head_dim, group, block_m)
+    return compile_kernel(_kernel(), arch, dtype, constants, options, ones=("s_lt",))
+
+
+def compile_kernel(kernel, arch, dtype, constants, options, ones=()):
+    """`kernel` compiled for `arch`, specialised as a launch is: pointers and the strides
+    named s_* 16-aligned (what lets the loads be vectorised), those in `ones` equal to 1 (lse
+    is [H, T] memory read as [T, H]); pointers to `dtype` but lse, delta (float32) and the
+    tiles (int32); scales float32."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel = _kernel()
-    constants, options = _compile_time(heads, head_dim, group, block_m)
-    types = {"LSE": "*fp32", "TILES": "*i32", "ROW_START": "*i32", "qk_scale": "fp32"}
+    types = {"LSE": "*fp32", "DELTA": "*fp32", "TILES": "*i32", "KEY_TILES": "*i32",
+             "ROW_START": "*i32", "qk_scale": "fp32", "sm_scale": "fp32"}
     signature = {name: types.get(name, "i32" if name.startswith("s_") else f"*{dtype}")
                  for name in kernel.arg_names}
-    signature.update({name: "constexpr" for name in constants})
-    # As a launch specialises them: pointers and row strides 16-aligned (what lets the loads
-    # be vectorised), lse's row stride 1 (lse is [H, T] memory, read as [T, H]).
+    signature.update({name: "constexpr" for name in (*constants, *ones)})
     aligned = [["tt.divisibility", 16]]
     attrs = {(i,): aligned for i, name in enumerate(kernel.arg_names)
-             if signature[name].startswith("*") or name in _ALIGNED_STRIDES}
+             if signature[name].startswith("*") or signature[name] == "i32"}
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
-    constexprs[(kernel.arg_names.index("s_lt"),)] = 1
-    signature["s_lt"] = "constexpr"
+    constexprs.update({(kernel.arg_names.index(name),): 1 for name in ones})
     source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 

@@ -229,7 +229,8 @@ def check_gpu_attention(args, cuda_available: bool) -> None:
         _require(problem is None, f"--cp-fused-forward needs Triton: {problem}")
         if cuda_available and head_dim is not None and not interpreting_triton():
             problem = device_problem(head_dim, "bf16" if getattr(args, "bf16", False)
-                                     else "fp16")
+                                     else "fp16",
+                                     backward=getattr(args, "cp_fused_backward", False))
             _require(problem is None, f"--cp-fused-forward: {problem}")
     if not getattr(args, "use_flash_attn", False):
         return

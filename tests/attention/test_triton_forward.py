@@ -182,16 +182,21 @@ def test_fused_forward_on_gloo_ranks(algo, world, degree, exchange):
 
 COMPILE = """
 import sys
+from megatron_eod.attention.triton_backward import compile_backward_for
 from megatron_eod.attention.triton_forward import compile_for
 for arch in (80, 90):
     for dtype, head_dim, group, block_m in (("bf16", 128, 4, 128), ("fp16", 64, 1, 64),
                                             ("bf16", 80, 8, 16), ("bf16", 256, 2, 128)):
-        kernel = compile_for(arch, dtype, head_dim, group, block_m)
-        assert kernel.asm["cubin"], (arch, dtype, head_dim)
-        # vectorised, pipelined loads (16-byte aligned rows, as a launch specialises them)
-        ptx = kernel.asm["ptx"]
-        assert "ld.global.v4" in ptx and "cp.async" in ptx, (arch, dtype, head_dim)
-        assert kernel.metadata.shared <= LIMIT[arch], (arch, head_dim, kernel.metadata.shared)
+        for kernel in (compile_for(arch, dtype, head_dim, group, block_m),
+                       *compile_backward_for(arch, dtype, head_dim, group, block_m)):
+            assert kernel.asm["cubin"], (arch, dtype, head_dim)
+            # vectorised loads (16-byte aligned rows, as a launch specialises them), pipelined
+            # up to head_dim 128 (above, the backward's kernels run one stage: shared memory)
+            ptx = kernel.asm["ptx"]
+            assert "ld.global.v4" in ptx, (arch, dtype, head_dim)
+            assert "cp.async" in ptx or head_dim > 128, (arch, dtype, head_dim)
+            assert kernel.metadata.shared <= LIMIT[arch], (arch, head_dim,
+                                                           kernel.metadata.shared)
 
 # No register spills at the shapes training uses most (ptxas -v, Triton's own ptxas).
 import os, subprocess, tempfile
@@ -199,12 +204,14 @@ import triton
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 for arch in (80, 90):
     for dtype, head_dim in (("bf16", 128), ("fp16", 64)):
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(compile_for(arch, dtype, head_dim).asm["ptx"])
-        report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a" if arch == 90 else
-                                 "sm_80", f.name, "-o", os.devnull], capture_output=True,
-                                text=True, check=True).stderr
-        assert " 0 bytes spill stores" in report, (arch, dtype, head_dim, report)
+        for kernel in (compile_for(arch, dtype, head_dim),
+                       *compile_backward_for(arch, dtype, head_dim)):
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+                f.write(kernel.asm["ptx"])
+            report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a" if arch == 90 else
+                                     "sm_80", f.name, "-o", os.devnull], capture_output=True,
+                                    text=True, check=True).stderr
+            assert " 0 bytes spill stores" in report, (arch, dtype, head_dim, report)
 
 # The start-up check: a device whose programs get too little shared memory is named.
 import types
@@ -220,6 +227,7 @@ for (major, minor), name, optin in (((8, 9), "L40S", 101376), ((9, 0), "H100", 2
     assert (problem is None) == (name == "H100"), problem
     assert problem is None or ("KiB of shared memory per program at head dim 256 on L40S "
                                "(sm_89)" in problem), problem
+    assert tf.device_problem(128, backward=True) is None, name  # the backward's fit too
 print("compiled")
 """
 # Shared memory a program may have: A100 (sm_80) 163 KiB, H100/H200 (sm_90) 227 KiB.
@@ -243,19 +251,22 @@ def test_kernel_compiles_for_ampere_and_hopper(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("exchange", ["batched", "batched-keep", "batched+concurrent"])
+@pytest.mark.parametrize("exchange", ["batched", "batched-keep", "batched+concurrent",
+                                      "batched+backward", "batched-keep+backward"])
 @pytest.mark.parametrize("algo,cp,degree", [("ring", 4, None), ("ring", 8, None),
                                             ("hybrid", 8, 2)])
 def test_fused_forward_on_gpu_in_bf16(algo, cp, degree, exchange):
-    """bf16 within twice CP=1's error; with concurrent_calls (its first launch on a side
-    stream) the forward is the one-stream forward bit for bit, run after run."""
+    """bf16 within twice CP=1's error (with "+backward" the fused backward's gradients too);
+    with concurrent_calls (its first launch on a side stream) the forward is the one-stream
+    forward bit for bit, run after run."""
     cu, tensors = _case("mixed", 2, 1024, 8, 2, 64, seed=1, device="cuda",
                         dtype=torch.bfloat16)
     plan = plan_context_parallel(cu, cp, algo, degree)
     ref = _oracle(*tensors, cu, 0.125)
-    backend = TritonForwardBackend(TorchVarlenBackend())
-    exchange, _, concurrent = exchange.partition("+")
-    got = SimulatedPlan(plan, *tensors, backend, 0.125, exchange, bool(concurrent)).run()
+    exchange, _, suffix = exchange.partition("+")
+    concurrent = suffix == "concurrent"
+    backend = TritonForwardBackend(TorchVarlenBackend(), suffix == "backward")
+    got = SimulatedPlan(plan, *tensors, backend, 0.125, exchange, concurrent).run()
     if concurrent:
         both = SimulatedPlan(plan, *tensors, backend, 0.125, exchange, True)
         alone = SimulatedPlan(plan, *tensors, backend, 0.125, exchange)
@@ -283,9 +294,10 @@ def test_fused_forward_refuses_float32_on_gpu():
 
 
 @pytest.mark.gpu
-def test_fused_forward_makes_no_host_syncs_on_gpu():
+@pytest.mark.parametrize("fused_backward", [False, True])
+def test_fused_forward_makes_no_host_syncs_on_gpu(fused_backward):
     cu, tensors = _case("mixed", 2, 1024, 8, 2, 64, seed=2, device="cuda",
                         dtype=torch.bfloat16)
     plan = plan_context_parallel(cu, 4, "ring")
-    run_without_host_syncs(SimulatedPlan(plan, *tensors,
-                                         TritonForwardBackend(TorchVarlenBackend()), 0.125))
+    backend = TritonForwardBackend(TorchVarlenBackend(), fused_backward)
+    run_without_host_syncs(SimulatedPlan(plan, *tensors, backend, 0.125))

@@ -49,7 +49,8 @@ def test_small_cpu_run_of_the_fused_rows(capsys, monkeypatch):
     assert [r[0] for r in rows] == ["| " + name for name in (
         "ideal", "ours ring (fused)", "ours hybrid u=2 (fused)",
         "ours ring (fused, concurrent)", "ours hybrid u=2 (fused, concurrent)",
-        "whole row, fused kernel")]
+        "ours ring (fused fwd+bwd)", "ours hybrid u=2 (fused fwd+bwd)",
+        "whole row, fused kernel", "whole row, fused kernels fwd+bwd")]
     # Its tiles are its own (short documents share them): it may need fewer than the ideal's.
     _check_cells(rows, least_tiles=0.5)
 
@@ -197,7 +198,8 @@ def _printed_layouts(out):
                "ours hybrid u=2 (concurrent)", "ours ring (concurrent, split)",
                "ours hybrid u=2 (concurrent, split)", "ours ring (fused)",
                "ours hybrid u=2 (fused)", "ours ring (fused, concurrent)",
-               "ours hybrid u=2 (fused, concurrent)"]),
+               "ours hybrid u=2 (fused, concurrent)", "ours ring (fused fwd+bwd)",
+               "ours hybrid u=2 (fused fwd+bwd)"]),
 ])
 def test_only_times_the_layouts_it_names_and_the_ideal(monkeypatch, capsys, only, expected):
     """--only (a short GPU lease's way to the open rows): the layouts whose name the pattern

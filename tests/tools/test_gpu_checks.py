@@ -101,7 +101,7 @@ def test_the_short_lease_stages_select_the_open_rows_and_their_baselines():
     ours = [name for name, *_ in bench_cp_gpu.our_layouts(steps=False)]
     assert selected("bench-open", bench_cp_gpu.layout_names(steps=False)) == [
         "ideal", *ours, "ours ring (one call)", "ours hybrid u=2 (one call)",
-        "whole row, fused kernel"]
+        "whole row, fused kernel", "whole row, fused kernels fwd+bwd"]
     assert selected("profile-open", [name for name, *_ in bench_cp_gpu.our_layouts()]) == ours
 
 

@@ -194,7 +194,7 @@ def test_cp_fused_forward(monkeypatch):
     with pytest.raises(FlagError, match=r"--cp-fused-forward needs CUDA .*drop it on CPU"):
         parse("--context-parallel-size", 4, "--cp-fused-forward", world_size=4)
     monkeypatch.setattr("megatron_eod.training.cp_flags.device_problem",
-                        lambda head_dim, dtype: f"too big at {head_dim} in {dtype}")
+                        lambda head_dim, dtype, backward: f"too big at {head_dim} in {dtype}")
     with pytest.raises(FlagError, match=r"--cp-fused-forward: too big at 8 in bf16"):
         parse("--context-parallel-size", 4, "--cp-fused-forward", "--bf16", world_size=4,
               cuda=True)
