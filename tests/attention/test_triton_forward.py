@@ -67,6 +67,8 @@ def test_fused_forward_equals_dense_reference(algo, cp, degree, kind, b, kv_head
     cu, (q, k, v, dout) = _case(kind, b, 96, 4, kv_heads, dim, seed=cp + b)
     plan = plan_context_parallel(cu, cp, algo, degree)
     backend = TritonForwardBackend(CPUExactBackend(), fused_backward)
+    if fused_backward and "+" in exchange:
+        pytest.skip("the fused backward runs no side stream: the batched case covers it")
     exchange, _, concurrent = exchange.partition("+")
     simulated = _small_tiles(SimulatedPlan(plan, q, k, v, dout, backend, 0.3, exchange,
                                            bool(concurrent)))
@@ -187,8 +189,9 @@ from megatron_eod.attention.triton_forward import compile_for
 for arch in (80, 90):
     for dtype, head_dim, group, block_m in (("bf16", 128, 4, 128), ("fp16", 64, 1, 64),
                                             ("bf16", 80, 8, 16), ("bf16", 256, 2, 128)):
-        for kernel in (compile_for(arch, dtype, head_dim, group, block_m),
-                       *compile_backward_for(arch, dtype, head_dim, group, block_m)):
+        backward = compile_backward_for(arch, dtype, head_dim, group, block_m) \
+            if block_m > 16 else ()  # (16-row tiles: the forward's shape only, for time)
+        for kernel in (compile_for(arch, dtype, head_dim, group, block_m), *backward):
             assert kernel.asm["cubin"], (arch, dtype, head_dim)
             # vectorised loads (16-byte aligned rows, as a launch specialises them), pipelined
             # up to head_dim 128 (above, the backward's kernels run one stage: shared memory)
@@ -203,15 +206,14 @@ import os, subprocess, tempfile
 import triton
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 for arch in (80, 90):
-    for dtype, head_dim in (("bf16", 128), ("fp16", 64)):
-        for kernel in (compile_for(arch, dtype, head_dim),
-                       *compile_backward_for(arch, dtype, head_dim)):
+    for shape in (("bf16", 128, 4, 128), ("fp16", 64, 1, 64)):  # compiled above: cached
+        for kernel in (compile_for(arch, *shape), *compile_backward_for(arch, *shape)):
             with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
                 f.write(kernel.asm["ptx"])
             report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a" if arch == 90 else
                                      "sm_80", f.name, "-o", os.devnull], capture_output=True,
                                     text=True, check=True).stderr
-            assert " 0 bytes spill stores" in report, (arch, dtype, head_dim, report)
+            assert " 0 bytes spill stores" in report, (arch, shape, report)
 
 # The start-up check: a device whose programs get too little shared memory is named.
 import types
