@@ -13,7 +13,7 @@ Imported on first use, as the forward's kernel (Triton reads TRITON_INTERPRET wh
 import triton
 import triton.language as tl
 
-from megatron_eod.attention.triton_tile_kernel import _rows
+from megatron_eod.attention.triton_tile_kernel import _head_dims, _key_block, _query_tile, _rows
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -32,23 +32,9 @@ def attention_dq_kernel(Q, K, V, RK, RV, DO, LSE, DELTA, DQ, TILES, ROW_START,
                         s_dot, s_doh, s_lt, s_lh, s_et, s_eh, s_dqt, s_dqh, qk_scale, sm_scale,
                         HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    tile = tl.program_id(0) // HEADS
-    head = (tl.program_id(0) % HEADS).to(tl.int64)
-    kv_head = head // GROUP
-    q_start = tl.load(TILES + tile * 5)
-    q_stop = tl.load(TILES + tile * 5 + 1)
-    r_start = tl.load(TILES + tile * 5 + 2)
-    r_stop = tl.load(TILES + tile * 5 + 3)
-    l_start = tl.load(TILES + tile * 5 + 4)
-    rows = q_start + tl.arange(0, BLOCK_M)
-    row_ok = rows < q_stop
-    row_at = rows.to(tl.int64)
-    starts = tl.load(ROW_START + rows, mask=row_ok, other=0)
-    dims = tl.arange(0, BLOCK_D)
-    if HEAD_DIM == BLOCK_D:
-        dim_ok = tl.full([BLOCK_D], 1, tl.int1)
-    else:
-        dim_ok = dims < HEAD_DIM
+    head, kv_head, r_start, r_stop, l_start, q_stop, rows, row_ok, row_at, starts = \
+        _query_tile(TILES, ROW_START, HEADS, GROUP, BLOCK_M)
+    dims, dim_ok = _head_dims(HEAD_DIM, BLOCK_D)
     row_mask = row_ok[:, None] & dim_ok[None, :]
     q = _rows(Q, row_at, s_qt, head * s_qh, dims, row_mask)
     do = _rows(DO, row_at, s_dot, head * s_doh, dims, row_mask)
@@ -56,18 +42,13 @@ def attention_dq_kernel(Q, K, V, RK, RV, DO, LSE, DELTA, DQ, TILES, ROW_START,
     delta = tl.load(DELTA + row_at * s_et + head * s_eh, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(r_start, r_stop, BLOCK_N):  # received rows: all visible
-        cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < r_stop
-        at, mask = cols.to(tl.int64), col_ok[:, None] & dim_ok[None, :]
-        k = _rows(RK, at, s_rkt, kv_head * s_rkh, dims, mask)
-        v = _rows(RV, at, s_rvt, kv_head * s_rvh, dims, mask)
+        cols, col_ok, k, v = _key_block(RK, RV, start, r_stop, s_rkt, kv_head * s_rkh, s_rvt,
+                                        kv_head * s_rvh, dims, dim_ok, BLOCK_N)
         p, ds = _ds(q, k, v, do, lse2, delta, row_ok[:, None] & col_ok[None, :], qk_scale)
         dq = tl.dot(ds.to(k.dtype), k, dq)
     for start in range(l_start, q_stop, BLOCK_N):  # local rows: own document, causal
-        cols = start + tl.arange(0, BLOCK_N)
-        at, mask = cols.to(tl.int64), (cols < q_stop)[:, None] & dim_ok[None, :]
-        k = _rows(K, at, s_kt, kv_head * s_kh, dims, mask)
-        v = _rows(V, at, s_vt, kv_head * s_vh, dims, mask)
+        cols, col_ok, k, v = _key_block(K, V, start, q_stop, s_kt, kv_head * s_kh, s_vt,
+                                        kv_head * s_vh, dims, dim_ok, BLOCK_N)
         visible = (cols[None, :] >= starts[:, None]) & (cols[None, :] <= rows[:, None]) & \
             row_ok[:, None]
         p, ds = _ds(q, k, v, do, lse2, delta, visible, qk_scale)
@@ -95,11 +76,7 @@ def attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_TILES, ROW_START,
     cols = k_start + tl.arange(0, BLOCK_N)
     col_ok = cols < k_stop
     col_at = cols.to(tl.int64)
-    dims = tl.arange(0, BLOCK_D)
-    if HEAD_DIM == BLOCK_D:
-        dim_ok = tl.full([BLOCK_D], 1, tl.int1)
-    else:
-        dim_ok = dims < HEAD_DIM
+    dims, dim_ok = _head_dims(HEAD_DIM, BLOCK_D)
     col_mask = col_ok[:, None] & dim_ok[None, :]
     k = _rows(K, col_at, s_kt, kv_head * s_kh, dims, col_mask)
     v = _rows(V, col_at, s_vt, kv_head * s_vh, dims, col_mask)

@@ -26,6 +26,45 @@ def _rows(base, at, row_stride, head_offset, dims, mask):
 
 
 @triton.jit
+def _key_block(K, V, start, stop, s_kt, k_head, s_vt, v_head, dims, dim_ok,
+               BLOCK_N: tl.constexpr):
+    """(key rows start.., which are below stop, their k, their v) of one key/value head."""
+    cols = start + tl.arange(0, BLOCK_N)
+    col_ok = cols < stop
+    at, mask = cols.to(tl.int64), col_ok[:, None] & dim_ok[None, :]
+    return cols, col_ok, _rows(K, at, s_kt, k_head, dims, mask), _rows(V, at, s_vt, v_head,
+                                                                        dims, mask)
+
+
+@triton.jit
+def _head_dims(HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(the head dim's offsets, which are real): no mask where the block is the head dim, so
+    that its loads stay vectorised."""
+    dims = tl.arange(0, BLOCK_D)
+    if HEAD_DIM == BLOCK_D:
+        dim_ok = tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        dim_ok = dims < HEAD_DIM
+    return dims, dim_ok
+
+
+@triton.jit
+def _query_tile(TILES, ROW_START, HEADS: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """This program's query tile and head (heads fastest): (head, kv_head, r_start, r_stop,
+    l_start, q_stop, rows, row_ok, rows in 64 bits, each row's document start)."""
+    tile = tl.program_id(0) // HEADS
+    head = (tl.program_id(0) % HEADS).to(tl.int64)
+    q_start = tl.load(TILES + tile * 5)
+    q_stop = tl.load(TILES + tile * 5 + 1)
+    rows = q_start + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_stop
+    starts = tl.load(ROW_START + rows, mask=row_ok, other=0)
+    return (head, head // GROUP, tl.load(TILES + tile * 5 + 2), tl.load(TILES + tile * 5 + 3),
+            tl.load(TILES + tile * 5 + 4), q_stop, rows, row_ok, rows.to(tl.int64), starts)
+
+
+@triton.jit
 def _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale):
     """One key block into the running (max, sum, out) of the rows: a block no key of which
     a row sees leaves the row as it was (its max stays -inf, its weights 0)."""
@@ -44,39 +83,20 @@ def attention_tile_kernel(Q, K, V, RK, RV, O, LSE, TILES, ROW_START,
                           s_ot, s_oh, s_lt, s_lh, qk_scale,
                           HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    tile = tl.program_id(0) // HEADS
-    head = (tl.program_id(0) % HEADS).to(tl.int64)
-    kv_head = head // GROUP
-    q_start = tl.load(TILES + tile * 5)
-    q_stop = tl.load(TILES + tile * 5 + 1)
-    r_start = tl.load(TILES + tile * 5 + 2)
-    r_stop = tl.load(TILES + tile * 5 + 3)
-    l_start = tl.load(TILES + tile * 5 + 4)
-    rows = q_start + tl.arange(0, BLOCK_M)
-    row_ok = rows < q_stop
-    row_at = rows.to(tl.int64)
-    starts = tl.load(ROW_START + rows, mask=row_ok, other=0)  # each row's document start
-    dims = tl.arange(0, BLOCK_D)
-    if HEAD_DIM == BLOCK_D:  # no mask along the head dim: its loads stay vectorised
-        dim_ok = tl.full([BLOCK_D], 1, tl.int1)
-    else:
-        dim_ok = dims < HEAD_DIM
+    head, kv_head, r_start, r_stop, l_start, q_stop, rows, row_ok, row_at, starts = \
+        _query_tile(TILES, ROW_START, HEADS, GROUP, BLOCK_M)
+    dims, dim_ok = _head_dims(HEAD_DIM, BLOCK_D)
     q = _rows(Q, row_at, s_qt, head * s_qh, dims, row_ok[:, None] & dim_ok[None, :])
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(r_start, r_stop, BLOCK_N):  # received rows: all visible
-        cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < r_stop
-        at, mask = cols.to(tl.int64), col_ok[:, None] & dim_ok[None, :]
-        k = _rows(RK, at, s_rkt, kv_head * s_rkh, dims, mask)
-        v = _rows(RV, at, s_rvt, kv_head * s_rvh, dims, mask)
+        cols, col_ok, k, v = _key_block(RK, RV, start, r_stop, s_rkt, kv_head * s_rkh, s_rvt,
+                                        kv_head * s_rvh, dims, dim_ok, BLOCK_N)
         m_i, l_i, acc = _softmax_step(q, k, v, col_ok[None, :], m_i, l_i, acc, qk_scale)
     for start in range(l_start, q_stop, BLOCK_N):  # local rows: own document, causal
-        cols = start + tl.arange(0, BLOCK_N)
-        at, mask = cols.to(tl.int64), (cols < q_stop)[:, None] & dim_ok[None, :]
-        k = _rows(K, at, s_kt, kv_head * s_kh, dims, mask)
-        v = _rows(V, at, s_vt, kv_head * s_vh, dims, mask)
+        cols, col_ok, k, v = _key_block(K, V, start, q_stop, s_kt, kv_head * s_kh, s_vt,
+                                        kv_head * s_vh, dims, dim_ok, BLOCK_N)
         visible = (cols[None, :] >= starts[:, None]) & (cols[None, :] <= rows[:, None])
         m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale)
     # Every row sees at least itself: l_i > 0 and m_i finite on the rows written.
