@@ -70,106 +70,14 @@ from megatron_eod.attention import triton_forward  # noqa: E402
 from megatron_eod.attention.triton_forward import TritonForwardBackend  # noqa: E402
 from megatron_eod.attention.ulysses import kv_repeat_for_degree  # noqa: E402
 from megatron_eod.plan.cost import doc_pairs  # noqa: E402
-from megatron_eod.plan.forward_tiles import DEFAULT_BLOCK_M, with_forward_tiles  # noqa: E402
+from megatron_eod.plan.forward_tiles import DEFAULT_BLOCK_M  # noqa: E402
 from megatron_eod.plan.kv_schedule import call_from_rows  # noqa: E402
 from tile_model import plan_calls, tiles_over_ideal  # noqa: E402
 
 
-# Our layouts: (name, algo, Ulysses degree, ring executor); the other tools report the same.
-OURS = (("ours ring", "ring", None, "batched"), ("ours ring (steps)", "ring", None, "steps"),
-        ("ours hybrid u=2", "hybrid", 2, "batched"),
-        ("ours hybrid u=2 (steps)", "hybrid", 2, "steps"))
-
-
-def our_layouts(steps=True):
-    """(name, algo, Ulysses degree, ring exchange, concurrency) of each of our layouts the
-    GPU tools time: OURS (the steps rows only with `steps`), then the batched ones with
-    --cp-concurrent-calls, concurrency "beside" (as the executor runs it with this kernel)
-    and "split" (the local call's parts forced: `layout_backend`); False without."""
-    rows = [(name, algo, u, exchange, False) for name, algo, u, exchange in OURS
-            if exchange != "steps" or steps]
-    return rows + [(f"{name} ({label})", algo, u, exchange, mode)
-                   for label, mode in (("concurrent", "beside"), ("concurrent, split", "split"),
-                                       ("fused", "fused"), ("fused, concurrent", "fused beside"),
-                                       ("fused fwd+bwd", "fused both"))
-                   for name, algo, u, exchange in OURS if exchange == "batched"]
-
-
-def parse_fused_config(p, text):
-    """--fused-config BLOCK_N:WARPS:STAGES as a tuple, each checked (argparse error)."""
-    parts = text.split(":")
-    if len(parts) != 3 or not all(x.isdigit() for x in parts):
-        p.error(f"--fused-config: BLOCK_N:WARPS:STAGES (e.g. 64:8:3), got {text!r}")
-    block_n, warps, stages = (int(x) for x in parts)
-    if block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16) or stages < 1:
-        p.error(f"--fused-config {text}: BLOCK_N a power of two >= 16, WARPS 1, 2, 4, 8 or "
-                f"16, STAGES >= 1")
-    return block_n, warps, stages
-
-
-def concurrent_calls(mode) -> bool:
-    """Whether a layout of `our_layouts` runs with --cp-concurrent-calls."""
-    return mode in ("beside", "split", "fused beside")
-
-
-def fused(mode) -> bool:
-    """Whether a layout of `our_layouts` runs with --cp-fused-forward."""
-    return mode in ("fused", "fused beside", "fused both")
-
-
-class SplitForced:
-    """`backend` claiming to write into given tensors, so that the batched ring runs the
-    local call in its two parts with concurrent_calls whatever the kernel (every backend
-    takes out= and grads=, copying there where its kernel cannot)."""
-
-    writes_out = writes_grads = True
-
-    def __init__(self, backend):
-        self.backend, self.name = backend, backend.name
-
-    def forward(self, *args, **kwargs):
-        return self.backend.forward(*args, **kwargs)
-
-    def backward(self, *args, **kwargs):
-        return self.backend.backward(*args, **kwargs)
-
-
-REFERENCES = ("contiguous", "doc-zigzag (padded)")
-
-
-def one_call(name, exchange, concurrent):
-    """The name of the "(one call)" row made from our layout `name`, or None: only the
-    batched executor without concurrency has one."""
-    return f"{name} (one call)" if exchange == "batched" and not concurrent else None
-
-
-def layout_names(steps=True):
-    """Every layout a bench row can time, in its table's order but for the "(one call)"
-    rows, which follow the row they are made from."""
-    layouts = our_layouts(steps)
-    ones = [one_call(name, exchange, mode) for name, _, _, exchange, mode in layouts]
-    return (["ideal"] + [name for name, *_ in layouts] + [one for one in ones if one] +
-            list(FUSED_IDEALS) + list(REFERENCES))
-
-
-# The whole row as ONE launch of the fused forward kernel (and its backward's), divided by
-# cp: the ideal with those kernels. {row name: fused backward}
-FUSED_IDEALS = {"whole row, fused kernel": False, "whole row, fused kernels fwd+bwd": True}
-
-
-def layout_backend(backend, mode):
-    """The backend a layout of `our_layouts` runs with: "fused", the batched forward as the
-    fused Triton kernel over query tiles (attention/triton_forward.py), its backward the
-    kernel's own."""
-    if fused(mode):
-        return TritonForwardBackend(backend, fused_backward=mode == "fused both")
-    return SplitForced(backend) if mode == "split" else backend
-
-
-def fused_schedules(plan, device, tile_rows):
-    """The plan's schedules on `device`, their forward tiles of `tile_rows` query rows."""
-    return [(s if s.forward_tiles is None or tile_rows == s.forward_tiles.block_m
-             else with_forward_tiles(s, tile_rows)).to(device) for s in plan.schedules]
+from bench_layouts import (FUSED_IDEALS, concurrent_calls, fused,  # noqa: E402
+                           fused_schedules, layout_backend, layout_names, one_call,
+                           our_layouts, parse_fused_config)
 
 
 def timed(fn, repeats, device):

@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
 from bench_cp import pack_rows, stdlib_lengths, web_row  # noqa: E402
-from bench_cp_gpu import OURS  # noqa: E402
+from bench_layouts import OURS  # noqa: E402
 from tile_model import TILES, plan_calls, tiles_over_ideal  # noqa: E402
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention import batched, ring  # noqa: E402

@@ -40,8 +40,8 @@ import torch  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from bench_cp_gpu import (concurrent_calls, layout_backend, our_layouts,  # noqa: E402
-                          random_qkv, timed, ulysses_rank_inputs)
+from bench_cp_gpu import random_qkv, timed, ulysses_rank_inputs  # noqa: E402
+from bench_layouts import concurrent_calls, layout_backend, our_layouts  # noqa: E402
 from bench_selection import (mix_rows, parse_configs, parse_mixes, parse_only,  # noqa: E402
                              positive_int, tokens_label, wanted)
 from megatron_eod import plan_context_parallel  # noqa: E402

@@ -4,7 +4,7 @@ One job: launch the fused backward's kernels (attention/triton_backward_kernels.
 rows' final out and lse: `tile_dq` over the forward's query tiles (plan/forward_tiles.py;
 each row's received and local keys), `tile_dkdv` over a launch's key tiles
 (plan/key_tiles.py: the local keys, or the received ones), and `row_delta`, the
-rowsum(dout * out) both read. The batched executor (batched.py `_fused_backward`) runs the
+rowsum(dout * out) both read. The batched executors' fused path (fused.py) runs the
 local keys' dk/dv while the keys travel, then the received keys' (their gradients go back to
 their owners) and dq: three kernels and one reduction instead of two backward calls and a
 sum of dq's two terms.

@@ -22,7 +22,8 @@ Triton is imported on first use; with TRITON_INTERPRET=1 set before anything imp
 (megatron-core does), the kernel runs on CPU tensors through Triton's interpreter: how the
 tests check it without a GPU (tests/conftest.py sets it where there is none).
 
-What it does not do: no backward, no communication, no dropout, no head_dim above 256.
+What it does not do: no backward (triton_backward.py, or the base backend's), no
+communication, no dropout, no head_dim above 256.
 """
 
 from __future__ import annotations

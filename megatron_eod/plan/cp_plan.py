@@ -29,7 +29,7 @@ from megatron_eod.plan.kv_batched import MAX_RECEIVED_PER_ROW, rows_received, wi
 from megatron_eod.plan.kv_schedule import (GroupSchedule, SplitDocuments, build_schedule,
                                            schedule_totals)
 from megatron_eod.plan.local_order import order_for_exchange
-from megatron_eod.plan.forward_tiles import with_forward_tiles
+from megatron_eod.plan.forward_tiles import with_fused_tiles
 from megatron_eod.plan.local_split import with_local_parts
 from megatron_eod.plan.partition import Placement, partition_documents
 from megatron_eod.plan.pieces import Pieces
@@ -94,7 +94,7 @@ class CPPlan:
                 schedule = with_batched(schedule, self._split_documents())
             schedule = with_local_parts(schedule)
             if not schedule.steps or schedule.batched is not None:
-                schedule = with_forward_tiles(schedule)
+                schedule = with_fused_tiles(schedule)
             if self.device is not None and self.device.type != "cpu":
                 schedule = schedule.to(self.device)
             self._cache[key] = schedule

@@ -39,15 +39,15 @@ import torch
 
 from megatron_eod.plan.kv_schedule import GroupSchedule, to_device
 
-__all__ = ["ForwardTiles", "forward_tiles", "with_forward_tiles", "TILE_FIELDS",
-           "DEFAULT_BLOCK_M"]
+__all__ = ["ForwardTiles", "forward_tiles", "with_fused_tiles", "DEFAULT_BLOCK_M",
+           "cut_ranges", "pack_short", "received_pieces"]
 
-TILE_FIELDS = ("q_start", "q_stop", "r_start", "r_stop", "l_start")
 DEFAULT_BLOCK_M = 128  # query rows per tile (the fused kernel's BLOCK_M: a power of two)
 
 
 class ForwardTiles(NamedTuple):
-    """`local_only`, `with_received`: int32 [n, 5] tiles (TILE_FIELDS), each longest first;
+    """`local_only`, `with_received`: int32 [n, 5] tiles (q_start, q_stop, r_start, r_stop,
+    l_start), each longest first;
     `row_start`: int32 [T], each local row's first local row of its document (its run);
     `block_m`: the most rows a tile has (the kernel's query block)."""
 
@@ -62,7 +62,7 @@ class ForwardTiles(NamedTuple):
                             to_device(self.row_start, device), self.block_m)
 
 
-def _cut(q_start: np.ndarray, q_stop: np.ndarray, block_m: int):
+def cut_ranges(q_start: np.ndarray, q_stop: np.ndarray, block_m: int):
     """Index into the row ranges of each tile of at most block_m rows, and each tile's first
     row: (range index, tile start)."""
     count = -(-(q_stop - q_start) // block_m)
@@ -80,7 +80,7 @@ def _rows_received(num_rows: int, first: np.ndarray, stop: np.ndarray) -> np.nda
     return np.cumsum(edges)[:-1] > 0
 
 
-def _pack_short(a, b, block_m):
+def pack_short(a, b, block_m):
     """The row ranges a:b (in order) with each run of consecutive ranges shorter than block_m
     that follow each other (b[i] == a[i + 1]) merged into one: tiles then cut across the short
     documents, which share a tile instead of each padding one. Long documents keep their own
@@ -99,7 +99,7 @@ def _table(q_start, q_stop, r_start, r_stop, row_start, block_m) -> torch.Tensor
     """int32 [n, 5] tiles of the row ranges q_start:q_stop (keys r_start:r_stop received),
     cut in tiles of at most block_m rows, each reading local keys from its first row's
     document start (row_start), longest first."""
-    which, t_start = _cut(q_start, q_stop, block_m)
+    which, t_start = cut_ranges(q_start, q_stop, block_m)
     table = np.stack([t_start, np.minimum(t_start + block_m, q_stop[which]), r_start[which],
                       r_stop[which], row_start[t_start] if t_start.size else t_start], axis=1)
     cost = (table[:, 3] - table[:, 2]) + (table[:, 1] - table[:, 4])
@@ -145,7 +145,7 @@ def forward_tiles(local_cu, call_rows=None, call_cu_q=None, call_cu_k=None,
     cuts = np.unique(np.concatenate([local_cu, change, [0, num_rows]]))
     a, b = cuts[:-1], cuts[1:]
     plain = ~received[a] if a.size else np.zeros(0, bool)
-    a, b = _pack_short(a[plain], b[plain], block_m)
+    a, b = pack_short(a[plain], b[plain], block_m)
     zero = np.zeros(a.size, np.int64)
     row_start = local_cu[run_of_row] if num_rows else nothing
     return ForwardTiles(_table(a, b, zero, zero, row_start, block_m),
@@ -153,7 +153,7 @@ def forward_tiles(local_cu, call_rows=None, call_cu_q=None, call_cu_k=None,
                         torch.from_numpy(row_start.astype(np.int32)), block_m)
 
 
-def with_forward_tiles(schedule: GroupSchedule, block_m: int = DEFAULT_BLOCK_M) -> GroupSchedule:
+def with_fused_tiles(schedule: GroupSchedule, block_m: int = DEFAULT_BLOCK_M) -> GroupSchedule:
     """The schedule with its fused forward's tiles and its fused backward's key tiles
     (plan/key_tiles.py; index tensors on the host, before any `to(device)`), for a schedule
     that runs batched (no ring steps, or their batched form)."""

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from megatron_eod.plan.forward_tiles import _cut, _pack_short, received_pieces
+from megatron_eod.plan.forward_tiles import cut_ranges, pack_short, received_pieces
 from megatron_eod.plan.kv_schedule import to_device
 
 __all__ = ["KeyTiles", "key_tiles", "DEFAULT_BLOCK_N"]
@@ -48,7 +48,7 @@ def _table(k_start, k_stop, q_start, q_stop, block_n) -> torch.Tensor:
     """The key ranges k_start:k_stop (their readers q_start:q_stop per range, or per key
     when q_stop is a function of the tile's last key) cut in tiles of at most block_n keys,
     longest first."""
-    which, t_start = _cut(k_start, k_stop, block_n)
+    which, t_start = cut_ranges(k_start, k_stop, block_n)
     t_stop = np.minimum(t_start + block_n, k_stop[which])
     readers = q_stop(t_stop) if callable(q_stop) else q_stop[which]
     first = t_start if q_start is None else q_start[which]
@@ -66,7 +66,7 @@ def key_tiles(local_cu, call_rows=None, call_cu_q=None, call_cu_k=None,
     run_of_row = np.repeat(np.arange(max(local_cu.size - 1, 0)), np.diff(local_cu))
     run_end = local_cu[1:][run_of_row] if run_of_row.size else np.zeros(0, np.int64)
     a, b = local_cu[:-1], local_cu[1:]
-    a, b = _pack_short(a[b > a], b[b > a], block_n)
+    a, b = pack_short(a[b > a], b[b > a], block_n)
     local = _table(a, b, None, lambda stop: run_end[stop - 1], block_n)
     first, stop, r_start, r_stop = received_pieces(run_of_row, call_rows, call_cu_q, call_cu_k)
     return KeyTiles(local, _table(r_start, r_stop, first, stop, block_n), block_n)

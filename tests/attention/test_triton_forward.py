@@ -26,7 +26,7 @@ from megatron_eod.attention.backends import CPUExactBackend, TorchVarlenBackend 
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
 from megatron_eod.attention.triton_forward import (TritonForwardBackend,  # noqa: E402
                                                    tile_forward)
-from megatron_eod.plan.forward_tiles import forward_tiles, with_forward_tiles  # noqa: E402
+from megatron_eod.plan.forward_tiles import forward_tiles, with_fused_tiles  # noqa: E402
 from tests.attention.test_simulate import _case as simulate_case  # noqa: E402
 from tests.attention.test_simulate import _oracle, run_without_host_syncs  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
@@ -48,7 +48,7 @@ def _case(*args, **kwargs):
 
 def _small_tiles(simulated, block_m=16):
     """The simulation's schedules with tiles of block_m rows (the plan's are 128)."""
-    simulated.schedules = [s if s.forward_tiles is None else with_forward_tiles(s, block_m)
+    simulated.schedules = [s if s.forward_tiles is None else with_fused_tiles(s, block_m)
                            for s in simulated.schedules]
     return simulated
 

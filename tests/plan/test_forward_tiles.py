@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_eod import plan_context_parallel
-from megatron_eod.plan.forward_tiles import DEFAULT_BLOCK_M, forward_tiles, with_forward_tiles
+from megatron_eod.plan.forward_tiles import DEFAULT_BLOCK_M, forward_tiles, with_fused_tiles
 from tests.plan.mixes import examples, plan_inputs, simulated_max_cp
 from tests.plan.test_kv_schedule import _CODE, expected_pairs, receive_buffer
 
@@ -50,7 +50,7 @@ def test_tiles_cover_exactly_the_document_mask(case, block_m):
             assert schedule.forward_tiles is None
             continue
         assert schedule.forward_tiles.block_m == DEFAULT_BLOCK_M
-        tiles = with_forward_tiles(schedule, block_m).forward_tiles
+        tiles = with_fused_tiles(schedule, block_m).forward_tiles
         own = tokens[g].numpy()
         received = receive_buffer(schedules, tokens, g).numpy() if schedule.batched else \
             np.zeros(0, np.int64)
