@@ -19,9 +19,10 @@
 #                 costliest glue kernels
 #   e2e           tools/bench_e2e.py --preset 1b: EoD reset vs causal tokens/s, ~1.2B GPT, 32k
 # and, run only when named, the open rows of issue 11 with their baselines, for a short lease:
-#   bench-open    bench-cp's rows of ours and the ideal only (no reference layouts, whose
-#                 figures of 2026-11-24 stand), the fused forward's rows and its whole-row
-#                 call, 2 rows per mix
+#   bench-open    bench-cp's rows of ours and the ideal only (no reference layouts, no forced
+#                 split, no "(one call)" rows: their figures of 2026-11-28 stand): batched,
+#                 concurrent, the fused kernels' rows and their whole-row calls, 2 rows per
+#                 mix; a row that fails is NaN, its traceback in the log
 #   profile-open  profile's batched rows, with and without --cp-concurrent-calls, and fused
 # A lease of 15 device minutes (the machine's start included; 10 minutes a command) fits two
 # calls, the second at once while the machine is warm (~30 s):
@@ -51,7 +52,7 @@ COMMAND[training]="$PYTEST tests/functional/test_gpu_training.py"
 COMMAND[bench-cp]="$PYTHON tools/bench_cp_gpu.py"
 COMMAND[profile]="$PYTHON tools/profile_cp_step.py"
 COMMAND[e2e]="$PYTHON tools/bench_e2e.py --preset 1b --work-dir $WORK/bench_e2e"
-COMMAND[bench-open]="${COMMAND[bench-cp]} --samples 2 --only '^ours|fused kernel'"
+COMMAND[bench-open]="${COMMAND[bench-cp]} --samples 2 --only '^ours (ring|hybrid u=2)( \\((concurrent|fused.*)\\))?\$|fused kernel'"
 COMMAND[profile-open]="${COMMAND[profile]} --only '^ours (ring|hybrid u=2)( \((concurrent|fused).*\))?\$'"
 LIMIT=([env]=120 [kernels]=300 [multiprocess]=420 [training]=540 [bench-cp]=480
        [profile]=240 [e2e]=540 [bench-open]=360 [profile-open]=180)

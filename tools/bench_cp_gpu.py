@@ -50,9 +50,11 @@ On a CPU it runs the same with the exact CPU kernel in float32 (slow: use small 
 """
 
 import argparse
+import contextlib
 import os
 import sys
 import time
+import traceback
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -211,6 +213,23 @@ def call_fns(backend, call, q, k, v, dout, scale):
     return forward, both
 
 
+@contextlib.contextmanager
+def row_failure(name, times, tiles):
+    """A layout whose run fails (a kernel that does not compile or launch on this GPU) is
+    reported, its traceback on stderr, and its cells NaN: the other rows of a short lease
+    still come back."""
+    try:
+        yield
+    except Exception:  # noqa: BLE001 - any failure of one row must not lose the others
+        print(f"[bench] {name} failed:", file=sys.stderr)
+        traceback.print_exc()
+        nan = float("nan")
+        times[name] = (nan, nan, nan)
+        tiles[name] = {"forward": nan, "backward": nan}
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+
 def busiest(fns, repeats, device, share=1):
     """(forward, forward+backward, device-only forward+backward) seconds of the busiest rank
     (by each clock); fns: (forward, both) per rank; `share`: ranks that split one function's
@@ -258,36 +277,38 @@ def bench_row(cu, cp, args, device, dtype, backend):
         run_one = one is not None and wanted(args.only, one)
         if not (wanted(args.only, name) or run_one):
             continue
-        plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
-        rank_qkv = ulysses_rank_inputs(q, k, v, dout, u or 1)  # one rank's heads
-        if wanted(args.only, name):
-            sim = SimulatedPlan(plan, *rank_qkv, layout_backend(backend, concurrent), scale,
-                                exchange, concurrent_calls(concurrent))
-            if fused(concurrent):
-                sim.schedules = fused_schedules(plan, device, args.tile_rows)
-            times[name] = busiest([(lambda g=g: sim.forward_group(g),
-                                    lambda g=g: sim.run_group(g))
-                                   for g in range(plan.ring_size)], args.repeats, device)
-            fused_tiles = [s.forward_tiles for s in sim.schedules] if fused(concurrent) and \
-                all(s.forward_tiles is not None for s in sim.schedules) else None
-            tiles[name] = tiles_over_ideal(plan_calls(plan, exchange), cu, cp, u or 1,
-                                           fused_tiles)
-        if run_one:
-            calls = [to_dev(c) for c in prefix_calls(
-                cu, [plan_segments(plan, g, cu) for g in range(plan.ring_size)])]
-            times[one] = busiest([fns(c, *rank_qkv) for c in calls], args.repeats, device)
-            tiles[one] = tiles_over_ideal([[c] for c in calls], cu, cp, u or 1)
+        with row_failure(name, times, tiles):
+            plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
+            rank_qkv = ulysses_rank_inputs(q, k, v, dout, u or 1)  # one rank's heads
+            if wanted(args.only, name):
+                sim = SimulatedPlan(plan, *rank_qkv, layout_backend(backend, concurrent), scale,
+                                    exchange, concurrent_calls(concurrent))
+                if fused(concurrent):
+                    sim.schedules = fused_schedules(plan, device, args.tile_rows)
+                times[name] = busiest([(lambda g=g: sim.forward_group(g),
+                                        lambda g=g: sim.run_group(g))
+                                       for g in range(plan.ring_size)], args.repeats, device)
+                fused_tiles = [s.forward_tiles for s in sim.schedules] if fused(concurrent) and \
+                    all(s.forward_tiles is not None for s in sim.schedules) else None
+                tiles[name] = tiles_over_ideal(plan_calls(plan, exchange), cu, cp, u or 1,
+                                               fused_tiles)
+            if run_one:
+                calls = [to_dev(c) for c in prefix_calls(
+                    cu, [plan_segments(plan, g, cu) for g in range(plan.ring_size)])]
+                times[one] = busiest([fns(c, *rank_qkv) for c in calls], args.repeats, device)
+                tiles[one] = tiles_over_ideal([[c] for c in calls], cu, cp, u or 1)
     for row, fused_backward in FUSED_IDEALS.items():
         if not wanted(args.only, row):
             continue
-        whole = plan_context_parallel(torch.from_numpy(cu), 1, "ring")
-        sim = SimulatedPlan(whole, q, k, v, dout,
-                            TritonForwardBackend(backend, fused_backward), scale)
-        sim.schedules = fused_schedules(whole, device, args.tile_rows)
-        times[row] = busiest([(lambda s=sim: s.forward_group(0), lambda s=sim: s.run_group(0))],
-                             args.repeats, device, cp)
-        tiles[row] = tiles_over_ideal([[whole.schedules[0].local]], cu, cp, 1,
-                                      [s.forward_tiles for s in sim.schedules])
+        with row_failure(row, times, tiles):
+            whole = plan_context_parallel(torch.from_numpy(cu), 1, "ring")
+            sim = SimulatedPlan(whole, q, k, v, dout,
+                                TritonForwardBackend(backend, fused_backward), scale)
+            sim.schedules = fused_schedules(whole, device, args.tile_rows)
+            times[row] = busiest([(lambda s=sim: s.forward_group(0),
+                                   lambda s=sim: s.run_group(0))], args.repeats, device, cp)
+            tiles[row] = tiles_over_ideal([[whole.schedules[0].local]], cu, cp, 1,
+                                          [s.forward_tiles for s in sim.schedules])
     if wanted(args.only, "contiguous"):
         calls = [to_dev(c) for c in prefix_calls(cu, contiguous_segments(cu, cp))]
         times["contiguous"] = busiest([fns(c, q, k, v, dout) for c in calls], args.repeats,
@@ -354,7 +375,7 @@ def main(argv=None):
               "| device-only ms: both (over ideal) | tile floor: fwd / bwd "
               "| useful TFLOP/s per GPU |")
         print("|---|---|---|---|---|---|")
-        mean = lambda layout, i: float(np.mean([r[layout][i] for r in rows]))  # noqa: E731
+        mean = lambda layout, i: float(np.mean([r[layout][i] for r in rows if layout in r]))  # noqa: E731
         ideal_fwd, ideal = mean("ideal", 0), mean("ideal", 1)
         ideal_dev = mean("ideal", 3)
         for layout in rows[0]:
