@@ -28,6 +28,7 @@ communication, no dropout, no head_dim above 256.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -64,16 +65,29 @@ def _kernel():
 LAUNCH_OVERRIDE = None
 
 
-def _launch_shape(head_dim: int, block_m: int):
-    """(BLOCK_N, num_warps, num_stages) for a head_dim and query block: the shapes of
-    Triton's own fused attention on Hopper for 128, smaller blocks for small heads."""
+def _launch_shape(head_dim: int, block_m: int, arch=None):
+    """(BLOCK_N, num_warps, num_stages) for a head_dim, query block and CUDA architecture
+    (e.g. 90; None: the interpreter's). Up to head dim 128, Triton's own fused attention's
+    shape on Hopper (64 keys, 8 warps, 3 stages) but on sm_90, where one H200 measured 32
+    keys, 4 warps, 3 stages fastest: the whole row's forward at 0.87-0.95 of PyTorch's flash
+    kernel, against 0.97-1.02 (docs/BENCHMARKS.md, 2026-11-28, fourth lease). That shape
+    spills 16 bytes of registers on sm_90 and 160 on sm_80, which keeps the spill-free one
+    until measured; smaller blocks for smaller tiles."""
     if LAUNCH_OVERRIDE is not None:
         return LAUNCH_OVERRIDE
-    block_n = 64 if head_dim <= 128 else 32
-    # Above 128, two stages: three would need 136 KiB of shared memory on sm_80 (two: 104;
-    # sm_86/89 give 99, where device_problem refuses it at start-up).
-    stages = 3 if head_dim <= 128 else 2
-    return min(block_n, max(block_m, 16)), (8 if block_m >= 128 else 4), stages
+    if head_dim > 128:
+        # Two stages: three would need 136 KiB of shared memory on sm_80 (two: 104; sm_86/89
+        # give 99, where device_problem refuses it at start-up).
+        return min(32, max(block_m, 16)), (8 if block_m >= 128 else 4), 2
+    if arch == 90:
+        return min(32, max(block_m, 16)), 4, 3
+    return min(64, max(block_m, 16)), (8 if block_m >= 128 else 4), 3
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_arch(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return major * 10 + minor
 
 
 def check_tensors(q, tiles, row_start, block_m, **dense):
@@ -111,7 +125,8 @@ def tile_forward(q, k, v, received_k, received_v, tiles, row_start, out, lse, sc
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     if received_k is None:
         received_k, received_v = k, v
-    constants, options = _compile_time(heads, head_dim, heads // kv_heads, block_m)
+    arch = _cuda_arch(q.device.index) if q.device.type == "cuda" else None
+    constants, options = _compile_time(heads, head_dim, heads // kv_heads, block_m, arch)
     grid = (tiles.shape[0] * heads,)
     _kernel()[grid](
         q, k, v, received_k, received_v, out, lse, tiles, row_start,
@@ -121,9 +136,9 @@ def tile_forward(q, k, v, received_k, received_v, tiles, row_start, out, lse, sc
         float(scale) * math.log2(math.e), **constants, **options)
 
 
-def _compile_time(heads, head_dim, group, block_m):
-    """(the kernel's constexpr arguments, its launch options) for a shape."""
-    block_n, num_warps, num_stages = _launch_shape(head_dim, block_m)
+def _compile_time(heads, head_dim, group, block_m, arch=None):
+    """(the kernel's constexpr arguments, its launch options) for a shape on `arch`."""
+    block_n, num_warps, num_stages = _launch_shape(head_dim, block_m, arch)
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     return (dict(HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_M=block_m,
                  BLOCK_N=block_n),
@@ -160,7 +175,7 @@ def compile_for(arch: int, dtype: str = "bf16", head_dim: int = 128, group: int 
     """The kernel compiled for CUDA compute capability `arch` (e.g. 90) without a GPU (Triton
     ships its own ptxas): how the tests check, on a CPU, that it compiles for the GPUs it will
     run on. Needs TRITON_INTERPRET unset when triton was imported. -> Triton's CompiledKernel."""
-    constants, options = _compile_time(heads, head_dim, group, block_m)
+    constants, options = _compile_time(heads, head_dim, group, block_m, arch)
     return compile_kernel(_kernel(), arch, dtype, constants, options, ones=("s_lt",))
 
 

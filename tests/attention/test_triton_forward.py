@@ -201,19 +201,24 @@ for arch in (80, 90):
             assert kernel.metadata.shared <= LIMIT[arch], (arch, head_dim,
                                                            kernel.metadata.shared)
 
-# No register spills at the shapes training uses most (ptxas -v, Triton's own ptxas).
-import os, subprocess, tempfile
+# No register spills at the shapes training uses most (ptxas -v, Triton's own ptxas), but the
+# forward's on sm_90: the shape one H200 measured fastest spills 16 bytes there (a shape
+# spilling 252, 64 keys x 4 warps, ran 1.5x slower).
+import os, re, subprocess, tempfile
 import triton
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 for arch in (80, 90):
     for shape in (("bf16", 128, 4, 128), ("fp16", 64, 1, 64)):  # compiled above: cached
-        for kernel in (compile_for(arch, *shape), *compile_backward_for(arch, *shape)):
+        forward = compile_for(arch, *shape)
+        for kernel in (forward, *compile_backward_for(arch, *shape)):
             with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
                 f.write(kernel.asm["ptx"])
             report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a" if arch == 90 else
                                      "sm_80", f.name, "-o", os.devnull], capture_output=True,
                                     text=True, check=True).stderr
-            assert " 0 bytes spill stores" in report, (arch, shape, report)
+            spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+            assert spilled <= (16 if kernel is forward and arch == 90 else 0), (arch, shape,
+                                                                               report)
 
 # The start-up check: a device whose programs get too little shared memory is named.
 import types
@@ -241,7 +246,8 @@ def test_kernel_compiles_for_ampere_and_hopper(tmp_path):
     code for the shapes training uses (bf16/fp16, head_dim 64-256 and one not a power of two,
     GQA groups, 16-128 row tiles), in a process where its interpreter is off: its loads
     vectorised and pipelined, its shared memory within the GPU's, no register spills at head
-    dim 128 (bf16) and 64 (fp16); the start-up check refuses
+    dim 128 (bf16) and 64 (fp16) but the forward's 16 bytes on sm_90 (the shape measured
+    fastest there); the start-up check refuses
     head_dim 256 where programs get 99 KiB (sm_89) and not where they get 227 (sm_90)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compiled here, not read from a cache
@@ -250,6 +256,17 @@ def test_kernel_compiles_for_ampere_and_hopper(tmp_path):
                             text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(
                                 os.path.dirname(os.path.abspath(__file__)))))
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
+def test_launch_shape_per_architecture():
+    """The forward's blocks: on sm_90 the shape one H200 measured fastest (32 keys, 4 warps:
+    the whole row at 0.87-0.95 of PyTorch's flash kernel, against 0.97-1.02 for 64 keys and
+    8 warps); elsewhere the spill-free one; above head dim 128 two stages (shared memory)."""
+    from megatron_eod.attention.triton_forward import _launch_shape
+    assert _launch_shape(128, 128, 90) == (32, 4, 3)
+    assert _launch_shape(128, 128, 80) == _launch_shape(128, 128, None) == (64, 8, 3)
+    assert _launch_shape(64, 16, 90) == (16, 4, 3)
+    assert _launch_shape(256, 128, 90) == (32, 8, 2)
 
 
 @pytest.mark.gpu
