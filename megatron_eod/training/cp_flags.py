@@ -48,9 +48,10 @@ CONCURRENT_CALLS_HELP = ("on GPUs, run each CP rank's attention kernel calls sid
                          "tensors (PyTorch >= 2.12's forward, flash-attn 2.7-2.8's forward, "
                          "flash-attn's backward), the local call in two parts, the one with "
                          "the longest document first, so that each call's tail is filled by "
-                         "the others' blocks; no effect on CPU. Not yet measured on "
-                         "hardware: tools/dispatch_model.py "
-                         "predicts it, tools/bench_cp_gpu.py measures it")
+                         "the others' blocks; no effect on CPU. On one H200 (attention alone, "
+                         "docs/BENCHMARKS.md) 0.02-0.06x of the ideal faster at 128k tokens, "
+                         "most with --cp-fused-forward; off by default: its side streams' "
+                         "memory pools are not yet measured in a training step")
 
 FUSED_FORWARD_HELP = ("on GPUs, run the attention forward of the batched executors (ring and "
                       "hybrid groups; Ulysses' and CP=1's one call too) as ONE fused Triton "
@@ -59,14 +60,17 @@ FUSED_FORWARD_HELP = ("on GPUs, run the attention forward of the batched executo
                       "of the exchange instead of two calls and a log-sum-exp merge; the "
                       "backward is unchanged; a plan that falls back to the steps executor "
                       "(a rank receiving over 4x its rows) is not fused, said once. Needs "
-                      "CUDA and Triton (PyTorch's CUDA wheels bring it). Off by default "
-                      "until measured on hardware: tools/bench_cp_gpu.py's '(fused)' rows")
+                      "CUDA and Triton (PyTorch's CUDA wheels bring it). On one H200 the "
+                      "busiest rank's forward went from 1.15-1.43x the ideal to 0.95-1.11x, "
+                      "and with --cp-concurrent-calls its attention to 1.00-1.07x (device "
+                      "time; docs/BENCHMARKS.md). Off by default until measured in multi-GPU "
+                      "training")
 
 FUSED_BACKWARD_HELP = ("with --cp-fused-forward, the backward too as fused Triton kernels "
                        "(attention/triton_backward.py): dq over the forward's query tiles, "
                        "dk/dv over key tiles with every query head of a key/value head, no "
-                       "atomics; three kernels instead of two backward calls and their sums. "
-                       "Off by default until measured on hardware")
+                       "atomics. Exact, but on one H200 2.1-2.3x slower than PyTorch's "
+                       "backward: for work on the kernels, not for training")
 
 # Accepted --context-parallel-algo values -> the name stored in args.context_parallel_algo.
 CP_ALGO_ALIASES = {"ring": "ring", "ulysses": "ulysses", "hybrid": "hybrid",
