@@ -26,7 +26,12 @@ time (it sets the step time), forward, backward (forward+backward minus forward)
                ("... fwd+bwd": with the fused backward's kernels too);
                "(fused, concurrent)": also --cp-concurrent-calls (the fused forward's
                first launch on a side stream; the backward's calls side by side);
-               "(fused fwd+bwd)": the backward fused too (--cp-fused-backward)
+               "(fused, concurrent backward)": the same but the forward on one stream
+               (`TritonForwardBackend(forward_beside=False)`: only the backward's calls
+               side by side);
+               "(fused fwd+bwd)": the backward fused too (--cp-fused-backward);
+               --fused-config, --fused-backward-config and --key-tile-keys sweep the
+               kernels' shapes
   ours hybrid  Ulysses degree 2: what ONE rank of a group computes after the all-to-all:
                the group's rows over H/2 query heads (and its share of key/value heads),
                batched and steps (before 2026-11-25 this was the group's all-head work / 2,
@@ -68,7 +73,7 @@ from bench_selection import (mix_rows, parse_configs, parse_mixes, parse_only,  
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
-from megatron_eod.attention import triton_forward  # noqa: E402
+from megatron_eod.attention import triton_backward, triton_forward  # noqa: E402
 from megatron_eod.attention.triton_forward import TritonForwardBackend  # noqa: E402
 from megatron_eod.attention.ulysses import kv_repeat_for_degree  # noqa: E402
 from megatron_eod.plan.cost import doc_pairs  # noqa: E402
@@ -79,7 +84,7 @@ from tile_model import plan_calls, tiles_over_ideal  # noqa: E402
 
 from bench_layouts import (FUSED_IDEALS, concurrent_calls, fused,  # noqa: E402
                            fused_schedules, layout_backend, layout_names, one_call,
-                           our_layouts, parse_fused_config)
+                           our_layouts, parse_fused_backward_config, parse_fused_config)
 
 
 def timed(fn, repeats, device):
@@ -284,7 +289,8 @@ def bench_row(cu, cp, args, device, dtype, backend):
                 sim = SimulatedPlan(plan, *rank_qkv, layout_backend(backend, concurrent), scale,
                                     exchange, concurrent_calls(concurrent))
                 if fused(concurrent):
-                    sim.schedules = fused_schedules(plan, device, args.tile_rows)
+                    sim.schedules = fused_schedules(plan, device, args.tile_rows,
+                                                    args.key_tile_keys)
                 times[name] = busiest([(lambda g=g: sim.forward_group(g),
                                         lambda g=g: sim.run_group(g))
                                        for g in range(plan.ring_size)], args.repeats, device)
@@ -304,7 +310,7 @@ def bench_row(cu, cp, args, device, dtype, backend):
             whole = plan_context_parallel(torch.from_numpy(cu), 1, "ring")
             sim = SimulatedPlan(whole, q, k, v, dout,
                                 TritonForwardBackend(backend, fused_backward), scale)
-            sim.schedules = fused_schedules(whole, device, args.tile_rows)
+            sim.schedules = fused_schedules(whole, device, args.tile_rows, args.key_tile_keys)
             times[row] = busiest([(lambda s=sim: s.forward_group(0),
                                    lambda s=sim: s.run_group(0))], args.repeats, device, cp)
             tiles[row] = tiles_over_ideal([[whole.schedules[0].local]], cu, cp, 1,
@@ -347,6 +353,12 @@ def main(argv=None):
     p.add_argument("--fused-config", metavar="BLOCK_N:WARPS:STAGES",
                    help="the fused kernel's key block, warps and pipeline stages for every "
                         "launch (default: attention/triton_forward.py's choice per head dim)")
+    p.add_argument("--fused-backward-config", metavar="DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES",
+                   help="the fused backward's blocks (dq's keys, dk/dv's query rows), warps "
+                        "and stages for every launch (default: attention/triton_backward.py's)")
+    p.add_argument("--key-tile-keys", type=positive_int,
+                   help="keys per tile of the fused backward's dk/dv (a power of two >= 16; "
+                        "default: plan/key_tiles.py's 64)")
     p.add_argument("--only", metavar="REGEX",
                    help="time only the layouts whose name this regular expression finds "
                         "(the ideal row always): '^ours' leaves out the reference layouts, "
@@ -361,6 +373,12 @@ def main(argv=None):
         p.error(f"--tile-rows must be a power of two >= 16, got {args.tile_rows}")
     if args.fused_config is not None:
         triton_forward.LAUNCH_OVERRIDE = parse_fused_config(p, args.fused_config)
+    if args.fused_backward_config is not None:
+        triton_backward.BACKWARD_OVERRIDE = parse_fused_backward_config(
+            p, args.fused_backward_config)
+    if args.key_tile_keys is not None and (args.key_tile_keys < 16 or
+                                           args.key_tile_keys & (args.key_tile_keys - 1)):
+        p.error(f"--key-tile-keys must be a power of two >= 16, got {args.key_tile_keys}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backend = get_backend(device, dtype)

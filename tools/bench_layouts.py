@@ -3,7 +3,7 @@
 One job: name our layouts and say how each runs: its algorithm, Ulysses degree, ring
 executor, and mode (--cp-concurrent-calls, its forced split, the fused kernels); the reference
 layouts and the "(one call)" and whole-row fused rows; `--only`'s names; the backend and
-schedules a layout runs with; `--fused-config`'s parsing.
+schedules a layout runs with; `--fused-config`'s and `--fused-backward-config`'s parsing.
 """
 
 import os
@@ -16,7 +16,7 @@ from megatron_eod.plan.forward_tiles import with_fused_tiles  # noqa: E402
 
 __all__ = ["OURS", "REFERENCES", "FUSED_IDEALS", "SplitForced", "concurrent_calls", "fused",
            "fused_schedules", "layout_backend", "layout_names", "one_call", "our_layouts",
-           "parse_fused_config"]
+           "parse_fused_backward_config", "parse_fused_config"]
 
 
 # Our layouts: (name, algo, Ulysses degree, ring executor); the other tools report the same.
@@ -35,6 +35,7 @@ def our_layouts(steps=True):
     return rows + [(f"{name} ({label})", algo, u, exchange, mode)
                    for label, mode in (("concurrent", "beside"), ("concurrent, split", "split"),
                                        ("fused", "fused"), ("fused, concurrent", "fused beside"),
+                                       ("fused, concurrent backward", "fused beside-bwd"),
                                        ("fused fwd+bwd", "fused both"))
                    for name, algo, u, exchange in OURS if exchange == "batched"]
 
@@ -51,14 +52,29 @@ def parse_fused_config(p, text):
     return block_n, warps, stages
 
 
+def parse_fused_backward_config(p, text):
+    """--fused-backward-config DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES as a tuple, each checked
+    (argparse error)."""
+    parts = text.split(":")
+    flag = "--fused-backward-config"
+    if len(parts) != 4 or not all(x.isdigit() for x in parts):
+        p.error(f"{flag}: DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES (e.g. 32:32:8:2), got {text!r}")
+    dq_n, dkdv_m, warps, stages = (int(x) for x in parts)
+    if any(b < 16 or b & (b - 1) for b in (dq_n, dkdv_m)) or warps not in (1, 2, 4, 8, 16) \
+            or stages < 1:
+        p.error(f"{flag} {text}: the blocks powers of two >= 16, WARPS 1, 2, 4, 8 or 16, "
+                f"STAGES >= 1")
+    return dq_n, dkdv_m, warps, stages
+
+
 def concurrent_calls(mode) -> bool:
     """Whether a layout of `our_layouts` runs with --cp-concurrent-calls."""
-    return mode in ("beside", "split", "fused beside")
+    return mode in ("beside", "split", "fused beside", "fused beside-bwd")
 
 
 def fused(mode) -> bool:
     """Whether a layout of `our_layouts` runs with --cp-fused-forward."""
-    return mode in ("fused", "fused beside", "fused both")
+    return mode in ("fused", "fused beside", "fused beside-bwd", "fused both")
 
 
 class SplitForced:
@@ -104,13 +120,18 @@ FUSED_IDEALS = {"whole row, fused kernel": False, "whole row, fused kernels fwd+
 def layout_backend(backend, mode):
     """The backend a layout of `our_layouts` runs with: "fused", the batched forward as the
     fused Triton kernel over query tiles (attention/triton_forward.py), its backward the
-    kernel's own."""
+    kernel's own ("fused both": the fused backward's; "fused beside-bwd": the forward on one
+    stream even with concurrent calls)."""
     if fused(mode):
-        return TritonForwardBackend(backend, fused_backward=mode == "fused both")
+        return TritonForwardBackend(backend, fused_backward=mode == "fused both",
+                                    forward_beside=mode != "fused beside-bwd")
     return SplitForced(backend) if mode == "split" else backend
 
 
-def fused_schedules(plan, device, tile_rows):
-    """The plan's schedules on `device`, their forward tiles of `tile_rows` query rows."""
-    return [(s if s.forward_tiles is None or tile_rows == s.forward_tiles.block_m
-             else with_fused_tiles(s, tile_rows)).to(device) for s in plan.schedules]
+def fused_schedules(plan, device, tile_rows, key_block=None):
+    """The plan's schedules on `device`, their forward tiles of `tile_rows` query rows and
+    their key tiles of `key_block` keys (None: the plan's)."""
+    return [(s if s.forward_tiles is None or (tile_rows == s.forward_tiles.block_m and
+                                              key_block in (None, s.key_tiles.block_n))
+             else with_fused_tiles(s, tile_rows, key_block)).to(device)
+            for s in plan.schedules]

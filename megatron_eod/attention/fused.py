@@ -38,7 +38,8 @@ def fused_forward(q_THD, k_TGD, v_TGD, schedule, pending, backend, scale, concur
     """(out, lse, received buffer) by the backend's fused kernel over the forward's tiles:
     the tiles needing no received key while the keys travel (`pending`), then the others;
     each row written once (disjoint rows), no merge. concurrent_calls (on a GPU): the first
-    launch on a side stream, so that the second one's programs fill its tail (streams.py)."""
+    launch on a side stream, so that the second one's programs fill its tail (streams.py),
+    unless the backend's `forward_beside` is False."""
     tiles = schedule.forward_tiles
     out_THD = batched._empty_like(q_THD)
     # [T, H] over H-major memory, as a varlen kernel's lse (the backward reads it so).
@@ -51,7 +52,7 @@ def fused_forward(q_THD, k_TGD, v_TGD, schedule, pending, backend, scale, concur
 
     received = tiles.with_received.shape[0] > 0
     local = Beside(lambda: launch(tiles.local_only, None, None), q_THD.device,
-                   concurrent_calls and received)
+                   concurrent_calls and received and getattr(backend, "forward_beside", True))
     recv_2NGD = None if pending is None else pending.wait()
     if received:
         launch(tiles.with_received, *batched._keys(recv_2NGD))

@@ -30,18 +30,32 @@ def row_delta(dout, out):
 
 # Blocks without register spills at head_dim 128 on sm_80 and sm_90 (ptxas -v on the PTX of
 # compile_backward_for, tested): dq 128 query rows x 32 keys (64 keys spill on sm_80);
-# dk/dv 64 keys x 32 query rows (64 rows spill on sm_90); 8 warps, 2 stages.
+# dk/dv 64 keys x 32 query rows (64 rows spill on sm_90); 8 warps, 2 stages. Chosen for
+# registers, not measured: on one H200 the two kernels took 2.1-2.3x PyTorch's backward.
 DQ_BLOCK_N, DKDV_BLOCK_M = 32, 32
+
+# (dq's key block, dk/dv's query block, num_warps, num_stages) for every launch instead of
+# the above, or None: for benchmarks sweeping the kernels' shapes
+# (tools/bench_cp_gpu.py --fused-backward-config).
+BACKWARD_OVERRIDE = None
+
+
+def _blocks(head_dim):
+    """(dq's key block, dk/dv's query block, num_warps, num_stages) at head_dim."""
+    if BACKWARD_OVERRIDE is not None:
+        return BACKWARD_OVERRIDE
+    return DQ_BLOCK_N, DKDV_BLOCK_M, 8, 2 if head_dim <= 128 else 1  # shared memory above 128
 
 
 def _shape(head_dim, block_m, block_n):
     block_d = max(16, 1 << (head_dim - 1).bit_length())
+    _, _, num_warps, num_stages = _blocks(head_dim)
     return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n), \
-        dict(num_warps=8, num_stages=2 if head_dim <= 128 else 1)  # shared memory above 128
+        dict(num_warps=num_warps, num_stages=num_stages)
 
 
 def tile_dq(dout, q, k, v, received_k, received_v, lse, delta, tiles, row_start, dq, scale,
-            block_m, block_n=DQ_BLOCK_N):
+            block_m, block_n=None):
     """Writes dq of every row of `tiles` (the forward's query tiles of block_m rows)."""
     check_tensors(q, tiles, row_start, block_m, k=k, v=v, dout=dout, dq=dq)
     if tiles.shape[0] == 0:
@@ -49,6 +63,7 @@ def tile_dq(dout, q, k, v, received_k, received_v, lse, delta, tiles, row_start,
     if received_k is None:
         received_k, received_v = k, v
     heads, kv_heads = q.shape[1], k.shape[1]
+    block_n = _blocks(q.shape[2])[0] if block_n is None else block_n
     constants, options = _shape(q.shape[2], block_m, block_n)
     from megatron_eod.attention.triton_backward_kernels import attention_dq_kernel
 
@@ -63,13 +78,14 @@ def tile_dq(dout, q, k, v, received_k, received_v, lse, delta, tiles, row_start,
 
 
 def tile_dkdv(dout, q, k, v, lse, delta, key_tiles, row_start, dk, dv, scale, causal,
-              block_n, block_m=DKDV_BLOCK_M):
+              block_n, block_m=None):
     """Writes dk, dv of every key row of `key_tiles` ([n, 4] of plan/key_tiles.py; k, v the
     local rows with `causal`, else the receive buffer's)."""
     check_tensors(q, key_tiles, row_start, 16, k=k, v=v, dout=dout, dk=dk, dv=dv)
     if key_tiles.shape[0] == 0:
         return
     heads, kv_heads = q.shape[1], k.shape[1]
+    block_m = _blocks(q.shape[2])[1] if block_m is None else block_m
     constants, options = _shape(q.shape[2], block_m, block_n)
     from megatron_eod.attention.triton_backward_kernels import attention_dkdv_kernel
 
@@ -89,10 +105,11 @@ def compile_backward_for(arch: int, dtype: str = "bf16", head_dim: int = 128, gr
     from megatron_eod.attention.triton_backward_kernels import (attention_dkdv_kernel,
                                                                 attention_dq_kernel)
 
-    constants, options = _shape(head_dim, block_m, DQ_BLOCK_N)
+    dq_block_n, dkdv_block_m, _, _ = _blocks(head_dim)
+    constants, options = _shape(head_dim, block_m, dq_block_n)
     dq = compile_kernel(attention_dq_kernel, arch, dtype,
                         dict(constants, HEADS=heads, GROUP=group), options, ("s_lt", "s_eh"))
-    constants, options = _shape(head_dim, DKDV_BLOCK_M, block_n)
+    constants, options = _shape(head_dim, dkdv_block_m, block_n)
     dkdv = compile_kernel(attention_dkdv_kernel, arch, dtype,
                           dict(constants, KV_HEADS=heads // group, GROUP=group, CAUSAL=True),
                           options, ("s_lt", "s_eh"))

@@ -211,12 +211,17 @@ class TritonForwardBackend:
 
     name = "triton"
 
-    def __init__(self, base, fused_backward: bool = False):
+    def __init__(self, base, fused_backward: bool = False, forward_beside: bool = True):
         self.base = base
         self.writes_out = getattr(base, "writes_out", False)
         self.writes_grads = getattr(base, "writes_grads", False)
         # --cp-fused-backward: the batched backward as the fused kernels too (fused.py)
         self.fused_backward = fused_backward
+        # With concurrent_calls, whether the forward's first launch runs on a side stream
+        # (False: only the backward's calls run side by side; a benchmark's row, as on one
+        # H200 the side stream made the fused forward 0.01-0.13x of the ideal slower by the
+        # wall clock while the backward's gained; its device time is still to measure).
+        self.forward_beside = forward_beside
 
     def forward(self, *args, **kwargs):
         return self.base.forward(*args, **kwargs)

@@ -153,11 +153,13 @@ def forward_tiles(local_cu, call_rows=None, call_cu_q=None, call_cu_k=None,
                         torch.from_numpy(row_start.astype(np.int32)), block_m)
 
 
-def with_fused_tiles(schedule: GroupSchedule, block_m: int = DEFAULT_BLOCK_M) -> GroupSchedule:
-    """The schedule with its fused forward's tiles and its fused backward's key tiles
-    (plan/key_tiles.py; index tensors on the host, before any `to(device)`), for a schedule
-    that runs batched (no ring steps, or their batched form)."""
-    from megatron_eod.plan.key_tiles import key_tiles
+def with_fused_tiles(schedule: GroupSchedule, block_m: int = DEFAULT_BLOCK_M,
+                     key_block: int | None = None) -> GroupSchedule:
+    """The schedule with its fused forward's tiles of block_m query rows and its fused
+    backward's key tiles of key_block keys (plan/key_tiles.py; None: its default; index
+    tensors on the host, before any `to(device)`), for a schedule that runs batched (no ring
+    steps, or their batched form)."""
+    from megatron_eod.plan.key_tiles import DEFAULT_BLOCK_N, key_tiles
 
     if schedule.steps and schedule.batched is None:
         raise ValueError("forward tiles need the batched form of the ring steps")
@@ -167,4 +169,4 @@ def with_fused_tiles(schedule: GroupSchedule, block_m: int = DEFAULT_BLOCK_M) ->
             None if call is None else call.cu_seqlens_q.numpy(),
             None if call is None else call.cu_seqlens_k.numpy())
     return dataclasses.replace(schedule, forward_tiles=forward_tiles(*args, block_m),
-                               key_tiles=key_tiles(*args))
+                               key_tiles=key_tiles(*args, key_block or DEFAULT_BLOCK_N))

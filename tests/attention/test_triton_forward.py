@@ -258,6 +258,30 @@ def test_kernel_compiles_for_ampere_and_hopper(tmp_path):
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
 
 
+@interpreted
+@pytest.mark.parametrize("forward_beside", [True, False])
+def test_forward_side_stream_follows_the_backend(monkeypatch, forward_beside):
+    """With concurrent calls, the fused forward's first launch goes beside the second unless
+    the backend says not (`forward_beside=False`: the benchmarks' "concurrent backward"
+    rows); the result is the same."""
+    from megatron_eod.attention import fused
+
+    asked = []
+
+    class Recording(fused.Beside):
+        def __init__(self, fn, device, enabled, *args, **kwargs):
+            asked.append(enabled)
+            super().__init__(fn, device, enabled, *args, **kwargs)
+
+    monkeypatch.setattr(fused, "Beside", Recording)
+    cu, (q, k, v, dout) = _case("spanning", 1, 64, 2, 1, 8, seed=3)
+    plan = plan_context_parallel(cu, 2, "ring")
+    backend = TritonForwardBackend(CPUExactBackend(), forward_beside=forward_beside)
+    simulated = _small_tiles(SimulatedPlan(plan, q, k, v, dout, backend, 0.3, "batched", True))
+    simulated.forward_group(0)
+    assert asked == [forward_beside]
+
+
 def test_launch_shape_per_architecture():
     """The forward's blocks: on sm_90 the shape one H200 measured fastest (32 keys, 4 warps:
     the whole row at 0.87-0.95 of PyTorch's flash kernel, against 0.97-1.02 for 64 keys and

@@ -39,12 +39,17 @@ def test_small_cpu_run_prints_every_layout_fwd_bwd(capsys):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the fused kernel on a CPU needs Triton's interpreter")
 def test_small_cpu_run_of_the_fused_rows(capsys, monkeypatch):
-    from megatron_eod.attention import triton_forward
+    from megatron_eod.attention import triton_backward, triton_forward
     monkeypatch.setattr(triton_forward, "LAUNCH_OVERRIDE", None)  # restored after
+    monkeypatch.setattr(triton_backward, "BACKWARD_OVERRIDE", None)
+    # (the "concurrent backward" rows compute the same as "concurrent" on a CPU: left out)
     bench_cp_gpu.main(["--samples", "1", "--repeats", "1", "--heads", "2", "--kv-heads", "1",
                        "--head-dim", "16", "--configs", "256:2", "--mixes", "web",
-                       "--only", "fused", "--tile-rows", "32", "--fused-config", "16:4:2"])
+                       "--only", "fused(?!, concurrent backward)", "--tile-rows", "32",
+                       "--fused-config", "16:4:2", "--fused-backward-config", "16:16:4:2",
+                       "--key-tile-keys", "16"])
     assert triton_forward.LAUNCH_OVERRIDE == (16, 4, 2)
+    assert triton_backward.BACKWARD_OVERRIDE == (16, 16, 4, 2)
     rows = _rows(capsys)
     assert [r[0] for r in rows] == ["| " + name for name in (
         "ideal", "ours ring (fused)", "ours hybrid u=2 (fused)",
@@ -198,7 +203,8 @@ def _printed_layouts(out):
                "ours hybrid u=2 (concurrent)", "ours ring (concurrent, split)",
                "ours hybrid u=2 (concurrent, split)", "ours ring (fused)",
                "ours hybrid u=2 (fused)", "ours ring (fused, concurrent)",
-               "ours hybrid u=2 (fused, concurrent)", "ours ring (fused fwd+bwd)",
+               "ours hybrid u=2 (fused, concurrent)", "ours ring (fused, concurrent backward)",
+               "ours hybrid u=2 (fused, concurrent backward)", "ours ring (fused fwd+bwd)",
                "ours hybrid u=2 (fused fwd+bwd)"]),
 ])
 def test_only_times_the_layouts_it_names_and_the_ideal(monkeypatch, capsys, only, expected):
@@ -238,6 +244,10 @@ def test_only_times_the_layouts_it_names_and_the_ideal(monkeypatch, capsys, only
     (["--fused-config", "64:8"], "--fused-config: BLOCK_N:WARPS:STAGES (e.g. 64:8:3)"),
     (["--fused-config", "48:8:3"], "--fused-config 48:8:3: BLOCK_N a power of two >= 16"),
     (["--fused-config", "64:3:3"], "WARPS 1, 2, 4, 8 or 16"),
+    (["--fused-backward-config", "32:32:8"], "--fused-backward-config: DQ_BLOCK_N:DKDV_BLOCK_M:"
+                                             "WARPS:STAGES (e.g. 32:32:8:2), got '32:32:8'"),
+    (["--fused-backward-config", "32:24:8:2"], "the blocks powers of two >= 16"),
+    (["--key-tile-keys", "48"], "--key-tile-keys must be a power of two >= 16, got 48"),
 ])
 def test_bad_selections_name_the_flag(capsys, argv, message):
     with pytest.raises(SystemExit):

@@ -88,7 +88,8 @@ def test_every_stage_runs_a_file_that_exists_and_pytest_stages_select_gpu_tests(
 def test_the_short_lease_stages_select_the_open_rows_and_their_baselines():
     """bench-open and profile-open (a 15-minute lease's first call) pass the tools an --only
     pattern that, as bash hands it over, keeps our rows with the baselines they are compared
-    with, in the same run, and drops what is measured already (reference layouts, steps)."""
+    with, in the same run, and drops what is measured already (reference layouts, steps,
+    bench-open: the forced split and the one-call rows)."""
     sys.path.insert(0, os.path.join(REPO, "tools"))
     import bench_cp_gpu
     from bench_selection import wanted
@@ -100,7 +101,7 @@ def test_the_short_lease_stages_select_the_open_rows_and_their_baselines():
 
     ours = [name for name, *_ in bench_cp_gpu.our_layouts(steps=False)]
     assert selected("bench-open", bench_cp_gpu.layout_names(steps=False)) == [
-        "ideal", *ours, "ours ring (one call)", "ours hybrid u=2 (one call)",
+        "ideal", *(name for name in ours if "split" not in name),
         "whole row, fused kernel", "whole row, fused kernels fwd+bwd"]
     assert selected("profile-open", [name for name, *_ in bench_cp_gpu.our_layouts()]) == ours
 
