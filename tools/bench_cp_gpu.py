@@ -232,7 +232,10 @@ def row_failure(name, times, tiles):
         times[name] = (nan, nan, nan)
         tiles[name] = {"forward": nan, "backward": nan}
         if torch.cuda.is_available():
-            torch.cuda.synchronize()
+            try:  # a host-side failure's queued work; a device fault raises here again
+                torch.cuda.synchronize()
+            except RuntimeError:
+                traceback.print_exc()
 
 
 def busiest(fns, repeats, device, share=1):
@@ -282,10 +285,10 @@ def bench_row(cu, cp, args, device, dtype, backend):
         run_one = one is not None and wanted(args.only, one)
         if not (wanted(args.only, name) or run_one):
             continue
-        with row_failure(name, times, tiles):
-            plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
-            rank_qkv = ulysses_rank_inputs(q, k, v, dout, u or 1)  # one rank's heads
-            if wanted(args.only, name):
+        plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
+        rank_qkv = ulysses_rank_inputs(q, k, v, dout, u or 1)  # one rank's heads
+        if wanted(args.only, name):
+            with row_failure(name, times, tiles):
                 sim = SimulatedPlan(plan, *rank_qkv, layout_backend(backend, concurrent), scale,
                                     exchange, concurrent_calls(concurrent))
                 if fused(concurrent):
@@ -298,7 +301,8 @@ def bench_row(cu, cp, args, device, dtype, backend):
                     all(s.forward_tiles is not None for s in sim.schedules) else None
                 tiles[name] = tiles_over_ideal(plan_calls(plan, exchange), cu, cp, u or 1,
                                                fused_tiles)
-            if run_one:
+        if run_one:
+            with row_failure(one, times, tiles):
                 calls = [to_dev(c) for c in prefix_calls(
                     cu, [plan_segments(plan, g, cu) for g in range(plan.ring_size)])]
                 times[one] = busiest([fns(c, *rank_qkv) for c in calls], args.repeats, device)
@@ -393,10 +397,13 @@ def main(argv=None):
               "| device-only ms: both (over ideal) | tile floor: fwd / bwd "
               "| useful TFLOP/s per GPU |")
         print("|---|---|---|---|---|---|")
-        mean = lambda layout, i: float(np.mean([r[layout][i] for r in rows if layout in r]))  # noqa: E731
+        # A layout's cells over the samples; one that failed in a sample is NaN there.
+        nan_row = (float("nan"),) * 6
+        mean = lambda layout, i: float(np.mean([r.get(layout, nan_row)[i]  # noqa: E731
+                                                for r in rows]))
         ideal_fwd, ideal = mean("ideal", 0), mean("ideal", 1)
         ideal_dev = mean("ideal", 3)
-        for layout in rows[0]:
+        for layout in dict.fromkeys(layout for r in rows for layout in r):
             fwd, t, tf, dev, tile_f, tile_b = (mean(layout, i) for i in range(6))
             print(f"| {layout} | {fwd * 1e3:.3f} / {(t - fwd) * 1e3:.3f} / {t * 1e3:.3f} | "
                   f"{fwd / ideal_fwd:.2f} / {(t - fwd) / (ideal - ideal_fwd):.2f} / "

@@ -159,7 +159,11 @@ def batched_forward(q_THD, k_TGD, v_TGD, schedule, transport, backend, scale,
     parts where the kernel writes into a given out (`_LocalCalls`)."""
     _check(schedule)
     pending = transport.start_all_kv(schedule, k_TGD, v_TGD) if schedule.batched else None
-    if schedule.forward_tiles is not None and hasattr(backend, "forward_tiles"):
+    if hasattr(backend, "forward_tiles"):
+        if schedule.forward_tiles is None:
+            raise ValueError("the fused forward (--cp-fused-forward, TritonForwardBackend) "
+                             "needs a plan with its tiles: plan_context_parallel(..., "
+                             "fused_tiles=True), EodGPTSteps(..., fused_tiles=True)")
         out_THD, lse_TH, recv_2NGD = fused.fused_forward(q_THD, k_TGD, v_TGD, schedule, pending,
                                                          backend, scale, concurrent_calls)
         return (out_THD, lse_TH, recv_2NGD) if keep_received else (out_THD, lse_TH)

@@ -36,7 +36,7 @@ DQ_BLOCK_N, DKDV_BLOCK_M = 32, 32
 
 # (dq's key block, dk/dv's query block, num_warps, num_stages) for every launch instead of
 # the above, or None: for benchmarks sweeping the kernels' shapes
-# (tools/bench_cp_gpu.py --fused-backward-config).
+# (tools/bench_cp_gpu.py --fused-backward-config), at every head_dim as given.
 BACKWARD_OVERRIDE = None
 
 

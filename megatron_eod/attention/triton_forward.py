@@ -70,7 +70,8 @@ def _launch_shape(head_dim: int, block_m: int, arch=None):
     (e.g. 90; None: the interpreter's). Up to head dim 128, Triton's own fused attention's
     shape on Hopper (64 keys, 8 warps, 3 stages) but on sm_90, where one H200 measured 32
     keys, 4 warps, 3 stages fastest: the whole row's forward at 0.87-0.95 of PyTorch's flash
-    kernel, against 0.97-1.02 (docs/BENCHMARKS.md, 2026-11-28, fourth lease). That shape
+    kernel in the sweep and 0.93-0.97 as the default, against 0.97-1.02 for 64:8:3
+    (docs/BENCHMARKS.md, 2026-11-28, fourth lease). That shape
     spills 16 bytes of registers on sm_90 and 160 on sm_80, which keeps the spill-free one
     until measured; smaller blocks for smaller tiles."""
     if LAUNCH_OVERRIDE is not None:
@@ -220,7 +221,8 @@ class TritonForwardBackend:
         # With concurrent_calls, whether the forward's first launch runs on a side stream
         # (False: only the backward's calls run side by side; a benchmark's row, as on one
         # H200 the side stream made the fused forward 0.01-0.13x of the ideal slower by the
-        # wall clock while the backward's gained; its device time is still to measure).
+        # wall clock on seven of eight rows while the backward's gained; its device time is
+        # still to measure).
         self.forward_beside = forward_beside
 
     def forward(self, *args, **kwargs):

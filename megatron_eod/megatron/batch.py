@@ -48,12 +48,14 @@ class LocalBatch:
 def plan_batch(tokens: torch.Tensor, eod_token_id: int, cp_size: int = 1, cp_rank: int = 0,
                algo: str = "ring", ulysses_degree: Optional[int] = None,
                reset_position_ids: bool = True, reset_attention_mask: bool = True,
-               eod_mask_loss: bool = False, pad_token_id: Optional[int] = None) -> PlannedBatch:
-    """Layout + plan of one micro-batch from CPU tokens [b, s]; host work only."""
+               eod_mask_loss: bool = False, pad_token_id: Optional[int] = None,
+               fused_tiles: bool = True) -> PlannedBatch:
+    """Layout + plan of one micro-batch from CPU tokens [b, s]; host work only. fused_tiles:
+    the plan's schedules carry the fused kernels' tiles (--cp-fused-forward)."""
     layout = build_doc_layout(tokens, eod_token_id, reset_position_ids=reset_position_ids,
                               reset_attention_mask=reset_attention_mask,
                               eod_mask_loss=eod_mask_loss, pad_token_id=pad_token_id)
-    plan = plan_context_parallel(layout.cu_seqlens, cp_size, algo, ulysses_degree)
+    plan = plan_context_parallel(layout.cu_seqlens, cp_size, algo, ulysses_degree, fused_tiles)
     plan.token_index(cp_rank)  # built here, off the step
     plan.schedule(cp_rank)
     return PlannedBatch(layout, plan, cp_rank)

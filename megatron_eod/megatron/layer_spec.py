@@ -16,8 +16,9 @@ varlen kernel), "flash_attn" (required; what --use-flash-attn asks for) or "torc
 `ring_exchange` the ring executor ("batched", "batched-keep" or "steps", --cp-ring-exchange);
 `concurrent_calls` runs its local call beside the received keys' call on a GPU
 (--cp-concurrent-calls); `fused_forward` the batched forward as one fused Triton kernel
-(--cp-fused-forward, attention/triton_forward.py), `fused_backward` its backward too
-(--cp-fused-backward, attention/triton_backward.py).
+(--cp-fused-forward, attention/triton_forward.py; its plans need their tiles:
+`EodGPTSteps(..., fused_tiles=True)`, else the first layer refuses them by name),
+`fused_backward` its backward too (--cp-fused-backward, attention/triton_backward.py).
 """
 
 from __future__ import annotations

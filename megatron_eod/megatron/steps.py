@@ -84,7 +84,7 @@ class EodGPTSteps:
                  eod_mask_loss: bool = False, pad_token_id: Optional[int] = None,
                  device: Optional[torch.device] = None, plan_ahead: bool = True,
                  eval_micro_batch_size: Optional[int] = None,
-                 one_row_evaluation: bool = False):
+                 one_row_evaluation: bool = False, fused_tiles: bool = False):
         self.eod, self.registry = eod_token_id, registry
         self.seq_length = seq_length
         # Rows a micro-batch may have: training's, and evaluation's where Megatron-LM (>= 0.18,
@@ -95,9 +95,12 @@ class EodGPTSteps:
         if one_row_evaluation:  # Megatron-LM >= 0.19's --full-validation: 1 sequence each
             self.rows.setdefault(1, "--full-validation's one sequence")
         self.algo, self.ulysses_degree = algo, ulysses_degree
+        # fused_tiles: the plans carry the fused kernels' tiles (--cp-fused-forward's layer
+        # spec needs them; the attention refuses a plan without them).
         self.flags = dict(reset_position_ids=reset_position_ids,
                           reset_attention_mask=reset_attention_mask,
-                          eod_mask_loss=eod_mask_loss, pad_token_id=pad_token_id)
+                          eod_mask_loss=eod_mask_loss, pad_token_id=pad_token_id,
+                          fused_tiles=fused_tiles)
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.plan_ahead = plan_ahead
         self.pairs_seen = 0  # causal pairs a document mask needs, summed over micro-batches

@@ -49,6 +49,9 @@ class CPPlan:
     pieces: Pieces = field(repr=False)
     placement: Placement = field(repr=False)  # which candidate layout, and what was tried
     device: Optional[torch.device] = None
+    # Whether batched schedules carry the fused kernels' tiles (plan/forward_tiles.py): what
+    # --cp-fused-forward runs; without it they cost host time for nothing.
+    fused_tiles: bool = True
     # Built on first use; shared by the copies `to` makes (same pieces, same answers).
     _split: Dict[str, SplitDocuments] = field(default_factory=dict, repr=False,
                                               compare=False)
@@ -93,7 +96,7 @@ class CPPlan:
             if self.batched_ring:
                 schedule = with_batched(schedule, self._split_documents())
             schedule = with_local_parts(schedule)
-            if not schedule.steps or schedule.batched is not None:
+            if self.fused_tiles and (not schedule.steps or schedule.batched is not None):
                 schedule = with_fused_tiles(schedule)
             if self.device is not None and self.device.type != "cpu":
                 schedule = schedule.to(self.device)
@@ -131,7 +134,8 @@ class CPPlan:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device}: CUDA is not available here")
         moved = CPPlan(self.algo, self.cp_size, self.ulysses_degree, self.num_tokens,
-                       self.cu_seqlens, self.pieces, self.placement, device, self._split)
+                       self.cu_seqlens, self.pieces, self.placement, device, self.fused_tiles,
+                       self._split)
         for key, value in self._cache.items():
             moved._cache[key] = value.to(device) if key[0] == "schedule" else value
         return moved
@@ -259,9 +263,12 @@ def _validate_cu_seqlens(cu_seqlens) -> np.ndarray:
 
 
 def plan_context_parallel(cu_seqlens, cp_size: int, algo: str = "ring",
-                          ulysses_degree: Optional[int] = None) -> CPPlan:
+                          ulysses_degree: Optional[int] = None,
+                          fused_tiles: bool = True) -> CPPlan:
     """Plan how `cp_size` ranks share the documents of one micro-batch (see the module).
-    Never fails on a valid input; a bad one raises ValueError naming the rule."""
+    fused_tiles: whether its schedules carry the tiles the fused kernels need
+    (TritonForwardBackend, --cp-fused-forward; False saves their host time). Never fails on
+    a valid input; a bad one raises ValueError naming the rule."""
     if isinstance(cp_size, bool) or not isinstance(cp_size, (int, np.integer)) or cp_size < 1:
         raise ValueError(f"cp_size (--context-parallel-size) must be a positive int, got "
                          f"{cp_size!r}")
@@ -281,4 +288,4 @@ def plan_context_parallel(cu_seqlens, cp_size: int, algo: str = "ring",
     placement = partition_documents(cu, cp_size // u)
     placement = dataclasses.replace(placement, pieces=order_for_exchange(placement.pieces))
     return CPPlan(algo, cp_size, u, n, torch.from_numpy(cu.astype(np.int32)), placement.pieces,
-                  placement)
+                  placement, fused_tiles=bool(fused_tiles))

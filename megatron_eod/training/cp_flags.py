@@ -49,9 +49,10 @@ CONCURRENT_CALLS_HELP = ("on GPUs, run each CP rank's attention kernel calls sid
                          "flash-attn's backward), the local call in two parts, the one with "
                          "the longest document first, so that each call's tail is filled by "
                          "the others' blocks; no effect on CPU. On one H200 (attention alone, "
-                         "docs/BENCHMARKS.md) 0.02-0.06x of the ideal faster at 128k tokens, "
-                         "most with --cp-fused-forward; off by default: its side streams' "
-                         "memory pools are not yet measured in a training step")
+                         "docs/BENCHMARKS.md) 0.02-0.06x of the ideal faster at 128k tokens "
+                         "by the wall clock, 0.04-0.08x by the device's with "
+                         "--cp-fused-forward; off by default: its side streams' memory pools "
+                         "are not yet measured in a training step")
 
 FUSED_FORWARD_HELP = ("on GPUs, run the attention forward of the batched executors (ring and "
                       "hybrid groups; Ulysses' and CP=1's one call too) as ONE fused Triton "

@@ -248,7 +248,8 @@ def steps(args, registry, eod_token_id: int, pad_token_id, plan_ahead: bool) -> 
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         pad_token_id=pad_token_id, plan_ahead=plan_ahead,
         eval_micro_batch_size=getattr(args, "eval_micro_batch_size", None),
-        one_row_evaluation=megatron_lm_data.validates_one_row_at_a_time(args))
+        one_row_evaluation=megatron_lm_data.validates_one_row_at_a_time(args),
+        fused_tiles=getattr(args, "cp_fused_forward", False))
 
 
 def hybrid_groups(args) -> bool:

@@ -282,9 +282,18 @@ def test_forward_side_stream_follows_the_backend(monkeypatch, forward_beside):
     assert asked == [forward_beside]
 
 
+def test_a_plan_without_tiles_is_refused_by_the_fused_forward():
+    cu, (q, k, v, dout) = _case("spanning", 1, 64, 2, 1, 8, seed=3)
+    plan = plan_context_parallel(cu, 2, "ring", fused_tiles=False)
+    simulated = SimulatedPlan(plan, q, k, v, dout, TritonForwardBackend(CPUExactBackend()), 0.3)
+    with pytest.raises(ValueError, match=r"needs a plan with its tiles: "
+                                         r"plan_context_parallel\(\.\.\., fused_tiles=True\)"):
+        simulated.forward_group(0)
+
+
 def test_launch_shape_per_architecture():
     """The forward's blocks: on sm_90 the shape one H200 measured fastest (32 keys, 4 warps:
-    the whole row at 0.87-0.95 of PyTorch's flash kernel, against 0.97-1.02 for 64 keys and
+    the whole row at 0.87-0.97 of PyTorch's flash kernel, against 0.97-1.02 for 64 keys and
     8 warps); elsewhere the spill-free one; above head dim 128 two stages (shared memory)."""
     from megatron_eod.attention.triton_forward import _launch_shape
     assert _launch_shape(128, 128, 90) == (32, 4, 3)

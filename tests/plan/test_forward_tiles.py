@@ -163,3 +163,14 @@ def test_a_received_piece_must_be_a_run_inside_one_local_sequence():
     with pytest.raises(ValueError, match="run of local rows inside one local sequence"):
         forward_tiles(np.array([0, 10, 20]), np.arange(5, 15), np.array([0, 10]),
                       np.array([0, 4]), block_m=16)
+
+
+def test_a_plan_without_fused_tiles_builds_none_and_keeps_saying_so():
+    """fused_tiles=False (the trainers without --cp-fused-forward): no tiles, before and after
+    the plan moves; the executor refuses a fused backend on it (test_triton_forward.py)."""
+    cu = torch.tensor([0, 5, 40, 41, 64], dtype=torch.int32)
+    plan = plan_context_parallel(cu, 4, "ring", fused_tiles=False)
+    assert all(s.forward_tiles is None and s.key_tiles is None for s in plan.schedules)
+    moved = plan.to("cpu")
+    assert not moved.fused_tiles
+    assert plan_context_parallel(cu, 4, "ring").schedules[0].forward_tiles is not None

@@ -224,6 +224,28 @@ def test_only_times_the_layouts_it_names_and_the_ideal(monkeypatch, capsys, only
     assert len(timed_calls) == len(expected)
 
 
+def test_a_failing_row_is_nan_and_the_others_still_come_back(monkeypatch, capsys):
+    """A kernel that fails on the lent GPU (one row, in one of two samples) costs its row's
+    cells, with its traceback, not the run: every row is printed, the failing one NaN."""
+    calls = []
+
+    def fake_busiest(fns, repeats, device, share=1):
+        calls.append(len(fns))
+        if len(calls) == 3:  # the first sample's "ours ring (one call)"
+            raise RuntimeError("out of resources: shared memory")
+        return 1e-3, 3e-3, 3e-3
+
+    monkeypatch.setattr(bench_cp_gpu, "busiest", fake_busiest)
+    bench_cp_gpu.main(["--samples", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                       "--configs", "2048:4", "--mixes", "web", "--only", "^ours ring$|ring.*one"])
+    out, err = capsys.readouterr()
+    rows = {line.split(" | ")[0][2:]: line for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith("| layout")}
+    assert list(rows) == ["ideal", "ours ring", "ours ring (one call)"], out
+    assert "nan" in rows["ours ring (one call)"] and "nan" not in rows["ours ring"]
+    assert "[bench] ours ring (one call) failed:" in err and "out of resources" in err
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--only", "zzz"], "--only: 'zzz' selects no layout; layouts: ideal, ours ring"),
     (["--only", "ideal"], "--only: 'ideal' selects no layout"),

@@ -21,7 +21,9 @@ def _wired(rank, world, argv):
         config = transformer_config(args)
         spec = eod_wiring.block_spec(EodContextRegistry(), config, args, False)
     attention = spec.layer_specs[0].submodules.self_attention.submodules
+    steps = eod_wiring.steps(args, EodContextRegistry(), 0, None, plan_ahead=False)
     return {"params": {k: attention.core_attention.params[k] for k in KEYS},
+            "fused_tiles": steps.flags["fused_tiles"],
             "qk_norm": attention.q_layernorm is not None, "qk_config": config.qk_layernorm,
             "interleaved": config.rotary_interleaved,
             "gpt_positions": eod_wiring.gpt_position_embedding_type(args)}
@@ -38,6 +40,7 @@ def test_lean_flags_reach_the_spec_and_the_config(tiny_data):
                                 "seq_len_interpolation_factor": 2.0,
                                 "ring_exchange": "batched-keep", "concurrent_calls": True,
                                 "fused_forward": True, "fused_backward": True},
+                     "fused_tiles": True,  # the plans carry what the fused kernels read
                      "qk_norm": True, "qk_config": True, "interleaved": True,
                      "gpt_positions": "none"}
 
@@ -48,6 +51,7 @@ def test_positions_other_than_rope_turn_rope_off(tiny_data):
                                                    kind))
         assert wired["params"]["rotary_percent"] == 0.0
         assert wired["gpt_positions"] == kind
+        assert not wired["fused_tiles"]  # without --cp-fused-forward: no tiles to build
 
 
 def test_object_storage_data_needs_megatron_lm_flags_and_skips_local_checks(capsys):
