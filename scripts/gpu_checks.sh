@@ -24,6 +24,9 @@
 #                 concurrent, the fused kernels' rows and their whole-row calls, 2 rows per
 #                 mix; a row that fails is NaN, its traceback in the log
 #   profile-open  profile's batched rows, with and without --cp-concurrent-calls, and fused
+#   training-open training's runs with the fused forward (--cp-fused-forward, and with
+#                 --cp-concurrent-calls) against its CP=1 run: what the flags need before
+#                 they become defaults
 # A lease of 15 device minutes (the machine's start included; 10 minutes a command) fits two
 # calls, the second at once while the machine is warm (~30 s):
 #   1. bash scripts/gpu_checks.sh env kernels bench-open profile-open multiprocess
@@ -43,7 +46,7 @@ WORK="${TMPDIR:-/tmp}/megatron-eod-gpu-checks"
 PYTEST="$PYTHON -m pytest -q -rs -s -m gpu"
 
 ORDER=(env kernels multiprocess training bench-cp profile e2e)
-NAMED_ONLY=(bench-open profile-open)
+NAMED_ONLY=(bench-open profile-open training-open)
 declare -A COMMAND LIMIT
 COMMAND[env]="$PYTHON tools/gpu_env_report.py"
 COMMAND[kernels]="$PYTEST tests --ignore=tests/attention/test_multiprocess_gpu.py --ignore=tests/functional/test_gpu_training.py"
@@ -53,9 +56,10 @@ COMMAND[bench-cp]="$PYTHON tools/bench_cp_gpu.py"
 COMMAND[profile]="$PYTHON tools/profile_cp_step.py"
 COMMAND[e2e]="$PYTHON tools/bench_e2e.py --preset 1b --work-dir $WORK/bench_e2e"
 COMMAND[bench-open]="${COMMAND[bench-cp]} --samples 2 --only '^ours (ring|hybrid u=2)( \\((concurrent|fused.*)\\))?\$|fused kernel'"
+COMMAND[training-open]="${COMMAND[training]} -k fused"
 COMMAND[profile-open]="${COMMAND[profile]} --only '^ours (ring|hybrid u=2)( \((concurrent|fused).*\))?\$'"
 LIMIT=([env]=120 [kernels]=300 [multiprocess]=420 [training]=540 [bench-cp]=480
-       [profile]=240 [e2e]=540 [bench-open]=360 [profile-open]=180)
+       [profile]=240 [e2e]=540 [bench-open]=360 [profile-open]=180 [training-open]=300)
 
 if [ "${1:-}" = "--list" ]; then
   for stage in "${ORDER[@]}" "${NAMED_ONLY[@]}"; do

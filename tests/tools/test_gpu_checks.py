@@ -65,7 +65,7 @@ def selected_tests(stage_args):
 def test_every_stage_runs_a_file_that_exists_and_pytest_stages_select_gpu_tests():
     found = stages()
     assert list(found) == ["env", "kernels", "multiprocess", "training", "bench-cp", "profile",
-                           "e2e", "bench-open", "profile-open"]
+                           "e2e", "bench-open", "profile-open", "training-open"]
     collecting = {}
     for stage, command in found.items():
         words = shlex.split(command)
@@ -77,9 +77,9 @@ def test_every_stage_runs_a_file_that_exists_and_pytest_stages_select_gpu_tests(
         if "pytest" in words:
             start = words.index("pytest") + 1
             collecting[stage] = [w for w in words[start:] if w not in ("-s", "-rs")]
-    assert list(collecting) == ["kernels", "multiprocess", "training"]
+    assert list(collecting) == ["kernels", "multiprocess", "training", "training-open"]
     # The single-file stages first: each is then imported fresh, as on the GPU machine.
-    order = ["multiprocess", "training", "kernels"]
+    order = ["multiprocess", "training", "training-open", "kernels"]
     results, out = selected_tests([collecting[stage] for stage in order])
     for stage, (code, count) in zip(order, results):
         assert code == 0 and count, (stage, code, count, out[-3000:])
