@@ -216,7 +216,7 @@ for arch in (80, 90):
             report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a" if arch == 90 else
                                      "sm_80", f.name, "-o", os.devnull], capture_output=True,
                                     text=True, check=True).stderr
-            spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+            spilled = int(re.search(r"([0-9]+) bytes spill stores", report).group(1))
             assert spilled <= (16 if kernel is forward and arch == 90 else 0), (arch, shape,
                                                                                report)
 
