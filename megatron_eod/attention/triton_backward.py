@@ -23,9 +23,19 @@ from megatron_eod.attention.triton_forward import check_tensors, compile_kernel
 __all__ = ["compile_backward_for", "row_delta", "tile_dq", "tile_dkdv"]
 
 
+# Rows per float32 chunk of row_delta: bounds its transient copies (2 x rows x H x D x 4
+# bytes: 128 MiB at 32 heads of 128) whatever the row count.
+DELTA_ROWS = 4096
+
+
 def row_delta(dout, out):
-    """float32 [T, H]: each row's and head's dout . out."""
-    return torch.einsum("thd,thd->th", dout.float(), out.float())
+    """float32 [T, H]: each row's and head's dout . out, in float32 (chunks of DELTA_ROWS
+    rows)."""
+    delta = torch.empty(out.shape[:2], dtype=torch.float32, device=out.device)
+    for start in range(0, out.shape[0], DELTA_ROWS):
+        rows = slice(start, start + DELTA_ROWS)
+        delta[rows] = torch.einsum("thd,thd->th", dout[rows].float(), out[rows].float())
+    return delta
 
 
 # Blocks without register spills at head_dim 128 on sm_80 and sm_90 (ptxas -v on the PTX of
@@ -54,16 +64,24 @@ def _shape(head_dim, block_m, block_n):
         dict(num_warps=num_warps, num_stages=num_stages)
 
 
+def _check_block(what, size):
+    """Triton's matrix products need every block dimension >= 16 on a GPU."""
+    if size < 16 or size & (size - 1):
+        raise ValueError(f"the fused backward's {what} must be a power of two >= 16, got "
+                         f"{size}")
+
+
 def tile_dq(dout, q, k, v, received_k, received_v, lse, delta, tiles, row_start, dq, scale,
             block_m, block_n=None):
     """Writes dq of every row of `tiles` (the forward's query tiles of block_m rows)."""
     check_tensors(q, tiles, row_start, block_m, k=k, v=v, dout=dout, dq=dq)
+    block_n = _blocks(q.shape[2])[0] if block_n is None else block_n
+    _check_block("dq's key block", block_n)
     if tiles.shape[0] == 0:
         return
     if received_k is None:
         received_k, received_v = k, v
     heads, kv_heads = q.shape[1], k.shape[1]
-    block_n = _blocks(q.shape[2])[0] if block_n is None else block_n
     constants, options = _shape(q.shape[2], block_m, block_n)
     from megatron_eod.attention.triton_backward_kernels import attention_dq_kernel
 
@@ -82,10 +100,12 @@ def tile_dkdv(dout, q, k, v, lse, delta, key_tiles, row_start, dk, dv, scale, ca
     """Writes dk, dv of every key row of `key_tiles` ([n, 4] of plan/key_tiles.py; k, v the
     local rows with `causal`, else the receive buffer's)."""
     check_tensors(q, key_tiles, row_start, 16, k=k, v=v, dout=dout, dk=dk, dv=dv)
+    block_m = _blocks(q.shape[2])[1] if block_m is None else block_m
+    _check_block("the key tiles' keys (key_block)", block_n)
+    _check_block("dk/dv's query block", block_m)
     if key_tiles.shape[0] == 0:
         return
     heads, kv_heads = q.shape[1], k.shape[1]
-    block_m = _blocks(q.shape[2])[1] if block_m is None else block_m
     constants, options = _shape(q.shape[2], block_m, block_n)
     from megatron_eod.attention.triton_backward_kernels import attention_dkdv_kernel
 

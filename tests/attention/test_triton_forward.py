@@ -46,9 +46,11 @@ def _case(*args, **kwargs):
     return simulate_case(*args, **{"dtype": torch.float32, **kwargs})
 
 
-def _small_tiles(simulated, block_m=16):
-    """The simulation's schedules with tiles of block_m rows (the plan's are 128)."""
-    simulated.schedules = [s if s.forward_tiles is None else with_fused_tiles(s, block_m)
+def _small_tiles(simulated, block_m=16, key_block=16):
+    """The simulation's schedules with tiles of block_m rows and key tiles of key_block keys
+    (the plan's are 128 and 64): tile edges inside the small cases' documents."""
+    simulated.schedules = [s if s.forward_tiles is None else
+                           with_fused_tiles(s, block_m, key_block)
                            for s in simulated.schedules]
     return simulated
 
@@ -157,7 +159,7 @@ def test_a_plan_the_steps_run_is_said_not_fused(monkeypatch):
         ring.ring_attention(q, k, v, schedule, None, CPUExactBackend(), 0.3)  # not fused
 
 
-def _rank(rank, world, algo, degree, exchange):
+def _rank(rank, world, algo, degree, exchange, fused_backward):
     tokens = random_layout_tokens("mixed", 2, 64, EOD, seed=world)
     layout = build_doc_layout(tokens, EOD)
     plan = plan_context_parallel(layout.cu_seqlens, world, algo, degree)
@@ -167,7 +169,8 @@ def _rank(rank, world, algo, degree, exchange):
     idx = plan.token_index(rank)
     mine = [t[idx].clone().requires_grad_() for t in (q, k, v)]
     out = context_parallel_attention(*mine, plan, group=dist.group.WORLD, softmax_scale=0.3,
-                                     backend=TritonForwardBackend(CPUExactBackend()),
+                                     backend=TritonForwardBackend(CPUExactBackend(),
+                                                                  fused_backward),
                                      ring_exchange=exchange)
     out.backward(dout[idx])
     ref = _oracle(q, k, v, dout, layout.cu_seqlens, 0.3)
@@ -176,10 +179,12 @@ def _rank(rank, world, algo, degree, exchange):
 
 
 @interpreted
-@pytest.mark.parametrize("algo,world,degree,exchange", [("ring", 4, None, "batched"),
-                                                        ("hybrid", 4, 2, "batched-keep")])
-def test_fused_forward_on_gloo_ranks(algo, world, degree, exchange):
-    assert max(run_ranks(_rank, world, algo, degree, exchange)) < 2e-5
+@pytest.mark.parametrize("algo,world,degree,exchange,fused_backward", [
+    ("ring", 4, None, "batched", False), ("hybrid", 4, 2, "batched-keep", True)])
+def test_fused_forward_on_gloo_ranks(algo, world, degree, exchange, fused_backward):
+    """Real transports: the fused forward, and (hybrid) the fused backward with its received
+    keys' gradients sent back and landed."""
+    assert max(run_ranks(_rank, world, algo, degree, exchange, fused_backward)) < 2e-5
 
 
 COMPILE = """
@@ -289,6 +294,27 @@ def test_a_plan_without_tiles_is_refused_by_the_fused_forward():
     with pytest.raises(ValueError, match=r"needs a plan with its tiles: "
                                          r"plan_context_parallel\(\.\.\., fused_tiles=True\)"):
         simulated.forward_group(0)
+
+
+def test_backward_blocks_under_16_and_row_delta_chunks(monkeypatch):
+    """Blocks a GPU's matrix products cannot take are named before any launch (the
+    interpreter would run them); row_delta in chunks equals it whole."""
+    from megatron_eod.attention import triton_backward
+
+    q = torch.zeros(8, 2, 16)
+    tiles = torch.zeros(0, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"key tiles' keys \(key_block\) must be a power of "
+                                         r"two >= 16, got 8"):
+        triton_backward.tile_dkdv(q, q, q, q, None, None, tiles, tiles[:, 0], q, q, 0.3, True,
+                                  8)
+    with pytest.raises(ValueError, match=r"dq's key block must be a power of two >= 16"):
+        triton_backward.tile_dq(q, q, q, q, None, None, None, None, tiles, tiles[:, 0], q, 0.3,
+                                16, block_n=8)
+    dout, out = torch.randn(10, 3, 4), torch.randn(10, 3, 4)
+    whole = triton_backward.row_delta(dout, out)
+    monkeypatch.setattr(triton_backward, "DELTA_ROWS", 3)
+    assert torch.equal(triton_backward.row_delta(dout, out), whole)
+    assert torch.allclose(whole, (dout * out).sum(-1))
 
 
 def test_launch_shape_per_architecture():
