@@ -73,18 +73,14 @@ from bench_selection import (mix_rows, parse_configs, parse_mixes, parse_only,  
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
-from megatron_eod.attention import triton_backward, triton_forward  # noqa: E402
 from megatron_eod.attention.triton_forward import TritonForwardBackend  # noqa: E402
 from megatron_eod.attention.ulysses import kv_repeat_for_degree  # noqa: E402
 from megatron_eod.plan.cost import doc_pairs  # noqa: E402
-from megatron_eod.plan.forward_tiles import DEFAULT_BLOCK_M  # noqa: E402
 from megatron_eod.plan.kv_schedule import call_from_rows  # noqa: E402
 from tile_model import plan_calls, tiles_over_ideal  # noqa: E402
-
-
-from bench_layouts import (FUSED_IDEALS, concurrent_calls, fused,  # noqa: E402
-                           fused_schedules, layout_backend, layout_names, one_call,
-                           our_layouts, parse_fused_backward_config, parse_fused_config)
+from bench_layouts import (FUSED_IDEALS, add_fused_options, apply_fused_options,  # noqa: E402
+                           concurrent_calls, fused, fused_schedules, layout_backend,
+                           layout_names, one_call, our_layouts)
 
 
 def timed(fn, repeats, device):
@@ -352,17 +348,7 @@ def main(argv=None):
                    help="also time the steps executor (--cp-ring-exchange steps; its rows of "
                         "2026-11-24 are in docs/BENCHMARKS.md)")
     p.add_argument("--mixes", default="stdlib,web", help="comma-separated: stdlib, web")
-    p.add_argument("--tile-rows", type=positive_int, default=DEFAULT_BLOCK_M,
-                   help="query rows per tile of the fused rows (a power of two >= 16)")
-    p.add_argument("--fused-config", metavar="BLOCK_N:WARPS:STAGES",
-                   help="the fused kernel's key block, warps and pipeline stages for every "
-                        "launch (default: attention/triton_forward.py's choice per head dim)")
-    p.add_argument("--fused-backward-config", metavar="DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES",
-                   help="the fused backward's blocks (dq's keys, dk/dv's query rows), warps "
-                        "and stages for every launch (default: attention/triton_backward.py's)")
-    p.add_argument("--key-tile-keys", type=positive_int,
-                   help="keys per tile of the fused backward's dk/dv (a power of two >= 16; "
-                        "default: plan/key_tiles.py's 64)")
+    add_fused_options(p)
     p.add_argument("--only", metavar="REGEX",
                    help="time only the layouts whose name this regular expression finds "
                         "(the ideal row always): '^ours' leaves out the reference layouts, "
@@ -373,16 +359,7 @@ def main(argv=None):
     args.only = parse_only(p, args.only, layout_names(args.steps))
     if args.heads % args.kv_heads:
         p.error("--heads must be divisible by --kv-heads")
-    if args.tile_rows < 16 or args.tile_rows & (args.tile_rows - 1):
-        p.error(f"--tile-rows must be a power of two >= 16, got {args.tile_rows}")
-    if args.fused_config is not None:
-        triton_forward.LAUNCH_OVERRIDE = parse_fused_config(p, args.fused_config)
-    if args.fused_backward_config is not None:
-        triton_backward.BACKWARD_OVERRIDE = parse_fused_backward_config(
-            p, args.fused_backward_config)
-    if args.key_tile_keys is not None and (args.key_tile_keys < 16 or
-                                           args.key_tile_keys & (args.key_tile_keys - 1)):
-        p.error(f"--key-tile-keys must be a power of two >= 16, got {args.key_tile_keys}")
+    apply_fused_options(p, args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backend = get_backend(device, dtype)

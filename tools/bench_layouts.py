@@ -3,7 +3,7 @@
 One job: name our layouts and say how each runs: its algorithm, Ulysses degree, ring
 executor, and mode (--cp-concurrent-calls, its forced split, the fused kernels); the reference
 layouts and the "(one call)" and whole-row fused rows; `--only`'s names; the backend and
-schedules a layout runs with; `--fused-config`'s and `--fused-backward-config`'s parsing.
+schedules a layout runs with; the fused rows' options (tile sizes, launch shapes).
 """
 
 import os
@@ -11,12 +11,15 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_selection import positive_int  # noqa: E402
+from megatron_eod.attention import triton_backward, triton_forward  # noqa: E402
 from megatron_eod.attention.triton_forward import TritonForwardBackend  # noqa: E402
+from megatron_eod.plan.forward_tiles import DEFAULT_BLOCK_M  # noqa: E402
 from megatron_eod.plan.forward_tiles import with_fused_tiles  # noqa: E402
 
 __all__ = ["OURS", "REFERENCES", "FUSED_IDEALS", "SplitForced", "concurrent_calls", "fused",
            "fused_schedules", "layout_backend", "layout_names", "one_call", "our_layouts",
-           "parse_fused_backward_config", "parse_fused_config"]
+           "add_fused_options", "apply_fused_options"]
 
 
 # Our layouts: (name, algo, Ulysses degree, ring executor); the other tools report the same.
@@ -40,31 +43,53 @@ def our_layouts(steps=True):
                    for name, algo, u, exchange in OURS if exchange == "batched"]
 
 
-def parse_fused_config(p, text):
-    """--fused-config BLOCK_N:WARPS:STAGES as a tuple, each checked (argparse error)."""
-    parts = text.split(":")
-    if len(parts) != 3 or not all(x.isdigit() for x in parts):
-        p.error(f"--fused-config: BLOCK_N:WARPS:STAGES (e.g. 64:8:3), got {text!r}")
-    block_n, warps, stages = (int(x) for x in parts)
-    if block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16) or stages < 1:
-        p.error(f"--fused-config {text}: BLOCK_N a power of two >= 16, WARPS 1, 2, 4, 8 or "
-                f"16, STAGES >= 1")
-    return block_n, warps, stages
+def _power_of_two(size) -> bool:
+    """A block size Triton's matrix products take: a power of two >= 16."""
+    return size >= 16 and not size & (size - 1)
 
 
-def parse_fused_backward_config(p, text):
-    """--fused-backward-config DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES as a tuple, each checked
+def _parse_shape(p, flag, text, fields, example, blocks_rule):
+    """FIELDS...:WARPS:STAGES as a tuple of ints, the leading fields block sizes, each checked
     (argparse error)."""
     parts = text.split(":")
-    flag = "--fused-backward-config"
-    if len(parts) != 4 or not all(x.isdigit() for x in parts):
-        p.error(f"{flag}: DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES (e.g. 32:32:8:2), got {text!r}")
-    dq_n, dkdv_m, warps, stages = (int(x) for x in parts)
-    if any(b < 16 or b & (b - 1) for b in (dq_n, dkdv_m)) or warps not in (1, 2, 4, 8, 16) \
-            or stages < 1:
-        p.error(f"{flag} {text}: the blocks powers of two >= 16, WARPS 1, 2, 4, 8 or 16, "
-                f"STAGES >= 1")
-    return dq_n, dkdv_m, warps, stages
+    if len(parts) != len(fields.split(":")) or not all(x.isdigit() for x in parts):
+        p.error(f"{flag}: {fields} (e.g. {example}), got {text!r}")
+    *blocks, warps, stages = (int(x) for x in parts)
+    if not all(map(_power_of_two, blocks)) or warps not in (1, 2, 4, 8, 16) or stages < 1:
+        p.error(f"{flag} {text}: {blocks_rule}, WARPS 1, 2, 4, 8 or 16, STAGES >= 1")
+    return (*blocks, warps, stages)
+
+
+def add_fused_options(p):
+    """The fused rows' options: tile sizes and the kernels' launch shapes."""
+    p.add_argument("--tile-rows", type=positive_int, default=DEFAULT_BLOCK_M,
+                   help="query rows per tile of the fused rows (a power of two >= 16)")
+    p.add_argument("--fused-config", metavar="BLOCK_N:WARPS:STAGES",
+                   help="the fused kernel's key block, warps and pipeline stages for every "
+                        "launch (default: attention/triton_forward.py's choice per head dim)")
+    p.add_argument("--fused-backward-config", metavar="DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES",
+                   help="the fused backward's blocks (dq's keys, dk/dv's query rows), warps "
+                        "and stages for every launch (default: attention/triton_backward.py's)")
+    p.add_argument("--key-tile-keys", type=positive_int,
+                   help="keys per tile of the fused backward's dk/dv (a power of two >= 16; "
+                        "default: plan/key_tiles.py's 64)")
+
+
+def apply_fused_options(p, args):
+    """Checks `add_fused_options`' values (argparse errors) and sets the kernels' launch
+    overrides they name (triton_forward.LAUNCH_OVERRIDE, triton_backward.BACKWARD_OVERRIDE)."""
+    for flag, size in (("--tile-rows", args.tile_rows), ("--key-tile-keys", args.key_tile_keys)):
+        if size is not None and not _power_of_two(size):
+            p.error(f"{flag} must be a power of two >= 16, got {size}")
+    if args.fused_config is not None:
+        triton_forward.LAUNCH_OVERRIDE = _parse_shape(
+            p, "--fused-config", args.fused_config, "BLOCK_N:WARPS:STAGES", "64:8:3",
+            "BLOCK_N a power of two >= 16")
+    if args.fused_backward_config is not None:
+        triton_backward.BACKWARD_OVERRIDE = _parse_shape(
+            p, "--fused-backward-config", args.fused_backward_config,
+            "DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES", "32:32:8:2",
+            "the blocks powers of two >= 16")
 
 
 def concurrent_calls(mode) -> bool:
