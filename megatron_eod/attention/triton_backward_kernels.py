@@ -6,7 +6,12 @@ tiles, each row's received then local keys (dq = scale * sum_j ds_ij k_j); and
 `attention_dkdv_kernel`, one program per (key tile, key/value head) over a launch's key tiles,
 the query rows that see its keys, every query head of its group (dk = scale * sum_i ds_ij q_i,
 dv = sum_i p_ij dout_i), written once: no atomics. ds_ij = p_ij (dout_i . v_j - delta_i),
-delta_i = dout_i . out_i, p_ij = exp(scale q_i . k_j - lse_i), in base 2 here.
+delta_i = dout_i . out_i, p_ij = exp(scale q_i . k_j - lse_i), in base 2 here. The dk/dv
+kernel computes p and ds transposed (keys as the matrix rows), so that all its products take
+tiles as they come (on sm_90, four warpgroup MMAs a block, none transposing registers). Both
+kernels mask only the blocks a document or causal edge crosses: key blocks before a
+one-document tile's first row, and row blocks past a key tile's last key whose document holds
+the whole tile, are seen whole.
 Imported on first use, as the forward's kernel (Triton reads TRITON_INTERPRET when imported).
 """
 
@@ -46,7 +51,17 @@ def attention_dq_kernel(Q, K, V, RK, RV, DO, LSE, DELTA, DQ, TILES, ROW_START,
                                         kv_head * s_rvh, dims, dim_ok, BLOCK_N)
         p, ds = _ds(q, k, v, do, lse2, delta, row_ok[:, None] & col_ok[None, :], qk_scale)
         dq = tl.dot(ds.to(k.dtype), k, dq)
-    for start in range(l_start, q_stop, BLOCK_N):  # local rows: own document, causal
+    # Local key blocks wholly before the tile's first row are seen by every row when the
+    # tile is one document's (its last row's document starts where its first row's does).
+    q_start = tl.load(TILES + (tl.program_id(0) // HEADS) * 5)
+    whole = tl.load(ROW_START + q_stop - 1) <= l_start
+    seen = tl.where(whole, l_start + (q_start + 1 - l_start) // BLOCK_N * BLOCK_N, l_start)
+    for start in range(l_start, seen, BLOCK_N):  # local rows, every key seen
+        cols, col_ok, k, v = _key_block(K, V, start, q_stop, s_kt, kv_head * s_kh, s_vt,
+                                        kv_head * s_vh, dims, dim_ok, BLOCK_N)
+        p, ds = _ds(q, k, v, do, lse2, delta, row_ok[:, None], qk_scale)
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    for start in range(seen, q_stop, BLOCK_N):  # local rows: own document, causal
         cols, col_ok, k, v = _key_block(K, V, start, q_stop, s_kt, kv_head * s_kh, s_vt,
                                         kv_head * s_vh, dims, dim_ok, BLOCK_N)
         visible = (cols[None, :] >= starts[:, None]) & (cols[None, :] <= rows[:, None]) & \
@@ -58,6 +73,33 @@ def attention_dq_kernel(Q, K, V, RK, RV, DO, LSE, DELTA, DQ, TILES, ROW_START,
 
 
 @triton.jit
+def _dkdv_step(k, v, q, do, lse2, delta, visible, dk, dv, qk_scale):
+    """A block of rows into the running dk, dv of a key block, keys as the matrix rows: p and
+    ds transposed ([keys, rows]) are what the two products take, so no register tile is
+    transposed (on sm_90 each product is one warpgroup MMA with k/v as its left operand)."""
+    p_t = tl.where(visible, tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]), 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, dv)
+    ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+    return tl.dot(ds_t.to(q.dtype), q, dk), dv
+
+
+@triton.jit
+def _row_block(Q, DO, LSE, DELTA, start, stop, head, s_qt, s_qh, s_dot, s_doh, s_lt, s_lh,
+               s_et, s_eh, dims, dim_ok, BLOCK_M: tl.constexpr):
+    """(rows start.., which are below stop, their q, dout, lse in base 2, delta) of one head;
+    rows past stop read as 0 (they add nothing to dk or dv)."""
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < stop
+    row_at = rows.to(tl.int64)
+    row_mask = row_ok[:, None] & dim_ok[None, :]
+    q = _rows(Q, row_at, s_qt, head * s_qh, dims, row_mask)
+    do = _rows(DO, row_at, s_dot, head * s_doh, dims, row_mask)
+    lse2 = tl.load(LSE + row_at * s_lt + head * s_lh, mask=row_ok, other=0.0) * LOG2E
+    delta = tl.load(DELTA + row_at * s_et + head * s_eh, mask=row_ok, other=0.0)
+    return rows, row_ok, q, do, lse2, delta
+
+
+@triton.jit
 def attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_TILES, ROW_START,
                           s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_dot, s_doh, s_lt, s_lh,
                           s_et, s_eh, s_dkt, s_dkh, s_dvt, s_dvh, qk_scale, sm_scale,
@@ -66,7 +108,9 @@ def attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_TILES, ROW_START,
                           BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """Key tiles (k_start, k_stop, q_start, q_stop): keys k_start:k_stop of K/V (local rows
     with CAUSAL: each seen by the rows of its document from itself on; else received rows,
-    seen by every row q_start:q_stop); dk/dv like K/V."""
+    seen by every row q_start:q_stop); dk/dv like K/V. With CAUSAL, the row blocks before
+    the tile's last key are masked, and after it too where the tile holds the start of a
+    document (packed short documents); the others see every key of the tile: no mask."""
     tile = tl.program_id(0) // KV_HEADS
     kv_head = (tl.program_id(0) % KV_HEADS).to(tl.int64)
     k_start = tl.load(KEY_TILES + tile * 4)
@@ -82,25 +126,30 @@ def attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_TILES, ROW_START,
     v = _rows(V, col_at, s_vt, kv_head * s_vh, dims, col_mask)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    if CAUSAL:
+        # Row blocks from the first at or past the last key see all the tile's keys when the
+        # last key's document (every row from it to q_stop) starts at or before the first.
+        past = q_start + tl.cdiv(k_stop - 1 - q_start, BLOCK_M) * BLOCK_M
+        whole = tl.load(ROW_START + k_stop - 1) <= k_start
+        unmasked = tl.where(whole, tl.minimum(past, q_stop), q_stop)
+    else:
+        unmasked = q_start
     for member in range(GROUP):  # the query heads reading this key/value head
         head = kv_head * GROUP + member
-        for start in range(q_start, q_stop, BLOCK_M):
-            rows = start + tl.arange(0, BLOCK_M)
-            row_ok = rows < q_stop
-            row_at = rows.to(tl.int64)
-            row_mask = row_ok[:, None] & dim_ok[None, :]
-            q = _rows(Q, row_at, s_qt, head * s_qh, dims, row_mask)
-            do = _rows(DO, row_at, s_dot, head * s_doh, dims, row_mask)
-            lse2 = tl.load(LSE + row_at * s_lt + head * s_lh, mask=row_ok, other=0.0) * LOG2E
-            delta = tl.load(DELTA + row_at * s_et + head * s_eh, mask=row_ok, other=0.0)
-            visible = row_ok[:, None] & col_ok[None, :]
-            if CAUSAL:
-                starts = tl.load(ROW_START + rows, mask=row_ok, other=0)
-                visible = visible & (cols[None, :] >= starts[:, None]) & \
-                    (cols[None, :] <= rows[:, None])
-            p, ds = _ds(q, k, v, do, lse2, delta, visible, qk_scale)
-            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv)
-            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk)
+        for start in range(q_start, unmasked, BLOCK_M):  # by the rows' document starts
+            rows, row_ok, q, do, lse2, delta = _row_block(
+                Q, DO, LSE, DELTA, start, q_stop, head, s_qt, s_qh, s_dot, s_doh, s_lt, s_lh,
+                s_et, s_eh, dims, dim_ok, BLOCK_M)
+            starts = tl.load(ROW_START + rows, mask=row_ok, other=0)
+            visible = row_ok[None, :] & col_ok[:, None] & (cols[:, None] >= starts[None, :]) \
+                & (cols[:, None] <= rows[None, :])
+            dk, dv = _dkdv_step(k, v, q, do, lse2, delta, visible, dk, dv, qk_scale)
+        for start in range(unmasked, q_stop, BLOCK_M):  # every key seen
+            rows, row_ok, q, do, lse2, delta = _row_block(
+                Q, DO, LSE, DELTA, start, q_stop, head, s_qt, s_qh, s_dot, s_doh, s_lt, s_lh,
+                s_et, s_eh, dims, dim_ok, BLOCK_M)
+            visible = row_ok[None, :] & col_ok[:, None]
+            dk, dv = _dkdv_step(k, v, q, do, lse2, delta, visible, dk, dv, qk_scale)
     tl.store(DK + col_at[:, None] * s_dkt + kv_head * s_dkh + dims[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=col_mask)
     tl.store(DV + col_at[:, None] * s_dvt + kv_head * s_dvh + dims[None, :],

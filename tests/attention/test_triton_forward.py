@@ -81,6 +81,35 @@ def test_fused_forward_equals_dense_reference(algo, cp, degree, kind, b, kv_head
         assert (mine.double() - ref).abs().max().item() < 2e-5, name
 
 
+# Documents 10, 30, 10 rows long: packed in 32-row tiles, the second tile's first row is 22
+# rows into the 30-row document (one 16-key block before it), and its last rows are the next
+# document's, which must not see that block.
+PACKED_ACROSS = [0, 10, 40, 50, 128, 138, 168, 178, 256]
+
+
+@interpreted
+@pytest.mark.parametrize("algo,cp,kind,seed", [("ring", 2, "mixed", 1), ("ring", 2, "mixed", 6),
+                                               ("ulysses", 2, "short", 2),
+                                               ("ulysses", 2, PACKED_ACROSS, 3)])
+def test_fused_backward_blocks_smaller_than_the_tiles(monkeypatch, algo, cp, kind, seed):
+    """The fused backward's unmasked blocks: dq's key blocks (16) before a 32-row tile's first
+    row, dk/dv's row blocks (16) past a 32-key tile's last key, which short documents packed
+    across the tile's edge must still mask (the rows after the edge see only their own
+    document's keys)."""
+    from megatron_eod.attention import triton_backward
+
+    monkeypatch.setattr(triton_backward, "BACKWARD_OVERRIDE", (16, 16, 4, 2))
+    cu, (q, k, v, dout) = _case("mixed" if isinstance(kind, list) else kind, 2, 128, 4, 2, 8,
+                                seed=seed)
+    cu = torch.tensor(kind, dtype=cu.dtype) if isinstance(kind, list) else cu
+    plan = plan_context_parallel(cu, cp, algo)
+    backend = TritonForwardBackend(CPUExactBackend(), fused_backward=True)
+    simulated = _small_tiles(SimulatedPlan(plan, q, k, v, dout, backend, 0.3), 32, 32)
+    for name, mine, ref in zip(("out", "dq", "dk", "dv"), simulated.run(),
+                               _oracle(q, k, v, dout, cu, 0.3)):
+        assert (mine.double() - ref).abs().max().item() < 2e-5, name
+
+
 @interpreted
 def test_tile_forward_writes_every_row_once_and_only_its_rows():
     """Rows outside the tiles keep what they held; rows inside equal the oracle, lse too."""
