@@ -27,6 +27,9 @@
 #   training-open training's runs with the fused forward (--cp-fused-forward, and with
 #                 --cp-concurrent-calls) against its CP=1 run: what the flags need before
 #                 they become defaults
+#   backward-sweep tools/sweep_fused_backward.py: the fused backward's time over PyTorch's at
+#                 the launch shapes that spill no register on sm_90 at head dim 128 (ptxas,
+#                 2026-11-28), the default first, in one process
 # A lease of 15 device minutes (the machine's start included; 10 minutes a command) fits two
 # calls, the second at once while the machine is warm (~30 s):
 #   1. bash scripts/gpu_checks.sh env kernels bench-open profile-open multiprocess
@@ -46,7 +49,7 @@ WORK="${TMPDIR:-/tmp}/megatron-eod-gpu-checks"
 PYTEST="$PYTHON -m pytest -q -rs -s -m gpu"
 
 ORDER=(env kernels multiprocess training bench-cp profile e2e)
-NAMED_ONLY=(bench-open profile-open training-open)
+NAMED_ONLY=(bench-open profile-open training-open backward-sweep)
 declare -A COMMAND LIMIT
 COMMAND[env]="$PYTHON tools/gpu_env_report.py"
 COMMAND[kernels]="$PYTEST tests --ignore=tests/attention/test_multiprocess_gpu.py --ignore=tests/functional/test_gpu_training.py"
@@ -58,8 +61,12 @@ COMMAND[e2e]="$PYTHON tools/bench_e2e.py --preset 1b --work-dir $WORK/bench_e2e"
 COMMAND[bench-open]="${COMMAND[bench-cp]} --samples 2 --only '^ours (ring|hybrid u=2)( \\((concurrent|fused.*)\\))?\$|fused kernel'"
 COMMAND[training-open]="${COMMAND[training]} -k fused"
 COMMAND[profile-open]="${COMMAND[profile]} --only '^ours (ring|hybrid u=2)( \((concurrent|fused).*\))?\$'"
+# DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES[:DKDV_WARPS][@KEYS per dk/dv tile], default first.
+BACKWARD_SHAPES="32:32:8:2,32:32:8:3,64:32:8:3,16:32:8:3,32:16:8:2:4,32:16:8:3,32:32:8:3@128,32:16:8:3@128"
+COMMAND[backward-sweep]="$PYTHON tools/sweep_fused_backward.py --shapes $BACKWARD_SHAPES"
 LIMIT=([env]=120 [kernels]=300 [multiprocess]=420 [training]=540 [bench-cp]=480
-       [profile]=240 [e2e]=540 [bench-open]=360 [profile-open]=180 [training-open]=300)
+       [profile]=240 [e2e]=540 [bench-open]=360 [profile-open]=180 [training-open]=300
+       [backward-sweep]=300)
 
 if [ "${1:-}" = "--list" ]; then
   for stage in "${ORDER[@]}" "${NAMED_ONLY[@]}"; do
@@ -147,7 +154,7 @@ for stage in "${STAGES[@]}"; do
     echo "## $stage"
     echo
     case $stage in
-      env|bench-cp|profile|bench-open|profile-open) grep -v '^USDT' "$log" ;;
+      env|bench-cp|profile|bench-open|profile-open|backward-sweep) grep -v '^USDT' "$log" ;;
       e2e) tail -n 5 "$log" ;;
       *) grep -o '\[figure\].*' "$log" | sed 's/^\[figure\] /- /'
          grep -E '^(FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed|skipped|error)' "$log" | tail -n 20 ;;

@@ -19,7 +19,7 @@ from megatron_eod.plan.forward_tiles import with_fused_tiles  # noqa: E402
 
 __all__ = ["OURS", "REFERENCES", "FUSED_IDEALS", "SplitForced", "concurrent_calls", "fused",
            "fused_schedules", "layout_backend", "layout_names", "one_call", "our_layouts",
-           "add_fused_options", "apply_fused_options"]
+           "add_fused_options", "apply_fused_options", "parse_backward_shape"]
 
 
 # Our layouts: (name, algo, Ulysses degree, ring executor); the other tools report the same.
@@ -48,16 +48,29 @@ def _power_of_two(size) -> bool:
     return size >= 16 and not size & (size - 1)
 
 
-def _parse_shape(p, flag, text, fields, example, blocks_rule):
+def _parse_shape(p, flag, text, fields, example, blocks_rule, more_warps=None):
     """FIELDS...:WARPS:STAGES as a tuple of ints, the leading fields block sizes, each checked
-    (argparse error)."""
+    (argparse error); `more_warps`: the name of an optional last field, warps too."""
     parts = text.split(":")
-    if len(parts) != len(fields.split(":")) or not all(x.isdigit() for x in parts):
+    count = len(fields.split(":"))
+    if more_warps is not None:
+        fields += f"[:{more_warps}]"
+    if len(parts) not in (count, count + (more_warps is not None)) or \
+            not all(x.isdigit() for x in parts):
         p.error(f"{flag}: {fields} (e.g. {example}), got {text!r}")
-    *blocks, warps, stages = (int(x) for x in parts)
-    if not all(map(_power_of_two, blocks)) or warps not in (1, 2, 4, 8, 16) or stages < 1:
+    *blocks, warps, stages = (int(x) for x in parts[:count])
+    extra = tuple(int(x) for x in parts[count:])
+    if not all(map(_power_of_two, blocks)) or stages < 1 or \
+            not all(w in (1, 2, 4, 8, 16) for w in (warps, *extra)):
         p.error(f"{flag} {text}: {blocks_rule}, WARPS 1, 2, 4, 8 or 16, STAGES >= 1")
-    return (*blocks, warps, stages)
+    return (*blocks, warps, stages, *extra)
+
+
+def parse_backward_shape(p, flag, text):
+    """A fused backward's launch shape DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES[:DKDV_WARPS]
+    (triton_backward.BACKWARD_OVERRIDE's tuple; argparse errors name `flag`)."""
+    return _parse_shape(p, flag, text, "DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES", "32:32:8:2",
+                        "the blocks powers of two >= 16", "DKDV_WARPS")
 
 
 def add_fused_options(p):
@@ -67,9 +80,11 @@ def add_fused_options(p):
     p.add_argument("--fused-config", metavar="BLOCK_N:WARPS:STAGES",
                    help="the fused kernel's key block, warps and pipeline stages for every "
                         "launch (default: attention/triton_forward.py's choice per head dim)")
-    p.add_argument("--fused-backward-config", metavar="DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES",
+    p.add_argument("--fused-backward-config",
+                   metavar="DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES[:DKDV_WARPS]",
                    help="the fused backward's blocks (dq's keys, dk/dv's query rows), warps "
-                        "and stages for every launch (default: attention/triton_backward.py's)")
+                        "(dk/dv's apart if given) and stages for every launch (default: "
+                        "attention/triton_backward.py's)")
     p.add_argument("--key-tile-keys", type=positive_int,
                    help="keys per tile of the fused backward's dk/dv (a power of two >= 16; "
                         "default: plan/key_tiles.py's 64)")
@@ -86,10 +101,8 @@ def apply_fused_options(p, args):
             p, "--fused-config", args.fused_config, "BLOCK_N:WARPS:STAGES", "64:8:3",
             "BLOCK_N a power of two >= 16")
     if args.fused_backward_config is not None:
-        triton_backward.BACKWARD_OVERRIDE = _parse_shape(
-            p, "--fused-backward-config", args.fused_backward_config,
-            "DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES", "32:32:8:2",
-            "the blocks powers of two >= 16")
+        triton_backward.BACKWARD_OVERRIDE = parse_backward_shape(
+            p, "--fused-backward-config", args.fused_backward_config)
 
 
 def concurrent_calls(mode) -> bool:

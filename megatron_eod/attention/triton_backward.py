@@ -47,24 +47,29 @@ def row_delta(dout, out):
 # be transposed, every block).
 DQ_BLOCK_N, DKDV_BLOCK_M = 32, 32
 
-# (dq's key block, dk/dv's query block, num_warps, num_stages) for every launch instead of
-# the above, or None: for benchmarks sweeping the kernels' shapes
-# (tools/bench_cp_gpu.py --fused-backward-config), at every head_dim as given.
+# (dq's key block, dk/dv's query block, num_warps, num_stages[, dk/dv's num_warps]) for every
+# launch instead of the above, or None: for benchmarks sweeping the kernels' shapes
+# (tools/bench_cp_gpu.py --fused-backward-config, tools/sweep_fused_backward.py), at every
+# head_dim as given; dk/dv's warps default to dq's.
 BACKWARD_OVERRIDE = None
 
 
 def _blocks(head_dim):
-    """(dq's key block, dk/dv's query block, num_warps, num_stages) at head_dim."""
+    """(dq's key block, dk/dv's query block, dq's num_warps, num_stages, dk/dv's num_warps)
+    at head_dim."""
     if BACKWARD_OVERRIDE is not None:
-        return BACKWARD_OVERRIDE
-    return DQ_BLOCK_N, DKDV_BLOCK_M, 8, 2 if head_dim <= 128 else 1  # shared memory above 128
+        dq_block_n, dkdv_block_m, warps, stages, *dkdv_warps = BACKWARD_OVERRIDE
+        return dq_block_n, dkdv_block_m, warps, stages, (dkdv_warps or [warps])[0]
+    stages = 2 if head_dim <= 128 else 1  # shared memory above 128
+    return DQ_BLOCK_N, DKDV_BLOCK_M, 8, stages, 8
 
 
-def _shape(head_dim, block_m, block_n):
+def _shape(head_dim, block_m, block_n, dkdv=False):
+    """(constexpr arguments, launch options) of the dq kernel, or with `dkdv` the dk/dv one."""
     block_d = max(16, 1 << (head_dim - 1).bit_length())
-    _, _, num_warps, num_stages = _blocks(head_dim)
+    _, _, dq_warps, num_stages, dkdv_warps = _blocks(head_dim)
     return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n), \
-        dict(num_warps=num_warps, num_stages=num_stages)
+        dict(num_warps=dkdv_warps if dkdv else dq_warps, num_stages=num_stages)
 
 
 def _check_block(what, size):
@@ -109,7 +114,7 @@ def tile_dkdv(dout, q, k, v, lse, delta, key_tiles, row_start, dk, dv, scale, ca
     if key_tiles.shape[0] == 0:
         return
     heads, kv_heads = q.shape[1], k.shape[1]
-    constants, options = _shape(q.shape[2], block_m, block_n)
+    constants, options = _shape(q.shape[2], block_m, block_n, dkdv=True)
     from megatron_eod.attention.triton_backward_kernels import attention_dkdv_kernel
 
     attention_dkdv_kernel[(key_tiles.shape[0] * kv_heads,)](
@@ -128,11 +133,11 @@ def compile_backward_for(arch: int, dtype: str = "bf16", head_dim: int = 128, gr
     from megatron_eod.attention.triton_backward_kernels import (attention_dkdv_kernel,
                                                                 attention_dq_kernel)
 
-    dq_block_n, dkdv_block_m, _, _ = _blocks(head_dim)
+    dq_block_n, dkdv_block_m, *_ = _blocks(head_dim)
     constants, options = _shape(head_dim, block_m, dq_block_n)
     dq = compile_kernel(attention_dq_kernel, arch, dtype,
                         dict(constants, HEADS=heads, GROUP=group), options, ("s_lt", "s_eh"))
-    constants, options = _shape(head_dim, dkdv_block_m, block_n)
+    constants, options = _shape(head_dim, dkdv_block_m, block_n, dkdv=True)
     dkdv = compile_kernel(attention_dkdv_kernel, arch, dtype,
                           dict(constants, KV_HEADS=heads // group, GROUP=group, CAUSAL=True),
                           options, ("s_lt", "s_eh"))

@@ -267,7 +267,10 @@ def test_a_failing_row_is_nan_and_the_others_still_come_back(monkeypatch, capsys
     (["--fused-config", "48:8:3"], "--fused-config 48:8:3: BLOCK_N a power of two >= 16"),
     (["--fused-config", "64:3:3"], "WARPS 1, 2, 4, 8 or 16"),
     (["--fused-backward-config", "32:32:8"], "--fused-backward-config: DQ_BLOCK_N:DKDV_BLOCK_M:"
-                                             "WARPS:STAGES (e.g. 32:32:8:2), got '32:32:8'"),
+                                             "WARPS:STAGES[:DKDV_WARPS] (e.g. 32:32:8:2), got "
+                                             "'32:32:8'"),
+    (["--fused-backward-config", "32:32:8:2:4:4"], "got '32:32:8:2:4:4'"),
+    (["--fused-backward-config", "32:32:8:2:3"], "WARPS 1, 2, 4, 8 or 16"),
     (["--fused-backward-config", "32:24:8:2"], "the blocks powers of two >= 16"),
     (["--key-tile-keys", "48"], "--key-tile-keys must be a power of two >= 16, got 48"),
 ])

@@ -65,7 +65,8 @@ def selected_tests(stage_args):
 def test_every_stage_runs_a_file_that_exists_and_pytest_stages_select_gpu_tests():
     found = stages()
     assert list(found) == ["env", "kernels", "multiprocess", "training", "bench-cp", "profile",
-                           "e2e", "bench-open", "profile-open", "training-open"]
+                           "e2e", "bench-open", "profile-open", "training-open",
+                           "backward-sweep"]
     collecting = {}
     for stage, command in found.items():
         words = shlex.split(command)
@@ -104,6 +105,20 @@ def test_the_short_lease_stages_select_the_open_rows_and_their_baselines():
         "ideal", *(name for name in ours if "split" not in name),
         "whole row, fused kernel", "whole row, fused kernels fwd+bwd"]
     assert selected("profile-open", [name for name, *_ in bench_cp_gpu.our_layouts()]) == ours
+
+
+def test_the_backward_sweep_stage_names_shapes_the_tool_takes():
+    """A typo in the stage's shapes would cost a lease's call: each parses, none repeats."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import argparse
+
+    import sweep_fused_backward
+
+    words = shlex.split(stages()["backward-sweep"])
+    text = words[words.index("--shapes") + 1]
+    shapes = sweep_fused_backward.parse_shapes(argparse.ArgumentParser(), text)
+    assert len(shapes) == len({(o, k) for _, o, k in shapes}) >= 6
+    assert shapes[0][1:] == ((32, 32, 8, 2), None)  # the default first
 
 
 def test_the_short_lease_stages_run_only_when_named(tmp_path):

@@ -1,0 +1,54 @@
+"""tools/sweep_fused_backward.py on the CPU through Triton's interpreter (a GPU lease relies
+on it): every shape's row, the fused gradients equal to PyTorch's, a failing shape NaN with
+the others kept, and bad shapes named."""
+
+import math
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+
+import sweep_fused_backward  # noqa: E402
+
+SMALL = ["--configs", "128:2", "--mixes", "web", "--heads", "2", "--kv-heads", "1",
+         "--head-dim", "16", "--repeats", "1", "--tile-rows", "32"]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the fused kernels on a CPU need Triton's interpreter")
+def test_every_shape_is_timed_and_checked_and_a_failing_one_is_nan(capsys, monkeypatch):
+    from megatron_eod.attention import triton_backward
+
+    launch = triton_backward.tile_dkdv
+
+    def fails_at_dkdv_warps_2(*args, **kwargs):
+        if triton_backward._blocks(16)[4] == 2:
+            raise RuntimeError("out of resources (a stand-in)")
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backward, "tile_dkdv", fails_at_dkdv_warps_2)
+    table = sweep_fused_backward.main(["--shapes", "16:16:4:2,32:16:8:3:2,16:32:4:2@32"] +
+                                      SMALL)
+    cells = table["web 128"]
+    assert list(cells) == ["PyTorch", "16:16:4:2", "32:16:8:3:2", "16:32:4:2@32"]
+    for label in ("16:16:4:2", "16:32:4:2@32"):
+        assert cells[label][2] < 1e-5, (label, cells[label])  # float32: exact to rounding
+        assert all(math.isfinite(x) for x in cells[label])
+    assert all(math.isnan(x) for x in cells["32:16:8:3:2"])
+    assert triton_backward.BACKWARD_OVERRIDE is None  # restored after the sweep
+    captured = capsys.readouterr()
+    assert "[sweep] 32:16:8:3:2 failed" in captured.err
+    assert "| 16:32:4:2@32 | " in captured.out
+
+
+@pytest.mark.parametrize("shapes,message", [
+    ("32:32:8", "--shapes: DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES[:DKDV_WARPS]"),
+    ("32:32:8:2@48", "--shapes 32:32:8:2@48: KEYS after @ must be a power of two >= 16"),
+    ("32:24:8:2", "the blocks powers of two >= 16"),
+])
+def test_bad_shapes_name_the_flag(capsys, shapes, message):
+    with pytest.raises(SystemExit):
+        sweep_fused_backward.main(["--shapes", shapes] + SMALL)
+    assert message in capsys.readouterr().err

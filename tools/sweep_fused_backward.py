@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""The fused backward's launch shapes, swept in one process: its time over PyTorch's backward.
+
+    python tools/sweep_fused_backward.py --shapes 32:32:8:2,32:16:8:3:4@128 [--samples 1]
+                                         [--repeats 3] [--configs 32768:4,131072:8]
+                                         [--mixes stdlib,web]
+
+A shape is DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES[:DKDV_WARPS][@KEYS] (dq's key block, dk/dv's
+query rows, warps, pipeline stages, dk/dv's warps if not dq's, and keys per dk/dv tile,
+plan/key_tiles.py's 64 unless given): attention/triton_backward.py's BACKWARD_OVERRIDE and the
+key tiles' size. For each mix's rows (tools/bench_cp.py's document mixes) the whole row is one
+plan (CP=1: every document in the fused kernels' tiles, as tools/bench_cp_gpu.py's "whole
+row, fused kernels fwd+bwd"), its forward the fused kernel's; its backward (forward+backward
+minus forward) is timed with PyTorch's kernels (the base backend's, as training runs it
+without --cp-fused-backward) and with the fused backward at each shape, by the wall clock and
+the device-only clock (bench_cp_gpu's two clocks). Reported per shape and mix: the backward's
+time over PyTorch's by each clock, and the largest normwise gradient difference from PyTorch's
+(max |fused - PyTorch| / max |PyTorch| over dq, dk, dv: a shape computing wrongly shows;
+bf16 rounding alone gives ~1e-2). A shape that does not compile or launch is NaN, its
+traceback on stderr, and the others still run. The first shape's kernels compile during its
+warm-up run (each shape compiles its own).
+On a CPU (tests) it runs through Triton's interpreter in float32: slowly, at small sizes.
+"""
+
+import argparse
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench_cp_gpu import device_timed, random_qkv, timed  # noqa: E402
+from bench_layouts import fused_schedules, parse_backward_shape  # noqa: E402
+from bench_selection import (mix_rows, parse_configs, parse_mixes, positive_int,  # noqa: E402
+                             tokens_label)
+from megatron_eod import plan_context_parallel  # noqa: E402
+from megatron_eod.attention import triton_backward  # noqa: E402
+from megatron_eod.attention.backends import get_backend  # noqa: E402
+from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
+from megatron_eod.attention.triton_forward import TritonForwardBackend  # noqa: E402
+from megatron_eod.plan.forward_tiles import DEFAULT_BLOCK_M  # noqa: E402
+
+
+def parse_shapes(p, text):
+    """[(label, BACKWARD_OVERRIDE tuple, keys per dk/dv tile or None)] from --shapes."""
+    shapes = []
+    for item in text.split(","):
+        shape, _, keys = item.partition("@")
+        override = parse_backward_shape(p, "--shapes", shape)
+        if keys and not (keys.isdigit() and int(keys) >= 16 and not int(keys) & (int(keys) - 1)):
+            p.error(f"--shapes {item}: KEYS after @ must be a power of two >= 16")
+        shapes.append((item, override, int(keys) if keys else None))
+    return shapes
+
+
+def backward_seconds(sim, repeats, device):
+    """(wall, device-only) seconds of the backward: forward+backward minus forward."""
+    fwd, both = (lambda: sim.forward_group(0)), (lambda: sim.run_group(0))
+    wall = timed(both, repeats, device) - timed(fwd, repeats, device)
+    return wall, device_timed(both, repeats, device) - device_timed(fwd, repeats, device)
+
+
+def gradient_gap(mine, theirs):
+    """Largest normwise difference of dq, dk, dv (run()'s last three) from PyTorch's."""
+    return max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+               .item() for a, b in zip(mine[1:], theirs[1:]))
+
+
+def sweep_row(cu, args, device, dtype, backend, shapes):
+    """{label: (wall ratio, device-only ratio, gradient gap)} for one row; "PyTorch" first."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = random_qkv(int(cu[-1]), args, device, dtype, gen)
+    scale = args.head_dim ** -0.5
+    whole = plan_context_parallel(torch.from_numpy(cu), 1, "ring")
+
+    def simulated(fused_backward, keys=None):
+        sim = SimulatedPlan(whole, q, k, v, dout, TritonForwardBackend(backend, fused_backward),
+                            scale)
+        sim.schedules = fused_schedules(whole, device, args.tile_rows, keys)
+        return sim
+
+    base = simulated(False)
+    base_wall, base_dev = backward_seconds(base, args.repeats, device)
+    reference = base.run()
+    results = {"PyTorch": (1.0, 1.0, 0.0)}
+    for label, override, keys in shapes:
+        triton_backward.BACKWARD_OVERRIDE = override
+        try:
+            sim = simulated(True, keys)
+            wall, dev = backward_seconds(sim, args.repeats, device)
+            results[label] = (wall / base_wall, dev / base_dev, gradient_gap(sim.run(), reference))
+        except Exception:  # noqa: BLE001 - one shape failing must not lose the others
+            print(f"[sweep] {label} failed:", file=sys.stderr)
+            traceback.print_exc()
+            results[label] = (float("nan"),) * 3
+            if device.type == "cuda":
+                try:
+                    torch.cuda.synchronize()
+                except RuntimeError:
+                    traceback.print_exc()
+        finally:
+            triton_backward.BACKWARD_OVERRIDE = None
+    return results
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", required=True,
+                   help="comma-separated DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES[:DKDV_WARPS]"
+                        "[@KEYS]")
+    p.add_argument("--samples", type=positive_int, default=1, help="random rows per config")
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--heads", type=positive_int, default=32)
+    p.add_argument("--kv-heads", type=positive_int, default=8)
+    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--configs", default="32768:4,131072:8",
+                   help="comma-separated TOKENS:CP pairs (CP only picks the mixes' rows)")
+    p.add_argument("--mixes", default="stdlib,web", help="comma-separated: stdlib, web")
+    p.add_argument("--tile-rows", type=positive_int, default=DEFAULT_BLOCK_M,
+                   help="query rows per forward tile (dq's programs)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    shapes = parse_shapes(p, args.shapes)
+    configs, mixes = parse_configs(p, args.configs), parse_mixes(p, args.mixes)
+    if args.heads % args.kv_heads:
+        p.error("--heads must be divisible by --kv-heads")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = get_backend(device, dtype)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{name}, backend {backend.name}, {dtype}, heads {args.heads}/{args.kv_heads} x "
+          f"{args.head_dim}, the whole row's backward over PyTorch's, best of {args.repeats}, "
+          f"{args.samples} rows per configuration")
+    table = {}
+    for mix, n, _, cus in mix_rows(configs, args.samples, args.seed, mixes):
+        rows = [sweep_row(cu, args, device, dtype, backend, shapes) for cu in cus]
+        table[f"{mix} {tokens_label(n)}"] = {
+            label: tuple(float(np.mean([r[label][i] for r in rows])) for i in range(3))
+            for label in rows[0]}
+    columns = list(table)
+    print("\nCells: the backward over PyTorch's, wall (device-only); the largest gradient gap")
+    print("\n| shape | " + " | ".join(columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    for label in table[columns[0]]:
+        cells = [f"{w:.2f} ({d:.2f}); {g:.1e}" for w, d, g in (table[c][label]
+                                                                for c in columns)]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    return table
+
+
+if __name__ == "__main__":
+    main()
