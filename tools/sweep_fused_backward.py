@@ -14,7 +14,9 @@ row, fused kernels fwd+bwd"), its forward the fused kernel's; its backward (forw
 minus forward) is timed with PyTorch's kernels (the base backend's, as training runs it
 without --cp-fused-backward) and with the fused backward at each shape, by the wall clock and
 the device-only clock (bench_cp_gpu's two clocks). Reported per shape and mix: the backward's
-time over PyTorch's by each clock, and the largest normwise gradient difference from PyTorch's
+time over PyTorch's by each clock; each of its kernels' device time (dq, dk/dv, delta, by CUDA
+events around each launch) over PyTorch's whole backward, to say which kernel to work on; and
+the largest normwise gradient difference from PyTorch's
 (max |fused - PyTorch| / max |PyTorch| over dq, dk, dv: a shape computing wrongly shows;
 bf16 rounding alone gives ~1e-2). A shape that does not compile or launch is NaN, its
 traceback on stderr, and the others still run. The first shape's kernels compile during its
@@ -25,6 +27,7 @@ On a CPU (tests) it runs through Triton's interpreter in float32: slowly, at sma
 import argparse
 import os
 import sys
+import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -64,6 +67,44 @@ def backward_seconds(sim, repeats, device):
     return wall, device_timed(both, repeats, device) - device_timed(fwd, repeats, device)
 
 
+KERNELS = {"dq": "dq_tiles", "dk/dv": "dkdv_tiles", "delta": "row_delta"}
+
+
+def kernel_seconds(sim, device):
+    """{kernel: seconds} of one forward+backward's fused backward kernels (KERNELS: the
+    backend's launches, each timed by CUDA events around it, summed; on a CPU the wall
+    clock). The fused backward runs them on one stream, one after another."""
+    backend, spent = sim.backend, {name: [] for name in KERNELS}
+
+    def clocked(name, launch):
+        def run(*args, **kwargs):
+            if device.type == "cuda":
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                result = launch(*args, **kwargs)
+                end.record()
+                spent[name].append((start, end))
+            else:
+                began = time.perf_counter()
+                result = launch(*args, **kwargs)
+                spent[name].append(time.perf_counter() - began)
+            return result
+        return run
+
+    for name, method in KERNELS.items():
+        setattr(backend, method, clocked(name, getattr(backend, method)))
+    try:
+        sim.run_group(0)
+    finally:
+        for method in KERNELS.values():
+            delattr(backend, method)  # the class's own again
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        return {name: sum(a.elapsed_time(b) for a, b in pairs) / 1e3
+                for name, pairs in spent.items()}
+    return {name: sum(times) for name, times in spent.items()}
+
+
 def gradient_gap(mine, theirs):
     """Largest normwise difference of dq, dk, dv (run()'s last three) from PyTorch's."""
     return max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
@@ -86,17 +127,20 @@ def sweep_row(cu, args, device, dtype, backend, shapes):
     base = simulated(False)
     base_wall, base_dev = backward_seconds(base, args.repeats, device)
     reference = base.run()
-    results = {"PyTorch": (1.0, 1.0, 0.0)}
+    nan = float("nan")
+    results = {"PyTorch": (1.0, 1.0, 0.0) + (nan,) * len(KERNELS)}
     for label, override, keys in shapes:
         triton_backward.BACKWARD_OVERRIDE = override
         try:
             sim = simulated(True, keys)
             wall, dev = backward_seconds(sim, args.repeats, device)
-            results[label] = (wall / base_wall, dev / base_dev, gradient_gap(sim.run(), reference))
+            kernels = kernel_seconds(sim, device)
+            results[label] = (wall / base_wall, dev / base_dev, gradient_gap(sim.run(), reference),
+                              *(kernels[name] / base_dev for name in KERNELS))
         except Exception:  # noqa: BLE001 - one shape failing must not lose the others
             print(f"[sweep] {label} failed:", file=sys.stderr)
             traceback.print_exc()
-            results[label] = (float("nan"),) * 3
+            results[label] = (nan,) * (3 + len(KERNELS))
             if device.type == "cuda":
                 try:
                     torch.cuda.synchronize()
@@ -139,17 +183,27 @@ def main(argv=None):
     for mix, n, _, cus in mix_rows(configs, args.samples, args.seed, mixes):
         rows = [sweep_row(cu, args, device, dtype, backend, shapes) for cu in cus]
         table[f"{mix} {tokens_label(n)}"] = {
-            label: tuple(float(np.mean([r[label][i] for r in rows])) for i in range(3))
+            label: tuple(float(np.mean([r[label][i] for r in rows]))
+                         for i in range(3 + len(KERNELS)))
             for label in rows[0]}
     columns = list(table)
-    print("\nCells: the backward over PyTorch's, wall (device-only); the largest gradient gap")
-    print("\n| shape | " + " | ".join(columns) + " |")
+    print_table("the backward over PyTorch's, wall (device-only); the largest gradient gap",
+                table, lambda cell: f"{cell[0]:.2f} ({cell[1]:.2f}); {cell[2]:.1e}")
+    print_table("each kernel's device time over PyTorch's whole backward (device-only): "
+                + " / ".join(KERNELS), {c: {label: cells for label, cells in table[c].items()
+                                           if label != "PyTorch"} for c in columns},
+                lambda cell: " / ".join(f"{x:.2f}" for x in cell[3:]))
+    return table
+
+
+def print_table(what, table, cell_text):
+    """A markdown table: a row per shape, a column per mix, `what` its cells."""
+    columns = list(table)
+    print(f"\nCells: {what}\n")
+    print("| shape | " + " | ".join(columns) + " |")
     print("|---|" + "---|" * len(columns))
     for label in table[columns[0]]:
-        cells = [f"{w:.2f} ({d:.2f}); {g:.1e}" for w, d, g in (table[c][label]
-                                                                for c in columns)]
-        print(f"| {label} | " + " | ".join(cells) + " |")
-    return table
+        print(f"| {label} | " + " | ".join(cell_text(table[c][label]) for c in columns) + " |")
 
 
 if __name__ == "__main__":

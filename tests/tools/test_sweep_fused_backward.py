@@ -1,6 +1,6 @@
 """tools/sweep_fused_backward.py on the CPU through Triton's interpreter (a GPU lease relies
-on it): every shape's row, the fused gradients equal to PyTorch's, a failing shape NaN with
-the others kept, and bad shapes named."""
+on it): every shape's row, its kernels timed apart, the fused gradients equal to PyTorch's, a
+failing shape NaN with the others kept, and bad shapes named."""
 
 import math
 import os
@@ -41,6 +41,8 @@ def test_every_shape_is_timed_and_checked_and_a_failing_one_is_nan(capsys, monke
     captured = capsys.readouterr()
     assert "[sweep] 32:16:8:3:2 failed" in captured.err
     assert "| 16:32:4:2@32 | " in captured.out
+    kernels = captured.out.split("dq / dk/dv / delta")[1]  # the second table: no PyTorch row
+    assert "| 16:16:4:2 | " in kernels and "| PyTorch |" not in kernels
 
 
 @pytest.mark.parametrize("shapes,message", [
