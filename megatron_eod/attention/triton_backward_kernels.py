@@ -136,14 +136,15 @@ def attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_TILES, ROW_START,
         unmasked = q_start
     for member in range(GROUP):  # the query heads reading this key/value head
         head = kv_head * GROUP + member
-        for start in range(q_start, unmasked, BLOCK_M):  # by the rows' document starts
-            rows, row_ok, q, do, lse2, delta = _row_block(
-                Q, DO, LSE, DELTA, start, q_stop, head, s_qt, s_qh, s_dot, s_doh, s_lt, s_lh,
-                s_et, s_eh, dims, dim_ok, BLOCK_M)
-            starts = tl.load(ROW_START + rows, mask=row_ok, other=0)
-            visible = row_ok[None, :] & col_ok[:, None] & (cols[:, None] >= starts[None, :]) \
-                & (cols[:, None] <= rows[None, :])
-            dk, dv = _dkdv_step(k, v, q, do, lse2, delta, visible, dk, dv, qk_scale)
+        if CAUSAL:  # (received keys: every block is seen whole)
+            for start in range(q_start, unmasked, BLOCK_M):  # by the rows' document starts
+                rows, row_ok, q, do, lse2, delta = _row_block(
+                    Q, DO, LSE, DELTA, start, q_stop, head, s_qt, s_qh, s_dot, s_doh, s_lt,
+                    s_lh, s_et, s_eh, dims, dim_ok, BLOCK_M)
+                starts = tl.load(ROW_START + rows, mask=row_ok, other=0)
+                visible = row_ok[None, :] & col_ok[:, None] & \
+                    (cols[:, None] >= starts[None, :]) & (cols[:, None] <= rows[None, :])
+                dk, dv = _dkdv_step(k, v, q, do, lse2, delta, visible, dk, dv, qk_scale)
         for start in range(unmasked, q_stop, BLOCK_M):  # every key seen
             rows, row_ok, q, do, lse2, delta = _row_block(
                 Q, DO, LSE, DELTA, start, q_stop, head, s_qt, s_qh, s_dot, s_doh, s_lt, s_lh,
