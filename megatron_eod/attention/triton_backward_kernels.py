@@ -52,7 +52,8 @@ def attention_dq_kernel(Q, K, V, RK, RV, DO, LSE, DELTA, DQ, TILES, ROW_START,
         p, ds = _ds(q, k, v, do, lse2, delta, row_ok[:, None] & col_ok[None, :], qk_scale)
         dq = tl.dot(ds.to(k.dtype), k, dq)
     # Local key blocks wholly before the tile's first row are seen by every row when the
-    # tile is one document's (its last row's document starts where its first row's does).
+    # tile is one document's (its last row's document starts where its first row's does;
+    # row starts never decrease, l_start is the first row's: plan/forward_tiles.py).
     q_start = tl.load(TILES + (tl.program_id(0) // HEADS) * 5)
     whole = tl.load(ROW_START + q_stop - 1) <= l_start
     seen = tl.where(whole, l_start + (q_start + 1 - l_start) // BLOCK_N * BLOCK_N, l_start)
@@ -129,6 +130,8 @@ def attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_TILES, ROW_START,
     if CAUSAL:
         # Row blocks from the first at or past the last key see all the tile's keys when the
         # last key's document (every row from it to q_stop) starts at or before the first.
+        # Relies on local key tiles' readers starting at the first key and ending with the
+        # last key's document (plan/key_tiles.py; tests/plan/test_forward_tiles.py).
         past = q_start + tl.cdiv(k_stop - 1 - q_start, BLOCK_M) * BLOCK_M
         whole = tl.load(ROW_START + k_stop - 1) <= k_start
         unmasked = tl.where(whole, tl.minimum(past, q_stop), q_stop)

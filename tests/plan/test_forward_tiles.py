@@ -133,6 +133,20 @@ def test_key_tiles_cover_exactly_the_document_mask(case, block_n):
             assert bool((t[:, 1] - t[:, 0] <= block_n).all())
             cost = t[:, 3] - t[:, 2]
             assert bool((cost[:-1] >= cost[1:]).all())
+        # What the kernels' unmasked blocks rely on (attention/triton_backward_kernels.py):
+        # a local key tile's readers start at its first key and end where its last key's
+        # document does; row starts never decrease; a query tile's l_start is its first
+        # row's document start.
+        local = keys.local.long().numpy()
+        assert np.array_equal(local[:, 2], local[:, 0])
+        last = row_start[local[:, 1] - 1]
+        assert np.array_equal(row_start[local[:, 3] - 1], last)
+        after = np.append(row_start, -1)[local[:, 3]]  # the row after the readers' last
+        assert bool((after != last).all())
+        assert bool((np.diff(row_start) >= 0).all())
+        for table in (schedule.forward_tiles.local_only, schedule.forward_tiles.with_received):
+            t = table.long().numpy()
+            assert np.array_equal(t[:, 4], row_start[t[:, 0]])
 
 
 def test_tiles_of_a_small_group_by_hand():
