@@ -18,7 +18,8 @@ Imported on first use, as the forward's kernel (Triton reads TRITON_INTERPRET wh
 import triton
 import triton.language as tl
 
-from megatron_eod.attention.triton_tile_kernel import _head_dims, _key_block, _query_tile, _rows
+from megatron_eod.attention.triton_tile_kernel import (_head_dims, _key_block, _query_tile, _rows,
+                                                       _seen_whole)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -51,12 +52,7 @@ def attention_dq_kernel(Q, K, V, RK, RV, DO, LSE, DELTA, DQ, TILES, ROW_START,
                                         kv_head * s_rvh, dims, dim_ok, BLOCK_N)
         p, ds = _ds(q, k, v, do, lse2, delta, row_ok[:, None] & col_ok[None, :], qk_scale)
         dq = tl.dot(ds.to(k.dtype), k, dq)
-    # Local key blocks wholly before the tile's first row are seen by every row when the
-    # tile is one document's (its last row's document starts where its first row's does;
-    # row starts never decrease, l_start is the first row's: plan/forward_tiles.py).
-    q_start = tl.load(TILES + (tl.program_id(0) // HEADS) * 5)
-    whole = tl.load(ROW_START + q_stop - 1) <= l_start
-    seen = tl.where(whole, l_start + (q_start + 1 - l_start) // BLOCK_N * BLOCK_N, l_start)
+    seen = _seen_whole(TILES, ROW_START, l_start, q_stop, HEADS, BLOCK_N)
     for start in range(l_start, seen, BLOCK_N):  # local rows, every key seen
         cols, col_ok, k, v = _key_block(K, V, start, q_stop, s_kt, kv_head * s_kh, s_vt,
                                         kv_head * s_vh, dims, dim_ok, BLOCK_N)

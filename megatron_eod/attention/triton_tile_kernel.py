@@ -65,12 +65,29 @@ def _query_tile(TILES, ROW_START, HEADS: tl.constexpr, GROUP: tl.constexpr,
 
 
 @triton.jit
-def _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale):
+def _seen_whole(TILES, ROW_START, l_start, q_stop, HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where this program's local key blocks stop being seen whole by every row of its tile:
+    the blocks from l_start wholly before the tile's first row, if the tile is one
+    document's (its last row's document starts at l_start, its first row's: row starts
+    never decrease, plan/forward_tiles.py); else l_start (every block masked)."""
+    q_start = tl.load(TILES + (tl.program_id(0) // HEADS) * 5)
+    whole = tl.load(ROW_START + q_stop - 1) <= l_start
+    return tl.where(whole, l_start + (q_start + 1 - l_start) // BLOCK_N * BLOCK_N, l_start)
+
+
+@triton.jit
+def _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr = True):
     """One key block into the running (max, sum, out) of the rows: a block no key of which
-    a row sees leaves the row as it was (its max stays -inf, its weights 0)."""
-    s = tl.where(visible, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+    a row sees leaves the row as it was (its max stays -inf, its weights 0). Not MASKED:
+    every row sees every key of the block (`visible` unread), so no row's max is -inf."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if MASKED:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # accumulates in place
@@ -94,7 +111,13 @@ def attention_tile_kernel(Q, K, V, RK, RV, O, LSE, TILES, ROW_START,
         cols, col_ok, k, v = _key_block(RK, RV, start, r_stop, s_rkt, kv_head * s_rkh, s_rvt,
                                         kv_head * s_rvh, dims, dim_ok, BLOCK_N)
         m_i, l_i, acc = _softmax_step(q, k, v, col_ok[None, :], m_i, l_i, acc, qk_scale)
-    for start in range(l_start, q_stop, BLOCK_N):  # local rows: own document, causal
+    seen = _seen_whole(TILES, ROW_START, l_start, q_stop, HEADS, BLOCK_N)
+    for start in range(l_start, seen, BLOCK_N):  # local rows, every key seen: no mask
+        cols, col_ok, k, v = _key_block(K, V, start, q_stop, s_kt, kv_head * s_kh, s_vt,
+                                        kv_head * s_vh, dims, dim_ok, BLOCK_N)
+        m_i, l_i, acc = _softmax_step(q, k, v, col_ok[None, :], m_i, l_i, acc, qk_scale,
+                                      False)
+    for start in range(seen, q_stop, BLOCK_N):  # local rows: own document, causal
         cols, col_ok, k, v = _key_block(K, V, start, q_stop, s_kt, kv_head * s_kh, s_vt,
                                         kv_head * s_vh, dims, dim_ok, BLOCK_N)
         visible = (cols[None, :] >= starts[:, None]) & (cols[None, :] <= rows[:, None])
