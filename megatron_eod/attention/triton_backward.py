@@ -1,13 +1,12 @@
 """The batched ring's backward as fused Triton kernels over the plan's tiles.
 
 One job: launch the fused backward's kernels (attention/triton_backward_kernels.py) from the
-rows' final out and lse: `tile_dq` over the forward's query tiles (plan/forward_tiles.py;
-each row's received and local keys), `tile_dkdv` over a launch's key tiles
-(plan/key_tiles.py: the local keys, or the received ones), and `row_delta`, the
-rowsum(dout * out) both read. The batched executors' fused path (fused.py) runs the
-local keys' dk/dv while the keys travel, then the received keys' (their gradients go back to
-their owners) and dq: three kernels and one reduction instead of two backward calls and a
-sum of dq's two terms.
+rows' final out and lse: `row_delta`, the rowsum(dout * out) the others read; `tile_dq` over
+the forward's query tiles (plan/forward_tiles.py; each row's received and local keys);
+`tile_dkdv` over a launch's key tiles (plan/key_tiles.py: the local keys, or the received
+ones). The batched executors' fused path (fused.py) runs the local keys' dk/dv while the
+keys travel, then the received keys' (their gradients go back to their owners) and dq: four
+kernels (delta's included) instead of two backward calls and a sum of dq's two terms.
 
 What it does not do: no communication (batched.py), no dropout.
 """
@@ -20,21 +19,27 @@ import torch
 
 from megatron_eod.attention.triton_forward import check_tensors, compile_kernel
 
-__all__ = ["compile_backward_for", "row_delta", "tile_dq", "tile_dkdv"]
+__all__ = ["compile_backward_for", "compile_delta_for", "row_delta", "tile_dq", "tile_dkdv"]
 
 
-# Rows per float32 chunk of row_delta: bounds its transient copies (2 x rows x H x D x 4
-# bytes: 128 MiB at 32 heads of 128) whatever the row count.
-DELTA_ROWS = 4096
+# Rows per program of the delta kernel (a memory-bound row sum: 4 warps read 2 x 64 rows).
+DELTA_ROWS = 64
 
 
 def row_delta(dout, out):
-    """float32 [T, H]: each row's and head's dout . out, in float32 (chunks of DELTA_ROWS
-    rows)."""
-    delta = torch.empty(out.shape[:2], dtype=torch.float32, device=out.device)
-    for start in range(0, out.shape[0], DELTA_ROWS):
-        rows = slice(start, start + DELTA_ROWS)
-        delta[rows] = torch.einsum("thd,thd->th", dout[rows].float(), out[rows].float())
+    """float32 [T, H]: each row's and head's dout . out, summed in float32 by one kernel
+    launch (no float32 copy of either)."""
+    check_tensors(out, None, None, 16, "out", dout=dout)
+    rows, heads, head_dim = out.shape
+    delta = torch.empty((rows, heads), dtype=torch.float32, device=out.device)
+    if rows == 0:
+        return delta
+    from megatron_eod.attention.triton_backward_kernels import row_delta_kernel
+
+    row_delta_kernel[(-(-rows // DELTA_ROWS), heads)](
+        dout, out, delta, rows, dout.stride(0), dout.stride(1), out.stride(0), out.stride(1),
+        delta.stride(0), delta.stride(1), HEAD_DIM=head_dim,
+        BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()), BLOCK_T=DELTA_ROWS, num_warps=4)
     return delta
 
 
@@ -124,6 +129,16 @@ def tile_dkdv(dout, q, k, v, lse, delta, key_tiles, row_start, dk, dv, scale, ca
         delta.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         float(scale) * math.log2(math.e), float(scale), KV_HEADS=kv_heads,
         GROUP=heads // kv_heads, CAUSAL=causal, **constants, **options)
+
+
+def compile_delta_for(arch: int, dtype: str = "bf16", head_dim: int = 128):
+    """row_delta's kernel compiled for `arch` without a GPU (delta [T, H] contiguous)."""
+    from megatron_eod.attention.triton_backward_kernels import row_delta_kernel
+
+    constants = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()),
+                     BLOCK_T=DELTA_ROWS)
+    return compile_kernel(row_delta_kernel, arch, dtype, constants, dict(num_warps=4),
+                          ("s_eh",))
 
 
 def compile_backward_for(arch: int, dtype: str = "bf16", head_dim: int = 128, group: int = 4,

@@ -1,15 +1,16 @@
 """The fused backward's Triton kernels (attention/triton_backward.py launches them).
 
-One job: the two kernels of the backward, from the rows' final out and lse (as a flash
-backward): `attention_dq_kernel`, one program per (query tile, head) over the forward's
-tiles, each row's received then local keys (dq = scale * sum_j ds_ij k_j); and
-`attention_dkdv_kernel`, one program per (key tile, key/value head) over a launch's key tiles,
-the query rows that see its keys, every query head of its group (dk = scale * sum_i ds_ij q_i,
+One job: the kernels of the backward, from the rows' final out and lse (as a flash
+backward): `row_delta_kernel`, delta_i = dout_i . out_i in float32 for every row and head;
+`attention_dq_kernel`, one program per (query tile, head) over the forward's tiles, each
+row's received then local keys (dq = scale * sum_j ds_ij k_j); and `attention_dkdv_kernel`,
+one program per (key tile, key/value head) over a launch's key tiles, the query rows that see
+its keys, every query head of its group (dk = scale * sum_i ds_ij q_i,
 dv = sum_i p_ij dout_i), written once: no atomics. ds_ij = p_ij (dout_i . v_j - delta_i),
 delta_i = dout_i . out_i, p_ij = exp(scale q_i . k_j - lse_i), in base 2 here. The dk/dv
 kernel computes p and ds transposed (keys as the matrix rows), so that all its products take
-tiles as they come (on sm_90, four warpgroup MMAs a block, none transposing registers). Both
-kernels mask only the blocks a document or causal edge crosses: key blocks before a
+tiles as they come (on sm_90, four warpgroup MMAs a block, none transposing registers). The
+dq and dk/dv kernels mask only the blocks a document or causal edge crosses: key blocks before a
 one-document tile's first row, and row blocks past a key tile's last key whose document holds
 the whole tile, are seen whole.
 Imported on first use, as the forward's kernel (Triton reads TRITON_INTERPRET when imported).
@@ -154,3 +155,18 @@ def attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_TILES, ROW_START,
              (dk * sm_scale).to(DK.dtype.element_ty), mask=col_mask)
     tl.store(DV + col_at[:, None] * s_dvt + kv_head * s_dvh + dims[None, :],
              dv.to(DV.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def row_delta_kernel(DO, O, DELTA, rows, s_dot, s_doh, s_ot, s_oh, s_et, s_eh,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """delta = rowsum(dout * out) in float32, one program per (block of BLOCK_T rows, head)."""
+    head = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < rows
+    t_at = t.to(tl.int64)
+    dims, dim_ok = _head_dims(HEAD_DIM, BLOCK_D)
+    mask = t_ok[:, None] & dim_ok[None, :]
+    do = _rows(DO, t_at, s_dot, head * s_doh, dims, mask).to(tl.float32)
+    o = _rows(O, t_at, s_ot, head * s_oh, dims, mask).to(tl.float32)
+    tl.store(DELTA + t_at * s_et + head * s_eh, tl.sum(do * o, 1), mask=t_ok)

@@ -92,10 +92,11 @@ def _cuda_arch(index: int) -> int:
     return major * 10 + minor
 
 
-def check_tensors(q, tiles, row_start, block_m, **dense):
+def check_tensors(q, tiles, row_start, block_m, first="q", **dense):
     """What the fused kernels cannot take, named (ValueError): CPU tensors without Triton's
-    interpreter, float32 on CUDA, tiles not int32 on q's device, head_dim above 256, query
-    blocks under 16 rows, and a strided head_dim in any of `dense` (name=tensor)."""
+    interpreter, float32 on CUDA, tiles not int32 on q's device (None: no tiles), head_dim
+    above 256, query blocks under 16 rows, and a strided head_dim in `q` (named `first`) or
+    any of `dense` (name=tensor)."""
     if q.device.type != "cuda" and not interpreting_triton():
         raise ValueError(f"the fused forward (--cp-fused-forward, TritonForwardBackend) runs on "
                          f"CUDA tensors, got {q.device} (on CPU tensors only through Triton's "
@@ -103,14 +104,14 @@ def check_tensors(q, tiles, row_start, block_m, **dense):
     if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"the fused forward takes float16 or bfloat16 on CUDA, got {q.dtype}")
     for name, t in (("tiles", tiles), ("row_start", row_start)):
-        if t.device != q.device or t.dtype != torch.int32:
+        if t is not None and (t.device != q.device or t.dtype != torch.int32):
             raise ValueError(f"the fused forward's {name} must be int32 on q's device "
                              f"({q.device}), got {t.dtype} on {t.device}: move the plan "
                              f"(CPPlan.to)")
     if q.shape[2] > _MAX_HEAD_DIM:
         raise ValueError(f"the fused forward takes head_dim <= {_MAX_HEAD_DIM}, got "
                          f"{q.shape[2]}")
-    for name, t in dict(dense, q=q).items():
+    for name, t in dict(dense, **{first: q}).items():
         if t.stride(-1) != 1:
             raise ValueError(f"the fused forward needs a dense head_dim in {name}")
     if block_m < 16:
@@ -191,13 +192,14 @@ def compile_kernel(kernel, arch, dtype, constants, options, ones=()):
     from triton.compiler import ASTSource
 
     types = {"LSE": "*fp32", "DELTA": "*fp32", "TILES": "*i32", "KEY_TILES": "*i32",
-             "ROW_START": "*i32", "qk_scale": "fp32", "sm_scale": "fp32"}
+             "ROW_START": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "rows": "i32"}
     signature = {name: types.get(name, "i32" if name.startswith("s_") else f"*{dtype}")
                  for name in kernel.arg_names}
     signature.update({name: "constexpr" for name in (*constants, *ones)})
     aligned = [["tt.divisibility", 16]]
     attrs = {(i,): aligned for i, name in enumerate(kernel.arg_names)
-             if signature[name].startswith("*") or signature[name] == "i32"}
+             if signature[name].startswith("*") or (name.startswith("s_") and
+                                                    signature[name] == "i32")}
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
     constexprs.update({(kernel.arg_names.index(name),): 1 for name in ones})
     source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)

@@ -218,7 +218,7 @@ def test_fused_forward_on_gloo_ranks(algo, world, degree, exchange, fused_backwa
 
 COMPILE = """
 import sys
-from megatron_eod.attention.triton_backward import compile_backward_for
+from megatron_eod.attention.triton_backward import compile_backward_for, compile_delta_for
 from megatron_eod.attention.triton_forward import compile_for
 for arch in (80, 90):
     for dtype, head_dim, group, block_m in (("bf16", 128, 4, 128), ("fp16", 64, 1, 64),
@@ -244,7 +244,9 @@ import triton
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 for arch in (80, 90):
     for shape in (("bf16", 128, 4, 128), ("fp16", 64, 1, 64)):  # compiled above: cached
-        for kernel in (compile_for(arch, *shape), *compile_backward_for(arch, *shape)):
+        delta = compile_delta_for(arch, shape[0], shape[1])
+        assert "ld.global.v4" in delta.asm["ptx"], (arch, shape)  # 16-byte loads
+        for kernel in (compile_for(arch, *shape), *compile_backward_for(arch, *shape), delta):
             with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
                 f.write(kernel.asm["ptx"])
             report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a" if arch == 90 else
@@ -323,9 +325,12 @@ def test_a_plan_without_tiles_is_refused_by_the_fused_forward():
         simulated.forward_group(0)
 
 
-def test_backward_blocks_under_16_and_row_delta_chunks(monkeypatch):
+@interpreted
+def test_backward_blocks_under_16_and_row_delta(monkeypatch):
     """Blocks a GPU's matrix products cannot take are named before any launch (the
-    interpreter would run them); row_delta in chunks equals it whole."""
+    interpreter would run them); row_delta's kernel sums dout . out in float32 over strided
+    rows (a fused qkv's view), a row count not a multiple of its blocks and a head dim not a
+    power of two; none for no rows; CPU tensors without the interpreter named."""
     from megatron_eod.attention import triton_backward
 
     q = torch.zeros(8, 2, 16)
@@ -337,11 +342,16 @@ def test_backward_blocks_under_16_and_row_delta_chunks(monkeypatch):
     with pytest.raises(ValueError, match=r"dq's key block must be a power of two >= 16"):
         triton_backward.tile_dq(q, q, q, q, None, None, None, None, tiles, tiles[:, 0], q, 0.3,
                                 16, block_n=8)
-    dout, out = torch.randn(10, 3, 4), torch.randn(10, 3, 4)
-    whole = triton_backward.row_delta(dout, out)
-    monkeypatch.setattr(triton_backward, "DELTA_ROWS", 3)
-    assert torch.equal(triton_backward.row_delta(dout, out), whole)
-    assert torch.allclose(whole, (dout * out).sum(-1))
+    gen = torch.Generator().manual_seed(5)
+    dout = torch.randn(131, 3, 20, generator=gen)
+    out = torch.randn(131, 9, 20, generator=gen)[:, 3:6]  # rows 9 heads apart
+    delta = triton_backward.row_delta(dout, out)
+    assert delta.dtype == torch.float32 and delta.shape == (131, 3)
+    assert torch.allclose(delta.double(), (dout.double() * out.double()).sum(-1), atol=1e-5)
+    assert triton_backward.row_delta(dout[:0], out[:0]).shape == (0, 3)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match=r"runs on CUDA tensors, got cpu"):
+        triton_backward.row_delta(dout, out)
 
 
 def test_launch_shape_per_architecture():
