@@ -29,7 +29,9 @@ time (it sets the step time), forward, backward (forward+backward minus forward)
                "(fused, concurrent backward)": the same but the forward on one stream
                (`TritonForwardBackend(forward_beside=False)`: only the backward's calls
                side by side);
-               "(fused fwd+bwd)": the backward fused too (--cp-fused-backward);
+               "(fused fwd+bwd)": the backward fused too (--cp-fused-backward), and
+               "(fused fwd+bwd, concurrent)" with --cp-concurrent-calls (the local keys'
+               dk/dv on a side stream);
                --fused-config, --fused-backward-config and --key-tile-keys sweep the
                kernels' shapes
   ours hybrid  Ulysses degree 2: what ONE rank of a group computes after the all-to-all:

@@ -39,7 +39,8 @@ def our_layouts(steps=True):
                    for label, mode in (("concurrent", "beside"), ("concurrent, split", "split"),
                                        ("fused", "fused"), ("fused, concurrent", "fused beside"),
                                        ("fused, concurrent backward", "fused beside-bwd"),
-                                       ("fused fwd+bwd", "fused both"))
+                                       ("fused fwd+bwd", "fused both"),
+                                       ("fused fwd+bwd, concurrent", "fused both beside"))
                    for name, algo, u, exchange in OURS if exchange == "batched"]
 
 
@@ -107,12 +108,13 @@ def apply_fused_options(p, args):
 
 def concurrent_calls(mode) -> bool:
     """Whether a layout of `our_layouts` runs with --cp-concurrent-calls."""
-    return mode in ("beside", "split", "fused beside", "fused beside-bwd")
+    return mode in ("beside", "split", "fused beside", "fused beside-bwd", "fused both beside")
 
 
 def fused(mode) -> bool:
     """Whether a layout of `our_layouts` runs with --cp-fused-forward."""
-    return mode in ("fused", "fused beside", "fused beside-bwd", "fused both")
+    return mode in ("fused", "fused beside", "fused beside-bwd", "fused both",
+                    "fused both beside")
 
 
 class SplitForced:
@@ -158,10 +160,10 @@ FUSED_IDEALS = {"whole row, fused kernel": False, "whole row, fused kernels fwd+
 def layout_backend(backend, mode):
     """The backend a layout of `our_layouts` runs with: "fused", the batched forward as the
     fused Triton kernel over query tiles (attention/triton_forward.py), its backward the
-    kernel's own ("fused both": the fused backward's; "fused beside-bwd": the forward on one
-    stream even with concurrent calls)."""
+    kernel's own ("fused both", "fused both beside": the fused backward's; "fused
+    beside-bwd": the forward on one stream even with concurrent calls)."""
     if fused(mode):
-        return TritonForwardBackend(backend, fused_backward=mode == "fused both",
+        return TritonForwardBackend(backend, fused_backward=mode.startswith("fused both"),
                                     forward_beside=mode != "fused beside-bwd")
     return SplitForced(backend) if mode == "split" else backend
 

@@ -209,7 +209,8 @@ def batched_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, t
     _check(schedule)
     if fused.fuses_backward(backend, schedule):
         return fused.fused_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule,
-                                    transport, backend, scale, keep_received, received_2NGD)
+                                    transport, backend, scale, keep_received, received_2NGD,
+                                    concurrent_calls)
     batched = schedule.batched
     parts = _local_parts(schedule, concurrent_calls, backend, "writes_grads")
     grads = None if parts is None else tuple(_empty_like(x) for x in (q_THD, k_TGD, v_TGD))

@@ -11,7 +11,8 @@ each row's out and lse written once (no merge). Backward: delta = rowsum(dout * 
 local keys' dk/dv while the keys travel (or, with the forward's buffer kept, after the
 received keys' dk/dv, whose gradients then travel during it); the received keys' dk/dv, sent
 back to their owners; dq of every row from its received and local keys; the returned
-gradients landed as the batched executor lands them.
+gradients landed as the batched executor lands them. With concurrent calls the local keys'
+dk/dv runs on a side stream beside the rest (streams.py).
 
 What it does not do: no kernels (triton_forward.py, triton_backward.py), no communication of
 its own.
@@ -61,8 +62,12 @@ def fused_forward(q_THD, k_TGD, v_TGD, schedule, pending, backend, scale, concur
 
 
 def fused_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, transport,
-                   backend, scale, keep_received=False, received_2NGD=None):
-    """(dq, dk, dv) in the dtypes of q, k, v by the fused kernels (see the module)."""
+                   backend, scale, keep_received=False, received_2NGD=None,
+                   concurrent_calls=False):
+    """(dq, dk, dv) in the dtypes of q, k, v by the fused kernels (see the module).
+    concurrent_calls (on a GPU): the local keys' dk/dv on a side stream beside the other
+    launches (their received keys' dk/dv and dq: separate outputs), joined before the
+    returned gradients land in dk, dv (streams.py)."""
     tiles, keys, exchange = schedule.forward_tiles, schedule.key_tiles, schedule.batched
     dout_THD = dout_THD if dout_THD.stride(-1) == 1 else dout_THD.contiguous()
     delta_TH = backend.row_delta(dout_THD, out_THD)
@@ -90,18 +95,23 @@ def fused_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tra
             backend.dq_tiles(*common, k_TGD, v_TGD, *batched._keys(recv_2NGD),
                              tiles.with_received, dq, tiles.block_m)
 
+    def beside_local():
+        return Beside(local_dkdv, q_THD.device, concurrent_calls)
+
     if exchange is None:  # nothing exchanged (Ulysses, CP=1, a lone group)
-        local_dkdv()
+        local = beside_local()
         all_dq(None)
+        local.result()
         return dq, dk, dv
     if keep_received:  # the received keys' gradients first: they travel meanwhile
         recv_2NGD = received_2NGD
         returning = received_dkdv(recv_2NGD)
-        local_dkdv()
+        local = beside_local()
     else:
         pending = transport.start_all_kv(schedule, k_TGD, v_TGD)
-        local_dkdv()
+        local = beside_local()
         recv_2NGD = pending.wait()
         returning = received_dkdv(recv_2NGD)
     all_dq(recv_2NGD)
+    local.result()
     return (dq,) + batched._land(returning.wait(), dk, dv, exchange, k_TGD.dtype)

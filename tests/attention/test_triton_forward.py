@@ -316,6 +316,34 @@ def test_forward_side_stream_follows_the_backend(monkeypatch, forward_beside):
     assert asked == [forward_beside]
 
 
+@interpreted
+@pytest.mark.parametrize("exchange", ["batched", "batched-keep"])
+@pytest.mark.parametrize("concurrent", [True, False])
+def test_fused_backward_side_stream_follows_concurrent_calls(monkeypatch, exchange,
+                                                             concurrent):
+    """With concurrent calls the fused backward's local dk/dv goes beside the rest (on a
+    CPU, inline: the same result as without)."""
+    from megatron_eod.attention import fused
+
+    asked = []
+
+    class Recording(fused.Beside):
+        def __init__(self, fn, device, enabled, *args, **kwargs):
+            asked.append((getattr(fn, "__name__", ""), enabled))
+            super().__init__(fn, device, enabled, *args, **kwargs)
+
+    monkeypatch.setattr(fused, "Beside", Recording)
+    cu, (q, k, v, dout) = _case("spanning", 1, 64, 2, 1, 8, seed=3)
+    plan = plan_context_parallel(cu, 2, "ring")
+    backend = TritonForwardBackend(CPUExactBackend(), fused_backward=True)
+    simulated = _small_tiles(SimulatedPlan(plan, q, k, v, dout, backend, 0.3, exchange,
+                                           concurrent))
+    for name, mine, ref in zip(("out", "dq", "dk", "dv"), simulated.run(),
+                               _oracle(q, k, v, dout, cu, 0.3)):
+        assert (mine.double() - ref).abs().max().item() < 2e-5, name
+    assert [enabled for fn, enabled in asked if fn == "local_dkdv"] == [concurrent] * 2
+
+
 def test_a_plan_without_tiles_is_refused_by_the_fused_forward():
     cu, (q, k, v, dout) = _case("spanning", 1, 64, 2, 1, 8, seed=3)
     plan = plan_context_parallel(cu, 2, "ring", fused_tiles=False)

@@ -55,6 +55,7 @@ def test_small_cpu_run_of_the_fused_rows(capsys, monkeypatch):
         "ideal", "ours ring (fused)", "ours hybrid u=2 (fused)",
         "ours ring (fused, concurrent)", "ours hybrid u=2 (fused, concurrent)",
         "ours ring (fused fwd+bwd)", "ours hybrid u=2 (fused fwd+bwd)",
+        "ours ring (fused fwd+bwd, concurrent)", "ours hybrid u=2 (fused fwd+bwd, concurrent)",
         "whole row, fused kernel", "whole row, fused kernels fwd+bwd")]
     # Its tiles are its own (short documents share them): it may need fewer than the ideal's.
     _check_cells(rows, least_tiles=0.5)
@@ -205,7 +206,8 @@ def _printed_layouts(out):
                "ours hybrid u=2 (fused)", "ours ring (fused, concurrent)",
                "ours hybrid u=2 (fused, concurrent)", "ours ring (fused, concurrent backward)",
                "ours hybrid u=2 (fused, concurrent backward)", "ours ring (fused fwd+bwd)",
-               "ours hybrid u=2 (fused fwd+bwd)"]),
+               "ours hybrid u=2 (fused fwd+bwd)", "ours ring (fused fwd+bwd, concurrent)",
+               "ours hybrid u=2 (fused fwd+bwd, concurrent)"]),
 ])
 def test_only_times_the_layouts_it_names_and_the_ideal(monkeypatch, capsys, only, expected):
     """--only (a short GPU lease's way to the open rows): the layouts whose name the pattern
