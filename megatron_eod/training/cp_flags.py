@@ -70,8 +70,10 @@ FUSED_FORWARD_HELP = ("on GPUs, run the attention forward of the batched executo
 FUSED_BACKWARD_HELP = ("with --cp-fused-forward, the backward too as fused Triton kernels "
                        "(attention/triton_backward.py): dq over the forward's query tiles, "
                        "dk/dv over key tiles with every query head of a key/value head, no "
-                       "atomics. Exact, but on one H200 2.1-2.3x slower than PyTorch's "
-                       "backward: for work on the kernels, not for training")
+                       "atomics; with --cp-concurrent-calls the local keys' dk/dv beside "
+                       "the rest. Exact, but on one H200 2.1-2.3x slower than PyTorch's "
+                       "backward (before its dk/dv kernel's rewrite, not yet timed): for work "
+                       "on the kernels, not for training")
 
 # Accepted --context-parallel-algo values -> the name stored in args.context_parallel_algo.
 CP_ALGO_ALIASES = {"ring": "ring", "ulysses": "ulysses", "hybrid": "hybrid",
