@@ -30,8 +30,8 @@ time (it sets the step time), forward, backward (forward+backward minus forward)
                (`TritonForwardBackend(forward_beside=False)`: only the backward's calls
                side by side);
                "(fused fwd+bwd)": the backward fused too (--cp-fused-backward), and
-               "(fused fwd+bwd, concurrent)" with --cp-concurrent-calls (the local keys'
-               dk/dv on a side stream);
+               "(fused fwd+bwd, concurrent)" with --cp-concurrent-calls (the forward's
+               first launch and the backward's local keys' dk/dv on side streams);
                --fused-config, --fused-backward-config and --key-tile-keys sweep the
                kernels' shapes
   ours hybrid  Ulysses degree 2: what ONE rank of a group computes after the all-to-all:

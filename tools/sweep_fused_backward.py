@@ -15,12 +15,14 @@ minus forward) is timed with PyTorch's kernels (the base backend's, as training 
 without --cp-fused-backward) and with the fused backward at each shape, by the wall clock and
 the device-only clock (bench_cp_gpu's two clocks). Reported per shape and mix: the backward's
 time over PyTorch's by each clock; each of its kernels' device time (dq, dk/dv, delta, by CUDA
-events around each launch) over PyTorch's whole backward, to say which kernel to work on; and
+events around each launch, the run queued behind a sleep kernel) over PyTorch's whole
+backward (device-only), to say which kernel to work on; and
 the largest normwise gradient difference from PyTorch's
 (max |fused - PyTorch| / max |PyTorch| over dq, dk, dv: a shape computing wrongly shows;
 bf16 rounding alone gives ~1e-2). A shape that does not compile or launch is NaN, its
-traceback on stderr, and the others still run. The first shape's kernels compile during its
-warm-up run (each shape compiles its own).
+traceback on stderr, and the others still run. Each shape compiles its kernels during its
+warm-up run. Each mix's cells are printed ("[sweep] ...") as soon as it ends, the tables
+after all: a run its time limit cuts off keeps the mixes done.
 On a CPU (tests) it runs through Triton's interpreter in float32: slowly, at small sizes.
 """
 
@@ -36,7 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench_cp_gpu import device_timed, random_qkv, timed  # noqa: E402
+from bench_cp_gpu import (MAX_LATE, _sleep_cycles_per_second, device_timed,  # noqa: E402
+                          random_qkv, timed)
 from bench_layouts import fused_schedules, parse_backward_shape  # noqa: E402
 from bench_selection import (mix_rows, parse_configs, parse_mixes, positive_int,  # noqa: E402
                              tokens_label)
@@ -73,8 +76,10 @@ KERNELS = {"dq": "dq_tiles", "dk/dv": "dkdv_tiles", "delta": "row_delta"}
 def kernel_seconds(sim, device):
     """{kernel: seconds} of one forward+backward's fused backward kernels (KERNELS: the
     backend's launches, each timed by CUDA events around it, summed; on a CPU the wall
-    clock). The fused backward runs them on one stream, one after another."""
-    backend, spent = sim.backend, {name: [] for name in KERNELS}
+    clock). On a GPU the run is queued behind a sleep kernel, as bench_cp_gpu's device-only
+    clock does, so that no event pair times the host's launch (redone with twice the sleep
+    where the sleep ended first, at most MAX_LATE times; then NaN)."""
+    backend, spent = sim.backend, {}
 
     def clocked(name, launch):
         def run(*args, **kwargs):
@@ -91,18 +96,32 @@ def kernel_seconds(sim, device):
             return result
         return run
 
+    cuda = device.type == "cuda"
+    cycles = int((1.25 * timed(lambda: sim.run_group(0), 0, device) + 1e-3) *
+                 _sleep_cycles_per_second()) if cuda else 0
     for name, method in KERNELS.items():
         setattr(backend, method, clocked(name, getattr(backend, method)))
     try:
-        sim.run_group(0)
+        for _ in range(MAX_LATE + 1):
+            spent.update({name: [] for name in KERNELS})
+            if not cuda:
+                sim.run_group(0)
+                return {name: sum(times) for name, times in spent.items()}
+            torch.cuda.synchronize()
+            torch.cuda._sleep(cycles)
+            first = torch.cuda.Event()
+            first.record()
+            sim.run_group(0)
+            late = first.query()  # the sleep ended before everything was queued
+            torch.cuda.synchronize()
+            if not late:
+                return {name: sum(a.elapsed_time(b) for a, b in pairs) / 1e3
+                        for name, pairs in spent.items()}
+            cycles *= 2
+        return {name: float("nan") for name in KERNELS}
     finally:
         for method in KERNELS.values():
             delattr(backend, method)  # the class's own again
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        return {name: sum(a.elapsed_time(b) for a, b in pairs) / 1e3
-                for name, pairs in spent.items()}
-    return {name: sum(times) for name, times in spent.items()}
 
 
 def gradient_gap(mine, theirs):
@@ -182,15 +201,19 @@ def main(argv=None):
     table = {}
     for mix, n, _, cus in mix_rows(configs, args.samples, args.seed, mixes):
         rows = [sweep_row(cu, args, device, dtype, backend, shapes) for cu in cus]
-        table[f"{mix} {tokens_label(n)}"] = {
-            label: tuple(float(np.mean([r[label][i] for r in rows]))
-                         for i in range(3 + len(KERNELS)))
-            for label in rows[0]}
+        column = f"{mix} {tokens_label(n)}"
+        table[column] = {label: tuple(float(np.mean([r[label][i] for r in rows]))
+                                      for i in range(3 + len(KERNELS)))
+                         for label in rows[0]}
+        # Each mix as it ends: a run cut off by its time limit keeps the mixes done.
+        for label, cell in table[column].items():
+            print(f"[sweep] {column} | {label} | backward {cell[0]:.2f} ({cell[1]:.2f}), gap "
+                  f"{cell[2]:.1e} | " + " / ".join(f"{x:.2f}" for x in cell[3:]), flush=True)
     columns = list(table)
     print_table("the backward over PyTorch's, wall (device-only); the largest gradient gap",
                 table, lambda cell: f"{cell[0]:.2f} ({cell[1]:.2f}); {cell[2]:.1e}")
-    print_table("each kernel's device time over PyTorch's whole backward (device-only): "
-                + " / ".join(KERNELS), {c: {label: cells for label, cells in table[c].items()
+    print_table("each kernel's device time (events, its launches queued behind a sleep) "
+                "over PyTorch's whole backward (device-only): " + " / ".join(KERNELS), {c: {label: cells for label, cells in table[c].items()
                                            if label != "PyTorch"} for c in columns},
                 lambda cell: " / ".join(f"{x:.2f}" for x in cell[3:]))
     return table

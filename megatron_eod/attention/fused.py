@@ -24,7 +24,7 @@ import torch
 
 from megatron_eod.attention import batched
 from megatron_eod.attention.backends import accumulation_dtype
-from megatron_eod.attention.streams import Beside
+from megatron_eod.attention.streams import Beside, fork_point
 
 __all__ = ["fused_forward", "fused_backward", "fuses_backward"]
 
@@ -95,8 +95,8 @@ def fused_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tra
             backend.dq_tiles(*common, k_TGD, v_TGD, *batched._keys(recv_2NGD),
                              tiles.with_received, dq, tiles.block_m)
 
-    def beside_local():
-        return Beside(local_dkdv, q_THD.device, concurrent_calls)
+    def beside_local(after=None):
+        return Beside(local_dkdv, q_THD.device, concurrent_calls, after=after)
 
     if exchange is None:  # nothing exchanged (Ulysses, CP=1, a lone group)
         local = beside_local()
@@ -105,8 +105,9 @@ def fused_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tra
         return dq, dk, dv
     if keep_received:  # the received keys' gradients first: they travel meanwhile
         recv_2NGD = received_2NGD
+        fork = fork_point(q_THD.device, concurrent_calls)  # beside their dk/dv too
         returning = received_dkdv(recv_2NGD)
-        local = beside_local()
+        local = beside_local(fork)
     else:
         pending = transport.start_all_kv(schedule, k_TGD, v_TGD)
         local = beside_local()

@@ -19,6 +19,8 @@ import torch
 
 from megatron_eod.attention.triton_forward import check_tensors, compile_kernel
 
+BACKWARD = "the fused backward (--cp-fused-backward)"
+
 __all__ = ["compile_backward_for", "compile_delta_for", "row_delta", "tile_dq", "tile_dkdv"]
 
 
@@ -29,7 +31,7 @@ DELTA_ROWS = 64
 def row_delta(dout, out):
     """float32 [T, H]: each row's and head's dout . out, summed in float32 by one kernel
     launch (no float32 copy of either)."""
-    check_tensors(out, None, None, 16, "out", dout=dout)
+    check_tensors(out, None, None, 16, "out", BACKWARD, dout=dout)
     rows, heads, head_dim = out.shape
     delta = torch.empty((rows, heads), dtype=torch.float32, device=out.device)
     if rows == 0:
@@ -87,7 +89,7 @@ def _check_block(what, size):
 def tile_dq(dout, q, k, v, received_k, received_v, lse, delta, tiles, row_start, dq, scale,
             block_m, block_n=None):
     """Writes dq of every row of `tiles` (the forward's query tiles of block_m rows)."""
-    check_tensors(q, tiles, row_start, block_m, k=k, v=v, dout=dout, dq=dq)
+    check_tensors(q, tiles, row_start, block_m, kernel=BACKWARD, k=k, v=v, dout=dout, dq=dq)
     block_n = _blocks(q.shape[2])[0] if block_n is None else block_n
     _check_block("dq's key block", block_n)
     if tiles.shape[0] == 0:
@@ -112,7 +114,8 @@ def tile_dkdv(dout, q, k, v, lse, delta, key_tiles, row_start, dk, dv, scale, ca
               block_n, block_m=None):
     """Writes dk, dv of every key row of `key_tiles` ([n, 4] of plan/key_tiles.py; k, v the
     local rows with `causal`, else the receive buffer's)."""
-    check_tensors(q, key_tiles, row_start, 16, k=k, v=v, dout=dout, dk=dk, dv=dv)
+    check_tensors(q, key_tiles, row_start, 16, kernel=BACKWARD, k=k, v=v, dout=dout, dk=dk,
+                  dv=dv)
     block_m = _blocks(q.shape[2])[1] if block_m is None else block_m
     _check_block("the key tiles' keys (key_block)", block_n)
     _check_block("dk/dv's query block", block_m)

@@ -92,30 +92,32 @@ def _cuda_arch(index: int) -> int:
     return major * 10 + minor
 
 
-def check_tensors(q, tiles, row_start, block_m, first="q", **dense):
-    """What the fused kernels cannot take, named (ValueError): CPU tensors without Triton's
-    interpreter, float32 on CUDA, tiles not int32 on q's device (None: no tiles), head_dim
-    above 256, query blocks under 16 rows, and a strided head_dim in `q` (named `first`) or
-    any of `dense` (name=tensor)."""
+FORWARD = "the fused forward (--cp-fused-forward, TritonForwardBackend)"
+
+
+def check_tensors(q, tiles, row_start, block_m, first="q", kernel=FORWARD, **dense):
+    """What the fused kernels cannot take, named (ValueError, saying which: `kernel`): CPU
+    tensors without Triton's interpreter, float32 on CUDA, tiles not int32 on q's device
+    (None: no tiles), head_dim above 256, query blocks under 16 rows, and a strided head_dim
+    in `q` (named `first`) or any of `dense` (name=tensor)."""
     if q.device.type != "cuda" and not interpreting_triton():
-        raise ValueError(f"the fused forward (--cp-fused-forward, TritonForwardBackend) runs on "
-                         f"CUDA tensors, got {q.device} (on CPU tensors only through Triton's "
-                         f"interpreter, TRITON_INTERPRET=1 before triton is imported, for tests)")
+        raise ValueError(f"{kernel} runs on CUDA tensors, got {q.device} (on CPU tensors only "
+                         f"through Triton's interpreter, TRITON_INTERPRET=1 before triton is "
+                         f"imported, for tests)")
     if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"the fused forward takes float16 or bfloat16 on CUDA, got {q.dtype}")
+        raise ValueError(f"{kernel} takes float16 or bfloat16 on CUDA, got {q.dtype}")
     for name, t in (("tiles", tiles), ("row_start", row_start)):
         if t is not None and (t.device != q.device or t.dtype != torch.int32):
-            raise ValueError(f"the fused forward's {name} must be int32 on q's device "
+            raise ValueError(f"{kernel}: its {name} must be int32 on q's device "
                              f"({q.device}), got {t.dtype} on {t.device}: move the plan "
                              f"(CPPlan.to)")
     if q.shape[2] > _MAX_HEAD_DIM:
-        raise ValueError(f"the fused forward takes head_dim <= {_MAX_HEAD_DIM}, got "
-                         f"{q.shape[2]}")
+        raise ValueError(f"{kernel} takes head_dim <= {_MAX_HEAD_DIM}, got {q.shape[2]}")
     for name, t in dict(dense, **{first: q}).items():
         if t.stride(-1) != 1:
-            raise ValueError(f"the fused forward needs a dense head_dim in {name}")
+            raise ValueError(f"{kernel} needs a dense head_dim in {name}")
     if block_m < 16:
-        raise ValueError(f"the fused forward's query tiles need block_m >= 16, got {block_m}")
+        raise ValueError(f"{kernel}: its query tiles need block_m >= 16, got {block_m}")
 
 
 def tile_forward(q, k, v, received_k, received_v, tiles, row_start, out, lse, scale,

@@ -41,6 +41,7 @@ def test_every_shape_is_timed_and_checked_and_a_failing_one_is_nan(capsys, monke
     captured = capsys.readouterr()
     assert "[sweep] 32:16:8:3:2 failed" in captured.err
     assert "| 16:32:4:2@32 | " in captured.out
+    assert "[sweep] web 128 | 16:32:4:2@32 | backward " in captured.out  # as the mix ends
     kernels = captured.out.split("dq / dk/dv / delta")[1]  # the second table: no PyTorch row
     assert "| 16:16:4:2 | " in kernels and "| PyTorch |" not in kernels
 
