@@ -336,12 +336,32 @@ def bench_row(cu, cp, args, device, dtype, backend):
             for name, (fwd, total, dev) in times.items()}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--samples", type=positive_int, default=3, help="random rows per configuration")
+def add_model_options(p):
+    """The attention's shape: --heads, --kv-heads, --head-dim (the GPU tools' defaults)."""
     p.add_argument("--heads", type=positive_int, default=32)
     p.add_argument("--kv-heads", type=positive_int, default=8)
     p.add_argument("--head-dim", type=positive_int, default=128)
+
+
+def device_setup(p, args, what):
+    """(device, dtype, backend) the GPU tools run with (bf16 through the GPU's varlen kernel;
+    on a CPU float32 through the exact one), after checking `add_model_options`' values
+    (argparse error); prints the run's header line, `what` its last words."""
+    if args.heads % args.kv_heads:
+        p.error("--heads must be divisible by --kv-heads")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = get_backend(device, dtype)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{name}, backend {backend.name}, {dtype}, heads {args.heads}/{args.kv_heads} x "
+          f"{args.head_dim}, {what}")
+    return device, dtype, backend
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--samples", type=positive_int, default=3, help="random rows per configuration")
+    add_model_options(p)
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--configs", default="32768:4,131072:8",
                    help="comma-separated TOKENS:CP pairs")
@@ -359,16 +379,10 @@ def main(argv=None):
     configs = parse_configs(p, args.configs)
     mixes = parse_mixes(p, args.mixes)
     args.only = parse_only(p, args.only, layout_names(args.steps))
-    if args.heads % args.kv_heads:
-        p.error("--heads must be divisible by --kv-heads")
     apply_fused_options(p, args)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    backend = get_backend(device, dtype)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"{name}, backend {backend.name}, {dtype}, heads {args.heads}/{args.kv_heads} x "
-          f"{args.head_dim}, busiest rank forward+backward, best of {args.repeats}, "
-          f"{args.samples} rows per configuration")
+    device, dtype, backend = device_setup(
+        p, args, f"busiest rank forward+backward, best of {args.repeats}, {args.samples} rows "
+                 f"per configuration")
     for mix, n, cp, cus in mix_rows(configs, args.samples, args.seed, mixes):
         rows = [bench_row(cu, cp, args, device, dtype, backend) for cu in cus]
         print(f"\n{mix} {tokens_label(n)} tokens / CP {cp}")

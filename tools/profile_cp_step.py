@@ -40,12 +40,12 @@ import torch  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from bench_cp_gpu import random_qkv, timed, ulysses_rank_inputs  # noqa: E402
+from bench_cp_gpu import (add_model_options, device_setup, random_qkv, timed,  # noqa: E402
+                          ulysses_rank_inputs)
 from bench_layouts import concurrent_calls, layout_backend, our_layouts  # noqa: E402
 from bench_selection import (mix_rows, parse_configs, parse_mixes, parse_only,  # noqa: E402
                              positive_int, tokens_label, wanted)
 from megatron_eod import plan_context_parallel  # noqa: E402
-from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
 
 _ATTENTION = re.compile(r"flash|fmha|attention", re.IGNORECASE)
@@ -186,9 +186,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", default="32768:4,131072:8", help="comma-separated TOKENS:CP")
     p.add_argument("--mixes", default="stdlib,web", help="comma-separated: stdlib, web")
-    p.add_argument("--heads", type=positive_int, default=32)
-    p.add_argument("--kv-heads", type=positive_int, default=8)
-    p.add_argument("--head-dim", type=positive_int, default=128)
+    add_model_options(p)
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--top", type=positive_int, default=8, help="glue kernels listed per layout")
     p.add_argument("--seed", type=int, default=0)
@@ -199,14 +197,8 @@ def main(argv=None):
     configs = parse_configs(p, args.configs)
     mixes = parse_mixes(p, args.mixes)
     args.only = parse_only(p, args.only, [name for name, *_ in our_layouts()])
-    if args.heads % args.kv_heads:
-        p.error("--heads must be divisible by --kv-heads")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    backend = get_backend(device, dtype)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"{name}, backend {backend.name}, {dtype}, heads {args.heads}/{args.kv_heads} x "
-          f"{args.head_dim}, one row per configuration, wall = best of {args.repeats}")
+    device, dtype, backend = device_setup(
+        p, args, f"one row per configuration, wall = best of {args.repeats}")
     for mix, n, cp, (cu,) in mix_rows(configs, 1, args.seed, mixes):
         report(mix, n, cp, profile_row(cu, cp, args, device, dtype, backend), args.top)
 

@@ -38,14 +38,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench_cp_gpu import (MAX_LATE, _sleep_cycles_per_second, device_timed,  # noqa: E402
-                          random_qkv, timed)
+from bench_cp_gpu import (MAX_LATE, _sleep_cycles_per_second, add_model_options,  # noqa: E402
+                          device_setup, device_timed, random_qkv, timed)
 from bench_layouts import fused_schedules, parse_backward_shape  # noqa: E402
 from bench_selection import (mix_rows, parse_configs, parse_mixes, positive_int,  # noqa: E402
                              tokens_label)
 from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention import triton_backward  # noqa: E402
-from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
 from megatron_eod.attention.triton_forward import TritonForwardBackend  # noqa: E402
 from megatron_eod.plan.forward_tiles import DEFAULT_BLOCK_M  # noqa: E402
@@ -177,9 +176,7 @@ def main(argv=None):
                         "[@KEYS]")
     p.add_argument("--samples", type=positive_int, default=1, help="random rows per config")
     p.add_argument("--repeats", type=positive_int, default=3)
-    p.add_argument("--heads", type=positive_int, default=32)
-    p.add_argument("--kv-heads", type=positive_int, default=8)
-    p.add_argument("--head-dim", type=positive_int, default=128)
+    add_model_options(p)
     p.add_argument("--configs", default="32768:4,131072:8",
                    help="comma-separated TOKENS:CP pairs (CP only picks the mixes' rows)")
     p.add_argument("--mixes", default="stdlib,web", help="comma-separated: stdlib, web")
@@ -189,15 +186,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     shapes = parse_shapes(p, args.shapes)
     configs, mixes = parse_configs(p, args.configs), parse_mixes(p, args.mixes)
-    if args.heads % args.kv_heads:
-        p.error("--heads must be divisible by --kv-heads")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    backend = get_backend(device, dtype)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"{name}, backend {backend.name}, {dtype}, heads {args.heads}/{args.kv_heads} x "
-          f"{args.head_dim}, the whole row's backward over PyTorch's, best of {args.repeats}, "
-          f"{args.samples} rows per configuration")
+    device, dtype, backend = device_setup(
+        p, args, f"the whole row's backward over PyTorch's, best of {args.repeats}, "
+                 f"{args.samples} rows per configuration")
     table = {}
     for mix, n, _, cus in mix_rows(configs, args.samples, args.seed, mixes):
         rows = [sweep_row(cu, args, device, dtype, backend, shapes) for cu in cus]
