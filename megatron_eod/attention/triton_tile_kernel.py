@@ -7,8 +7,9 @@ order, so every head of the longest tile starts first (heads slowest, the last h
 tiles would start last and run on alone), and heads sharing key/value heads run side by
 side. A program reads its tile's received keys (all before every row: no mask), then its
 documents' local keys from the first row's document start to each row (a per-row document
-start masks: a tile may hold several short documents), in one online softmax in base 2, and
-writes the rows' out and lse (natural log) once. Offsets are 64-bit (rows x a fused qkv's
+start masks: a tile may hold several short documents; the key blocks wholly before a
+one-document tile's first row need no mask), in one online softmax in base 2, and writes
+the rows' out and lse (natural log) once. Offsets are 64-bit (rows x a fused qkv's
 row stride can pass 2^31).
 """
 
