@@ -73,16 +73,16 @@ import torch  # noqa: E402
 from bench_selection import (mix_rows, parse_configs, parse_mixes, parse_only,  # noqa: E402
                              positive_int, tokens_label, wanted)
 from megatron_eod import plan_context_parallel  # noqa: E402
-from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention.simulate import SimulatedPlan  # noqa: E402
 from megatron_eod.attention.triton_forward import TritonForwardBackend  # noqa: E402
 from megatron_eod.attention.ulysses import kv_repeat_for_degree  # noqa: E402
 from megatron_eod.plan.cost import doc_pairs  # noqa: E402
 from megatron_eod.plan.kv_schedule import call_from_rows  # noqa: E402
 from tile_model import plan_calls, tiles_over_ideal  # noqa: E402
-from bench_layouts import (FUSED_IDEALS, add_fused_options, apply_fused_options,  # noqa: E402
-                           concurrent_calls, fused, fused_schedules, layout_backend,
-                           layout_names, one_call, our_layouts)
+from bench_layouts import (FUSED_IDEALS, add_fused_options, add_model_options,  # noqa: E402
+                           apply_fused_options, concurrent_calls, device_setup, fused,
+                           fused_schedules, layout_backend, layout_names, one_call,
+                           our_layouts)
 
 
 def timed(fn, repeats, device):
@@ -334,28 +334,6 @@ def bench_row(cu, cp, args, device, dtype, backend):
     return {name: (fwd, total, flops / (cp * total) / 1e12, dev, tiles[name]["forward"],
                    tiles[name]["backward"])
             for name, (fwd, total, dev) in times.items()}
-
-
-def add_model_options(p):
-    """The attention's shape: --heads, --kv-heads, --head-dim (the GPU tools' defaults)."""
-    p.add_argument("--heads", type=positive_int, default=32)
-    p.add_argument("--kv-heads", type=positive_int, default=8)
-    p.add_argument("--head-dim", type=positive_int, default=128)
-
-
-def device_setup(p, args, what):
-    """(device, dtype, backend) the GPU tools run with (bf16 through the GPU's varlen kernel;
-    on a CPU float32 through the exact one), after checking `add_model_options`' values
-    (argparse error); prints the run's header line, `what` its last words."""
-    if args.heads % args.kv_heads:
-        p.error("--heads must be divisible by --kv-heads")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    backend = get_backend(device, dtype)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"{name}, backend {backend.name}, {dtype}, heads {args.heads}/{args.kv_heads} x "
-          f"{args.head_dim}, {what}")
-    return device, dtype, backend
 
 
 def main(argv=None):

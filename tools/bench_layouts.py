@@ -3,7 +3,8 @@
 One job: name our layouts and say how each runs: its algorithm, Ulysses degree, ring
 executor, and mode (--cp-concurrent-calls, its forced split, the fused kernels); the reference
 layouts and the "(one call)" and whole-row fused rows; `--only`'s names; the backend and
-schedules a layout runs with; the fused rows' options (tile sizes, launch shapes).
+schedules a layout runs with; the fused rows' options (tile sizes, launch shapes); the
+attention's shape options and the device and backend the GPU tools run on.
 """
 
 import os
@@ -11,7 +12,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch  # noqa: E402
+
 from bench_selection import positive_int  # noqa: E402
+from megatron_eod.attention.backends import get_backend  # noqa: E402
 from megatron_eod.attention import triton_backward, triton_forward  # noqa: E402
 from megatron_eod.attention.triton_forward import TritonForwardBackend  # noqa: E402
 from megatron_eod.plan.forward_tiles import DEFAULT_BLOCK_M  # noqa: E402
@@ -19,7 +23,8 @@ from megatron_eod.plan.forward_tiles import with_fused_tiles  # noqa: E402
 
 __all__ = ["OURS", "REFERENCES", "FUSED_IDEALS", "SplitForced", "concurrent_calls", "fused",
            "fused_schedules", "layout_backend", "layout_names", "one_call", "our_layouts",
-           "add_fused_options", "apply_fused_options", "parse_backward_shape"]
+           "add_fused_options", "apply_fused_options", "parse_backward_shape", "power_of_two",
+           "add_model_options", "device_setup"]
 
 
 # Our layouts: (name, algo, Ulysses degree, ring executor); the other tools report the same.
@@ -44,7 +49,7 @@ def our_layouts(steps=True):
                    for name, algo, u, exchange in OURS if exchange == "batched"]
 
 
-def _power_of_two(size) -> bool:
+def power_of_two(size) -> bool:
     """A block size Triton's matrix products take: a power of two >= 16."""
     return size >= 16 and not size & (size - 1)
 
@@ -61,7 +66,7 @@ def _parse_shape(p, flag, text, fields, example, blocks_rule, more_warps=None):
         p.error(f"{flag}: {fields} (e.g. {example}), got {text!r}")
     *blocks, warps, stages = (int(x) for x in parts[:count])
     extra = tuple(int(x) for x in parts[count:])
-    if not all(map(_power_of_two, blocks)) or stages < 1 or \
+    if not all(map(power_of_two, blocks)) or stages < 1 or \
             not all(w in (1, 2, 4, 8, 16) for w in (warps, *extra)):
         p.error(f"{flag} {text}: {blocks_rule}, WARPS 1, 2, 4, 8 or 16, STAGES >= 1")
     return (*blocks, warps, stages, *extra)
@@ -95,7 +100,7 @@ def apply_fused_options(p, args):
     """Checks `add_fused_options`' values (argparse errors) and sets the kernels' launch
     overrides they name (triton_forward.LAUNCH_OVERRIDE, triton_backward.BACKWARD_OVERRIDE)."""
     for flag, size in (("--tile-rows", args.tile_rows), ("--key-tile-keys", args.key_tile_keys)):
-        if size is not None and not _power_of_two(size):
+        if size is not None and not power_of_two(size):
             p.error(f"{flag} must be a power of two >= 16, got {size}")
     if args.fused_config is not None:
         triton_forward.LAUNCH_OVERRIDE = _parse_shape(
@@ -106,15 +111,36 @@ def apply_fused_options(p, args):
             p, "--fused-backward-config", args.fused_backward_config)
 
 
+def add_model_options(p):
+    """The attention's shape: --heads, --kv-heads, --head-dim (the GPU tools' defaults)."""
+    p.add_argument("--heads", type=positive_int, default=32)
+    p.add_argument("--kv-heads", type=positive_int, default=8)
+    p.add_argument("--head-dim", type=positive_int, default=128)
+
+
+def device_setup(p, args, what):
+    """(device, dtype, backend) the GPU tools run with (bf16 through the GPU's varlen kernel;
+    on a CPU float32 through the exact one), after checking `add_model_options`' values
+    (argparse error); prints the run's header line, `what` its last words."""
+    if args.heads % args.kv_heads:
+        p.error("--heads must be divisible by --kv-heads")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = get_backend(device, dtype)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{name}, backend {backend.name}, {dtype}, heads {args.heads}/{args.kv_heads} x "
+          f"{args.head_dim}, {what}")
+    return device, dtype, backend
+
+
 def concurrent_calls(mode) -> bool:
     """Whether a layout of `our_layouts` runs with --cp-concurrent-calls."""
-    return mode in ("beside", "split", "fused beside", "fused beside-bwd", "fused both beside")
+    return mode == "split" or "beside" in (mode or "")  # the modes say so
 
 
 def fused(mode) -> bool:
     """Whether a layout of `our_layouts` runs with --cp-fused-forward."""
-    return mode in ("fused", "fused beside", "fused beside-bwd", "fused both",
-                    "fused both beside")
+    return (mode or "").startswith("fused")
 
 
 class SplitForced:

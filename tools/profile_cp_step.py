@@ -40,9 +40,9 @@ import torch  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from bench_cp_gpu import (add_model_options, device_setup, random_qkv, timed,  # noqa: E402
-                          ulysses_rank_inputs)
-from bench_layouts import concurrent_calls, layout_backend, our_layouts  # noqa: E402
+from bench_cp_gpu import random_qkv, timed, ulysses_rank_inputs  # noqa: E402
+from bench_layouts import (add_model_options, concurrent_calls, device_setup,  # noqa: E402
+                           layout_backend, our_layouts)
 from bench_selection import (mix_rows, parse_configs, parse_mixes, parse_only,  # noqa: E402
                              positive_int, tokens_label, wanted)
 from megatron_eod import plan_context_parallel  # noqa: E402

@@ -38,9 +38,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench_cp_gpu import (MAX_LATE, _sleep_cycles_per_second, add_model_options,  # noqa: E402
-                          device_setup, device_timed, random_qkv, timed)
-from bench_layouts import fused_schedules, parse_backward_shape  # noqa: E402
+from bench_cp_gpu import (MAX_LATE, _sleep_cycles_per_second, device_timed,  # noqa: E402
+                          random_qkv, timed)
+from bench_layouts import (add_model_options, device_setup, fused_schedules,  # noqa: E402
+                           parse_backward_shape, power_of_two)
 from bench_selection import (mix_rows, parse_configs, parse_mixes, positive_int,  # noqa: E402
                              tokens_label)
 from megatron_eod import plan_context_parallel  # noqa: E402
@@ -56,7 +57,7 @@ def parse_shapes(p, text):
     for item in text.split(","):
         shape, _, keys = item.partition("@")
         override = parse_backward_shape(p, "--shapes", shape)
-        if keys and not (keys.isdigit() and int(keys) >= 16 and not int(keys) & (int(keys) - 1)):
+        if keys and not (keys.isdigit() and power_of_two(int(keys))):
             p.error(f"--shapes {item}: KEYS after @ must be a power of two >= 16")
         shapes.append((item, override, int(keys) if keys else None))
     return shapes
@@ -203,10 +204,11 @@ def main(argv=None):
     columns = list(table)
     print_table("the backward over PyTorch's, wall (device-only); the largest gradient gap",
                 table, lambda cell: f"{cell[0]:.2f} ({cell[1]:.2f}); {cell[2]:.1e}")
+    fused_only = {c: {label: cells for label, cells in table[c].items() if label != "PyTorch"}
+                  for c in columns}
     print_table("each kernel's device time (events, its launches queued behind a sleep) "
-                "over PyTorch's whole backward (device-only): " + " / ".join(KERNELS), {c: {label: cells for label, cells in table[c].items()
-                                           if label != "PyTorch"} for c in columns},
-                lambda cell: " / ".join(f"{x:.2f}" for x in cell[3:]))
+                "over PyTorch's whole backward (device-only): " + " / ".join(KERNELS),
+                fused_only, lambda cell: " / ".join(f"{x:.2f}" for x in cell[3:]))
     return table
 
 

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from megatron_eod.attention.triton_forward import check_tensors, compile_kernel
+from megatron_eod.attention.triton_forward import block_d, check_tensors, compile_kernel
 
 BACKWARD = "the fused backward (--cp-fused-backward)"
 
@@ -40,9 +40,12 @@ def row_delta(dout, out):
 
     row_delta_kernel[(-(-rows // DELTA_ROWS), heads)](
         dout, out, delta, rows, dout.stride(0), dout.stride(1), out.stride(0), out.stride(1),
-        delta.stride(0), delta.stride(1), HEAD_DIM=head_dim,
-        BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()), BLOCK_T=DELTA_ROWS, num_warps=4)
+        delta.stride(0), delta.stride(1), **_delta_constants(head_dim), num_warps=4)
     return delta
+
+
+def _delta_constants(head_dim):
+    return dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_T=DELTA_ROWS)
 
 
 # Blocks without register spills at head_dim 128 on sm_80 and sm_90 (ptxas -v on the PTX of
@@ -73,9 +76,9 @@ def _blocks(head_dim):
 
 def _shape(head_dim, block_m, block_n, dkdv=False):
     """(constexpr arguments, launch options) of the dq kernel, or with `dkdv` the dk/dv one."""
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
     _, _, dq_warps, num_stages, dkdv_warps = _blocks(head_dim)
-    return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n), \
+    return dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m,
+                BLOCK_N=block_n), \
         dict(num_warps=dkdv_warps if dkdv else dq_warps, num_stages=num_stages)
 
 
@@ -138,10 +141,8 @@ def compile_delta_for(arch: int, dtype: str = "bf16", head_dim: int = 128):
     """row_delta's kernel compiled for `arch` without a GPU (delta [T, H] contiguous)."""
     from megatron_eod.attention.triton_backward_kernels import row_delta_kernel
 
-    constants = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()),
-                     BLOCK_T=DELTA_ROWS)
-    return compile_kernel(row_delta_kernel, arch, dtype, constants, dict(num_warps=4),
-                          ("s_eh",))
+    return compile_kernel(row_delta_kernel, arch, dtype, _delta_constants(head_dim),
+                          dict(num_warps=4), ("s_eh",))
 
 
 def compile_backward_for(arch: int, dtype: str = "bf16", head_dim: int = 128, group: int = 4,

@@ -141,11 +141,16 @@ def tile_forward(q, k, v, received_k, received_v, tiles, row_start, out, lse, sc
         float(scale) * math.log2(math.e), **constants, **options)
 
 
+def block_d(head_dim: int) -> int:
+    """The fused kernels' head-dim block: head_dim's next power of two, at least 16."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
 def _compile_time(heads, head_dim, group, block_m, arch=None):
     """(the kernel's constexpr arguments, its launch options) for a shape on `arch`."""
     block_n, num_warps, num_stages = _launch_shape(head_dim, block_m, arch)
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
-    return (dict(HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_M=block_m,
+    return (dict(HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), GROUP=group,
+                 BLOCK_M=block_m,
                  BLOCK_N=block_n),
             dict(num_warps=num_warps, num_stages=num_stages))
 
