@@ -54,10 +54,12 @@ def power_of_two(size) -> bool:
     return size >= 16 and not size & (size - 1)
 
 
-def _parse_shape(p, flag, text, fields, example, blocks_rule, more_warps=None):
+def _parse_shape(p, flag, text, fields, example, blocks_rule, more_warps=None, shown=None):
     """FIELDS...:WARPS:STAGES as a tuple of ints, the leading fields block sizes, each checked
-    (argparse error); `more_warps`: the name of an optional last field, warps too."""
+    (argparse error, naming `shown` if given, else `text`); `more_warps`: the name of an
+    optional last field, warps too."""
     parts = text.split(":")
+    text = text if shown is None else shown
     count = len(fields.split(":"))
     if more_warps is not None:
         fields += f"[:{more_warps}]"
@@ -73,10 +75,15 @@ def _parse_shape(p, flag, text, fields, example, blocks_rule, more_warps=None):
 
 
 def parse_backward_shape(p, flag, text):
-    """A fused backward's launch shape DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES[:DKDV_WARPS]
-    (triton_backward.BACKWARD_OVERRIDE's tuple; argparse errors name `flag`)."""
-    return _parse_shape(p, flag, text, "DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES", "32:32:8:2",
-                        "the blocks powers of two >= 16", "DKDV_WARPS")
+    """A fused backward's launch shape DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES[:DKDV_WARPS], or
+    with `atomic` for DQ_BLOCK_N no dq kernel (dq added by dk/dv's: ATOMIC_DQ), as
+    (triton_backward.BACKWARD_OVERRIDE's tuple, ATOMIC_DQ); argparse errors name `flag`."""
+    head, sep, rest = text.partition(":")
+    atomic = head == "atomic"
+    # (atomic: the dq kernel's block is unused, the default's stands in)
+    parsed = f"{triton_backward.DQ_BLOCK_N}{sep}{rest}" if atomic else text
+    return _parse_shape(p, flag, parsed, "DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES", "32:32:8:2",
+                        "the blocks powers of two >= 16", "DKDV_WARPS", text), atomic
 
 
 def add_fused_options(p):
@@ -90,7 +97,8 @@ def add_fused_options(p):
                    metavar="DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES[:DKDV_WARPS]",
                    help="the fused backward's blocks (dq's keys, dk/dv's query rows), warps "
                         "(dk/dv's apart if given) and stages for every launch (default: "
-                        "attention/triton_backward.py's)")
+                        "attention/triton_backward.py's); 'atomic' for DQ_BLOCK_N: no dq "
+                        "kernel, the dk/dv kernel adds dq by float32 atomic adds")
     p.add_argument("--key-tile-keys", type=positive_int,
                    help="keys per tile of the fused backward's dk/dv (a power of two >= 16; "
                         "default: plan/key_tiles.py's 64)")
@@ -107,7 +115,7 @@ def apply_fused_options(p, args):
             p, "--fused-config", args.fused_config, "BLOCK_N:WARPS:STAGES", "64:8:3",
             "BLOCK_N a power of two >= 16")
     if args.fused_backward_config is not None:
-        triton_backward.BACKWARD_OVERRIDE = parse_backward_shape(
+        triton_backward.BACKWARD_OVERRIDE, triton_backward.ATOMIC_DQ = parse_backward_shape(
             p, "--fused-backward-config", args.fused_backward_config)
 
 

@@ -8,7 +8,8 @@
 A shape is DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES[:DKDV_WARPS][@KEYS] (dq's key block, dk/dv's
 query rows, warps, pipeline stages, dk/dv's warps if not dq's, and keys per dk/dv tile,
 plan/key_tiles.py's 64 unless given): attention/triton_backward.py's BACKWARD_OVERRIDE and the
-key tiles' size. For each mix's rows (tools/bench_cp.py's document mixes) the whole row is one
+key tiles' size; `atomic` for DQ_BLOCK_N runs no dq kernel, the dk/dv kernel adding dq by
+float32 atomic adds (ATOMIC_DQ, FlashAttention-2's backward: its dq time is in dk/dv's). For each mix's rows (tools/bench_cp.py's document mixes) the whole row is one
 plan (CP=1: every document in the fused kernels' tiles, as tools/bench_cp_gpu.py's "whole
 row, fused kernels fwd+bwd"), its forward the fused kernel's; its backward (forward+backward
 minus forward) is timed with PyTorch's kernels (the base backend's, as training runs it
@@ -52,7 +53,8 @@ from megatron_eod.plan.forward_tiles import DEFAULT_BLOCK_M  # noqa: E402
 
 
 def parse_shapes(p, text):
-    """[(label, BACKWARD_OVERRIDE tuple, keys per dk/dv tile or None)] from --shapes."""
+    """[(label, (BACKWARD_OVERRIDE tuple, ATOMIC_DQ), keys per dk/dv tile or None)] from
+    --shapes."""
     shapes = []
     for item in text.split(","):
         shape, _, keys = item.partition("@")
@@ -149,7 +151,7 @@ def sweep_row(cu, args, device, dtype, backend, shapes):
     nan = float("nan")
     results = {"PyTorch": (1.0, 1.0, 0.0) + (nan,) * len(KERNELS)}
     for label, override, keys in shapes:
-        triton_backward.BACKWARD_OVERRIDE = override
+        triton_backward.BACKWARD_OVERRIDE, triton_backward.ATOMIC_DQ = override
         try:
             sim = simulated(True, keys)
             wall, dev = backward_seconds(sim, args.repeats, device)
@@ -166,7 +168,7 @@ def sweep_row(cu, args, device, dtype, backend, shapes):
                 except RuntimeError:
                     traceback.print_exc()
         finally:
-            triton_backward.BACKWARD_OVERRIDE = None
+            triton_backward.BACKWARD_OVERRIDE, triton_backward.ATOMIC_DQ = None, False
     return results
 
 
@@ -174,7 +176,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", required=True,
                    help="comma-separated DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES[:DKDV_WARPS]"
-                        "[@KEYS]")
+                        "[@KEYS], DQ_BLOCK_N 'atomic' for dq by the dk/dv kernel")
     p.add_argument("--samples", type=positive_int, default=1, help="random rows per config")
     p.add_argument("--repeats", type=positive_int, default=3)
     add_model_options(p)

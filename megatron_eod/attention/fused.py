@@ -12,7 +12,9 @@ local keys' dk/dv while the keys travel (or, with the forward's buffer kept, aft
 received keys' dk/dv, whose gradients then travel during it); the received keys' dk/dv, sent
 back to their owners; dq of every row from its received and local keys; the returned
 gradients landed as the batched executor lands them. With concurrent calls the local keys'
-dk/dv runs on a side stream beside the rest (streams.py).
+dk/dv runs on a side stream beside the rest (streams.py). With the backend's `atomic_dq`
+(triton_backward.ATOMIC_DQ, for benchmarks) the dk/dv kernels add dq into one float32 buffer
+and no dq kernel runs.
 
 What it does not do: no kernels (triton_forward.py, triton_backward.py), no communication of
 its own.
@@ -71,12 +73,16 @@ def fused_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tra
     tiles, keys, exchange = schedule.forward_tiles, schedule.key_tiles, schedule.batched
     dout_THD = dout_THD if dout_THD.stride(-1) == 1 else dout_THD.contiguous()
     delta_TH = backend.row_delta(dout_THD, out_THD)
-    dq = batched._empty_like(q_THD)
     dk, dv = batched._empty_like(k_TGD), batched._empty_like(v_TGD)
     common = (dout_THD, q_THD, lse_TH, delta_TH, tiles.row_start, scale)
+    # dq by the dk/dv kernels' atomic adds (triton_backward.ATOMIC_DQ), or by its own kernel
+    dq32 = torch.zeros(q_THD.shape, dtype=torch.float32, device=q_THD.device) \
+        if getattr(backend, "atomic_dq", False) else None
+    dq = batched._empty_like(q_THD) if dq32 is None else None
 
     def local_dkdv():
-        backend.dkdv_tiles(*common, k_TGD, v_TGD, keys.local, dk, dv, True, keys.block_n)
+        backend.dkdv_tiles(*common, k_TGD, v_TGD, keys.local, dk, dv, True, keys.block_n,
+                           dq32)
 
     def received_dkdv(recv_2NGD):
         """The received rows' gradients, on their way back to their owners."""
@@ -84,11 +90,14 @@ def fused_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tra
         if exchange.call is not None:
             k, v = batched._keys(recv_2NGD)
             gk, gv = batched._empty_like(k), batched._empty_like(v)
-            backend.dkdv_tiles(*common, k, v, keys.received, gk, gv, False, keys.block_n)
+            backend.dkdv_tiles(*common, k, v, keys.received, gk, gv, False, keys.block_n,
+                               dq32)
         return transport.start_all_grad(schedule, gk, gv, k_TGD.shape[1:], k_TGD.dtype,
                                         q_THD.device)
 
     def all_dq(recv_2NGD):
+        if dq32 is not None:  # added by the dk/dv kernels
+            return
         backend.dq_tiles(*common, k_TGD, v_TGD, None, None, tiles.local_only, dq,
                          tiles.block_m)
         if tiles.with_received.shape[0]:
@@ -98,11 +107,15 @@ def fused_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tra
     def beside_local(after=None):
         return Beside(local_dkdv, q_THD.device, concurrent_calls, after=after)
 
+    def joined(local):
+        """dq once the local keys' dk/dv (whose adds it may hold) is done."""
+        local.result()
+        return dq if dq32 is None else dq32.to(q_THD.dtype)
+
     if exchange is None:  # nothing exchanged (Ulysses, CP=1, a lone group)
         local = beside_local()
         all_dq(None)
-        local.result()
-        return dq, dk, dv
+        return joined(local), dk, dv
     if keep_received:  # the received keys' gradients first: they travel meanwhile
         recv_2NGD = received_2NGD
         fork = fork_point(q_THD.device, concurrent_calls)  # beside their dk/dv too
@@ -114,5 +127,4 @@ def fused_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tra
         recv_2NGD = pending.wait()
         returning = received_dkdv(recv_2NGD)
     all_dq(recv_2NGD)
-    local.result()
-    return (dq,) + batched._land(returning.wait(), dk, dv, exchange, k_TGD.dtype)
+    return (joined(local),) + batched._land(returning.wait(), dk, dv, exchange, k_TGD.dtype)

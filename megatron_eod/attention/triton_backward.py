@@ -63,6 +63,18 @@ DQ_BLOCK_N, DKDV_BLOCK_M = 32, 32
 # head_dim as given; dk/dv's warps default to dq's.
 BACKWARD_OVERRIDE = None
 
+# Whether dq comes from the dk/dv kernel's float32 atomic adds (FlashAttention-2's backward)
+# instead of the dq kernel: five matrix products a block instead of seven and one kernel
+# less, but the adds' order varies run to run (not bitwise reproducible, so never under
+# --deterministic-mode) and each block adds its rows' dq to memory. For benchmarks until a
+# GPU has timed both (tools/sweep_fused_backward.py's `atomic:` shapes).
+ATOMIC_DQ = False
+
+
+def atomic_dq() -> bool:
+    """Whether the fused backward adds dq in its dk/dv kernel (ATOMIC_DQ)."""
+    return ATOMIC_DQ
+
 
 def _blocks(head_dim):
     """(dq's key block, dk/dv's query block, dq's num_warps, num_stages, dk/dv's num_warps)
@@ -114,11 +126,16 @@ def tile_dq(dout, q, k, v, received_k, received_v, lse, delta, tiles, row_start,
 
 
 def tile_dkdv(dout, q, k, v, lse, delta, key_tiles, row_start, dk, dv, scale, causal,
-              block_n, block_m=None):
+              block_n, block_m=None, dq32=None):
     """Writes dk, dv of every key row of `key_tiles` ([n, 4] of plan/key_tiles.py; k, v the
-    local rows with `causal`, else the receive buffer's)."""
+    local rows with `causal`, else the receive buffer's); with `dq32` (float32 like q) also
+    adds to it the dq its keys give their rows (ATOMIC_DQ)."""
     check_tensors(q, key_tiles, row_start, 16, kernel=BACKWARD, k=k, v=v, dout=dout, dk=dk,
                   dv=dv)
+    if dq32 is not None and (dq32.dtype != torch.float32 or dq32.shape != q.shape or
+                             dq32.stride(-1) != 1):
+        raise ValueError(f"{BACKWARD}: dq32 must be float32 of q's shape {tuple(q.shape)} "
+                         f"with a unit last stride, got {dq32.dtype} {tuple(dq32.shape)}")
     block_m = _blocks(q.shape[2])[1] if block_m is None else block_m
     _check_block("the key tiles' keys (key_block)", block_n)
     _check_block("dk/dv's query block", block_m)
@@ -128,13 +145,15 @@ def tile_dkdv(dout, q, k, v, lse, delta, key_tiles, row_start, dk, dv, scale, ca
     constants, options = _shape(q.shape[2], block_m, block_n, dkdv=True)
     from megatron_eod.attention.triton_backward_kernels import attention_dkdv_kernel
 
+    dq_out = dk if dq32 is None else dq32  # (unread without ATOMIC_DQ)
     attention_dkdv_kernel[(key_tiles.shape[0] * kv_heads,)](
-        q, k, v, dout, lse, delta, dk, dv, key_tiles, row_start,
+        q, k, v, dout, lse, delta, dk, dv, dq_out, key_tiles, row_start,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), lse.stride(0), lse.stride(1), delta.stride(0),
         delta.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        float(scale) * math.log2(math.e), float(scale), KV_HEADS=kv_heads,
-        GROUP=heads // kv_heads, CAUSAL=causal, **constants, **options)
+        dq_out.stride(0), dq_out.stride(1), float(scale) * math.log2(math.e), float(scale),
+        KV_HEADS=kv_heads, GROUP=heads // kv_heads, CAUSAL=causal, ATOMIC_DQ=dq32 is not None,
+        **constants, **options)
 
 
 def compile_delta_for(arch: int, dtype: str = "bf16", head_dim: int = 128):
@@ -146,9 +165,11 @@ def compile_delta_for(arch: int, dtype: str = "bf16", head_dim: int = 128):
 
 
 def compile_backward_for(arch: int, dtype: str = "bf16", head_dim: int = 128, group: int = 4,
-                         block_m: int = 128, block_n: int = 64, heads: int = 32):
+                         block_m: int = 128, block_n: int = 64, heads: int = 32,
+                         atomic_dq: bool = False):
     """(dq kernel, dk/dv kernel) compiled for `arch` without a GPU, as
-    triton_forward.compile_for (lse [H, T] memory, delta [T, H] contiguous)."""
+    triton_forward.compile_for (lse [H, T] memory, delta [T, H] contiguous); `atomic_dq`:
+    the dk/dv kernel that adds dq too (ATOMIC_DQ)."""
     from megatron_eod.attention.triton_backward_kernels import (attention_dkdv_kernel,
                                                                 attention_dq_kernel)
 
@@ -158,6 +179,7 @@ def compile_backward_for(arch: int, dtype: str = "bf16", head_dim: int = 128, gr
                         dict(constants, HEADS=heads, GROUP=group), options, ("s_lt", "s_eh"))
     constants, options = _shape(head_dim, dkdv_block_m, block_n, dkdv=True)
     dkdv = compile_kernel(attention_dkdv_kernel, arch, dtype,
-                          dict(constants, KV_HEADS=heads // group, GROUP=group, CAUSAL=True),
-                          options, ("s_lt", "s_eh"))
+                          dict(constants, KV_HEADS=heads // group, GROUP=group, CAUSAL=True,
+                               ATOMIC_DQ=atomic_dq),
+                          options, ("s_lt", "s_eh"), ("DQ",) if atomic_dq else ())
     return dq, dkdv

@@ -6,7 +6,9 @@ backward): `row_delta_kernel`, delta_i = dout_i . out_i in float32 for every row
 row's received then local keys (dq = scale * sum_j ds_ij k_j); and `attention_dkdv_kernel`,
 one program per (key tile, key/value head) over a launch's key tiles, the query rows that see
 its keys, every query head of its group (dk = scale * sum_i ds_ij q_i,
-dv = sum_i p_ij dout_i), written once: no atomics. ds_ij = p_ij (dout_i . v_j - delta_i),
+dv = sum_i p_ij dout_i), written once; with ATOMIC_DQ it also adds the rows' dq from its
+keys to a float32 buffer by atomic adds (FlashAttention-2's backward: five products a block
+where the two kernels take seven, and no dq kernel). ds_ij = p_ij (dout_i . v_j - delta_i),
 delta_i = dout_i . out_i, p_ij = exp(scale q_i . k_j - lse_i), in base 2 here. The dk/dv
 kernel computes p and ds transposed (keys as the matrix rows), so that all its products take
 tiles as they come (on sm_90, four warpgroup MMAs a block, none transposing registers). The
@@ -74,11 +76,21 @@ def attention_dq_kernel(Q, K, V, RK, RV, DO, LSE, DELTA, DQ, TILES, ROW_START,
 def _dkdv_step(k, v, q, do, lse2, delta, visible, dk, dv, qk_scale):
     """A block of rows into the running dk, dv of a key block, keys as the matrix rows: p and
     ds transposed ([keys, rows]) are what the two products take, so no register tile is
-    transposed (on sm_90 each product is one warpgroup MMA with k/v as its left operand)."""
+    transposed (on sm_90 each product is one warpgroup MMA with k/v as its left operand).
+    Also returns ds transposed in q's dtype (for `_add_dq`)."""
     p_t = tl.where(visible, tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]), 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv)
-    ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
-    return tl.dot(ds_t.to(q.dtype), q, dk), dv
+    ds_t = (p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
+    return tl.dot(ds_t, q, dk), dv, ds_t
+
+
+@triton.jit
+def _add_dq(DQ, ds_t, k, rows, row_ok, head, s_dqt, s_dqh, dims, dim_ok, sm_scale):
+    """A block of rows' dq from a key block (scale * ds k), added to the float32 DQ by
+    atomic adds (relaxed: only the sum matters), as FlashAttention-2's backward does."""
+    dq_t = tl.dot(tl.trans(k), ds_t) * sm_scale
+    tl.atomic_add(DQ + rows.to(tl.int64)[None, :] * s_dqt + head * s_dqh + dims[:, None], dq_t,
+                  mask=row_ok[None, :] & dim_ok[:, None], sem="relaxed")
 
 
 @triton.jit
@@ -98,17 +110,20 @@ def _row_block(Q, DO, LSE, DELTA, start, stop, head, s_qt, s_qh, s_dot, s_doh, s
 
 
 @triton.jit
-def attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_TILES, ROW_START,
+def attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, KEY_TILES, ROW_START,
                           s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_dot, s_doh, s_lt, s_lh,
-                          s_et, s_eh, s_dkt, s_dkh, s_dvt, s_dvh, qk_scale, sm_scale,
-                          KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          s_et, s_eh, s_dkt, s_dkh, s_dvt, s_dvh, s_dqt, s_dqh, qk_scale,
+                          sm_scale, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+                          BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                          ATOMIC_DQ: tl.constexpr):
     """Key tiles (k_start, k_stop, q_start, q_stop): keys k_start:k_stop of K/V (local rows
     with CAUSAL: each seen by the rows of its document from itself on; else received rows,
     seen by every row q_start:q_stop); dk/dv like K/V. With CAUSAL, the row blocks before
     the tile's last key are masked, and after it too where the tile holds the start of a
-    document (packed short documents); the others see every key of the tile: no mask."""
+    document (packed short documents); the others see every key of the tile: no mask.
+    With ATOMIC_DQ the rows' dq from these keys is added to DQ (float32, zeroed before) too,
+    and no dq kernel is needed (DQ unread otherwise)."""
     tile = tl.program_id(0) // KV_HEADS
     kv_head = (tl.program_id(0) % KV_HEADS).to(tl.int64)
     k_start = tl.load(KEY_TILES + tile * 4)
@@ -144,13 +159,19 @@ def attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_TILES, ROW_START,
                 starts = tl.load(ROW_START + rows, mask=row_ok, other=0)
                 visible = row_ok[None, :] & col_ok[:, None] & \
                     (cols[:, None] >= starts[None, :]) & (cols[:, None] <= rows[None, :])
-                dk, dv = _dkdv_step(k, v, q, do, lse2, delta, visible, dk, dv, qk_scale)
+                dk, dv, ds_t = _dkdv_step(k, v, q, do, lse2, delta, visible, dk, dv,
+                                          qk_scale)
+                if ATOMIC_DQ:
+                    _add_dq(DQ, ds_t, k, rows, row_ok, head, s_dqt, s_dqh, dims, dim_ok,
+                            sm_scale)
         for start in range(unmasked, q_stop, BLOCK_M):  # every key seen
             rows, row_ok, q, do, lse2, delta = _row_block(
                 Q, DO, LSE, DELTA, start, q_stop, head, s_qt, s_qh, s_dot, s_doh, s_lt, s_lh,
                 s_et, s_eh, dims, dim_ok, BLOCK_M)
             visible = row_ok[None, :] & col_ok[:, None]
-            dk, dv = _dkdv_step(k, v, q, do, lse2, delta, visible, dk, dv, qk_scale)
+            dk, dv, ds_t = _dkdv_step(k, v, q, do, lse2, delta, visible, dk, dv, qk_scale)
+            if ATOMIC_DQ:
+                _add_dq(DQ, ds_t, k, rows, row_ok, head, s_dqt, s_dqh, dims, dim_ok, sm_scale)
     tl.store(DK + col_at[:, None] * s_dkt + kv_head * s_dkh + dims[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=col_mask)
     tl.store(DV + col_at[:, None] * s_dvt + kv_head * s_dvh + dims[None, :],

@@ -189,17 +189,18 @@ def compile_for(arch: int, dtype: str = "bf16", head_dim: int = 128, group: int 
     return compile_kernel(_kernel(), arch, dtype, constants, options, ones=("s_lt",))
 
 
-def compile_kernel(kernel, arch, dtype, constants, options, ones=()):
+def compile_kernel(kernel, arch, dtype, constants, options, ones=(), float32=()):
     """`kernel` compiled for `arch`, specialised as a launch is: pointers and the strides
     named s_* 16-aligned (what lets the loads be vectorised), those in `ones` equal to 1 (lse
-    is [H, T] memory read as [T, H]); pointers to `dtype` but lse, delta (float32) and the
-    tiles (int32); scales float32."""
+    is [H, T] memory read as [T, H]); pointers to `dtype` but lse, delta and those named in
+    `float32` (float32) and the tiles (int32); scales float32."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     types = {"LSE": "*fp32", "DELTA": "*fp32", "TILES": "*i32", "KEY_TILES": "*i32",
-             "ROW_START": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "rows": "i32"}
+             "ROW_START": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "rows": "i32",
+             **{name: "*fp32" for name in float32}}
     signature = {name: types.get(name, "i32" if name.startswith("s_") else f"*{dtype}")
                  for name in kernel.arg_names}
     signature.update({name: "constexpr" for name in (*constants, *ones)})
@@ -262,7 +263,13 @@ class TritonForwardBackend:
 
     @staticmethod
     def dkdv_tiles(dout, q, lse, delta, row_start, scale, k, v, key_tiles, dk, dv, causal,
-                   block_n):
+                   block_n, dq32=None):
         from megatron_eod.attention.triton_backward import tile_dkdv
         tile_dkdv(dout, q, k, v, lse, delta, key_tiles, row_start, dk, dv, scale, causal,
-                  block_n)
+                  block_n, dq32=dq32)
+
+    @property
+    def atomic_dq(self) -> bool:
+        """Whether the fused backward's dk/dv kernels add dq (triton_backward.ATOMIC_DQ)."""
+        from megatron_eod.attention.triton_backward import atomic_dq
+        return self.fused_backward and atomic_dq()

@@ -26,17 +26,21 @@ PACKED_ACROSS = [0, 10, 40, 50, 128, 138, 168, 178, 256]
 
 
 @interpreted
-@pytest.mark.parametrize("algo,cp,kind,seed", [("ring", 2, "mixed", 1), ("ring", 2, "mixed", 6),
-                                               ("ulysses", 2, "short", 2),
-                                               ("ulysses", 2, PACKED_ACROSS, 3)])
-def test_fused_backward_blocks_smaller_than_the_tiles(monkeypatch, algo, cp, kind, seed):
+@pytest.mark.parametrize("algo,cp,kind,seed,atomic", [
+    ("ring", 2, "mixed", 1, False), ("ring", 2, "mixed", 6, False),
+    ("ulysses", 2, "short", 2, False), ("ulysses", 2, PACKED_ACROSS, 3, False),
+    ("ring", 2, "mixed", 1, True), ("ulysses", 2, PACKED_ACROSS, 3, True)])
+def test_fused_backward_blocks_smaller_than_the_tiles(monkeypatch, algo, cp, kind, seed,
+                                                      atomic):
     """The fused backward's unmasked blocks: dq's key blocks (16) before a 32-row tile's first
     row, dk/dv's row blocks (16) past a 32-key tile's last key, which short documents packed
     across the tile's edge must still mask (the rows after the edge see only their own
-    document's keys)."""
+    document's keys). `atomic`: dq added by the dk/dv kernels (ATOMIC_DQ), its row blocks
+    the same."""
     from megatron_eod.attention import triton_backward
 
     monkeypatch.setattr(triton_backward, "BACKWARD_OVERRIDE", (16, 16, 4, 2))
+    monkeypatch.setattr(triton_backward, "ATOMIC_DQ", atomic)
     cu, (q, k, v, dout) = _case("mixed" if isinstance(kind, list) else kind, 2, 128, 4, 2, 8,
                                 seed=seed)
     cu = torch.tensor(kind, dtype=cu.dtype) if isinstance(kind, list) else cu
@@ -54,8 +58,11 @@ def test_fused_backward_blocks_smaller_than_the_tiles(monkeypatch, algo, cp, kin
 def test_fused_backward_side_stream_follows_concurrent_calls(monkeypatch, exchange,
                                                              concurrent):
     """With concurrent calls the fused backward's local dk/dv goes beside the rest (on a
-    CPU, inline: the same result as without)."""
-    from megatron_eod.attention import fused
+    CPU, inline: the same result as without); with ATOMIC_DQ (concurrent only) too, its dq
+    adds and the received keys' going to the one buffer."""
+    from megatron_eod.attention import fused, triton_backward
+
+    monkeypatch.setattr(triton_backward, "ATOMIC_DQ", concurrent)
 
     asked = []
 
@@ -93,6 +100,10 @@ def test_backward_blocks_under_16_and_row_delta(monkeypatch):
     with pytest.raises(ValueError, match=r"dq's key block must be a power of two >= 16"):
         triton_backward.tile_dq(q, q, q, q, None, None, None, None, tiles, tiles[:, 0], q, 0.3,
                                 16, block_n=8)
+    with pytest.raises(ValueError, match=r"dq32 must be float32 of q's shape \(8, 2, 16\) "
+                                         r"with a unit last stride, got torch.float16"):
+        triton_backward.tile_dkdv(q, q, q, q, None, None, tiles, tiles[:, 0], q, q, 0.3, True,
+                                  16, dq32=q.half())
     gen = torch.Generator().manual_seed(5)
     dout = torch.randn(131, 3, 20, generator=gen)
     out = torch.randn(131, 9, 20, generator=gen)[:, 3:6]  # rows 9 heads apart

@@ -213,18 +213,30 @@ for arch in (80, 90):
 import os, re, subprocess, tempfile
 import triton
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def assert_no_spill(kernel, arch, shape):
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a" if arch == 90 else "sm_80",
+                             f.name, "-o", os.devnull], capture_output=True, text=True,
+                            check=True).stderr
+    spilled = int(re.search(r"([0-9]+) bytes spill stores", report).group(1))
+    assert spilled == 0, (arch, shape, report)
+
+
 for arch in (80, 90):
     for shape in (("bf16", 128, 4, 128), ("fp16", 64, 1, 64)):  # compiled above: cached
         delta = compile_delta_for(arch, shape[0], shape[1])
         assert "ld.global.v4" in delta.asm["ptx"], (arch, shape)  # 16-byte loads
         for kernel in (compile_for(arch, *shape), *compile_backward_for(arch, *shape), delta):
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-                f.write(kernel.asm["ptx"])
-            report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a" if arch == 90 else
-                                     "sm_80", f.name, "-o", os.devnull], capture_output=True,
-                                    text=True, check=True).stderr
-            spilled = int(re.search(r"([0-9]+) bytes spill stores", report).group(1))
-            assert spilled == 0, (arch, shape, report)
+            assert_no_spill(kernel, arch, shape)
+# dq by the dk/dv kernel's atomic adds (ATOMIC_DQ, benchmarks' on sm_90): relaxed (no fence)
+# 16-byte adds, its five products warpgroup MMAs, no spill
+atomic = compile_backward_for(90, "bf16", 128, 4, 128, atomic_dq=True)[1]
+assert "atom.global.gpu.relaxed.add.v4.f32" in atomic.asm["ptx"]
+assert "mma.sync" not in atomic.asm["ptx"] and "wgmma" in atomic.asm["ptx"]
+assert_no_spill(atomic, 90, "atomic dq")
 
 # The start-up check: a device whose programs get too little shared memory is named.
 import types

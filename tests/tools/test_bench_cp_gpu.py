@@ -275,6 +275,8 @@ def test_a_failing_row_is_nan_and_the_others_still_come_back(monkeypatch, capsys
     (["--fused-backward-config", "32:32:8:2:4:4"], "got '32:32:8:2:4:4'"),
     (["--fused-backward-config", "32:32:8:2:3"], "WARPS 1, 2, 4, 8 or 16"),
     (["--fused-backward-config", "32:24:8:2"], "the blocks powers of two >= 16"),
+    (["--fused-backward-config", "atomic:32:8:2:3"], "--fused-backward-config atomic:32:8:2:3: "
+                                                     "the blocks powers of two >= 16, WARPS"),
     (["--key-tile-keys", "48"], "--key-tile-keys must be a power of two >= 16, got 48"),
 ])
 def test_bad_selections_name_the_flag(capsys, argv, message):

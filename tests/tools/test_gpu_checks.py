@@ -118,7 +118,8 @@ def test_the_backward_sweep_stage_names_shapes_the_tool_takes():
     text = words[words.index("--shapes") + 1]
     shapes = sweep_fused_backward.parse_shapes(argparse.ArgumentParser(), text)
     assert len(shapes) == len({(o, k) for _, o, k in shapes}) >= 6
-    assert shapes[0][1:] == ((32, 32, 8, 2), None)  # the default first
+    assert shapes[0][1:] == (((32, 32, 8, 2), False), None)  # the default first
+    assert any(atomic for _, (_, atomic), _ in shapes)  # and dq by atomic adds
 
 
 def test_the_short_lease_stages_run_only_when_named(tmp_path):

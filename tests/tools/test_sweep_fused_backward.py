@@ -29,15 +29,18 @@ def test_every_shape_is_timed_and_checked_and_a_failing_one_is_nan(capsys, monke
         return launch(*args, **kwargs)
 
     monkeypatch.setattr(triton_backward, "tile_dkdv", fails_at_dkdv_warps_2)
-    table = sweep_fused_backward.main(["--shapes", "16:16:4:2,32:16:8:3:2,16:32:4:2@32"] +
-                                      SMALL)
+    table = sweep_fused_backward.main(["--shapes", "16:16:4:2,32:16:8:3:2,16:32:4:2@32,"
+                                                   "atomic:16:4:2"] + SMALL)
     cells = table["web 128"]
-    assert list(cells) == ["PyTorch", "16:16:4:2", "32:16:8:3:2", "16:32:4:2@32"]
-    for label in ("16:16:4:2", "16:32:4:2@32"):
+    assert list(cells) == ["PyTorch", "16:16:4:2", "32:16:8:3:2", "16:32:4:2@32",
+                           "atomic:16:4:2"]
+    for label in ("16:16:4:2", "16:32:4:2@32", "atomic:16:4:2"):
         assert cells[label][2] < 1e-5, (label, cells[label])  # float32: exact to rounding
         assert all(math.isfinite(x) for x in cells[label])
     assert all(math.isnan(x) for x in cells["32:16:8:3:2"])
-    assert triton_backward.BACKWARD_OVERRIDE is None  # restored after the sweep
+    assert cells["atomic:16:4:2"][3] == 0 < cells["16:16:4:2"][3]  # no dq kernel ran
+    # restored after the sweep
+    assert triton_backward.BACKWARD_OVERRIDE is None and not triton_backward.ATOMIC_DQ
     captured = capsys.readouterr()
     assert "[sweep] 32:16:8:3:2 failed" in captured.err
     assert "| 16:32:4:2@32 | " in captured.out
@@ -50,6 +53,8 @@ def test_every_shape_is_timed_and_checked_and_a_failing_one_is_nan(capsys, monke
     ("32:32:8", "--shapes: DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES[:DKDV_WARPS]"),
     ("32:32:8:2@48", "--shapes 32:32:8:2@48: KEYS after @ must be a power of two >= 16"),
     ("32:24:8:2", "the blocks powers of two >= 16"),
+    ("atomic:32:8", "got 'atomic:32:8'"),
+    ("atomic:24:8:2", "--shapes atomic:24:8:2: the blocks powers of two >= 16"),
 ])
 def test_bad_shapes_name_the_flag(capsys, shapes, message):
     with pytest.raises(SystemExit):
