@@ -321,20 +321,24 @@ def test_launch_shape_per_architecture():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("exchange", ["batched", "batched-keep", "batched+concurrent",
-                                      "batched+backward", "batched-keep+backward"])
+                                      "batched+backward", "batched-keep+backward",
+                                      "batched-keep+atomic"])
 @pytest.mark.parametrize("algo,cp,degree", [("ring", 4, None), ("ring", 8, None),
                                             ("hybrid", 8, 2)])
-def test_fused_forward_on_gpu_in_bf16(algo, cp, degree, exchange):
-    """bf16 within twice CP=1's error (with "+backward" the fused backward's gradients too);
-    with concurrent_calls (its first launch on a side stream) the forward is the one-stream
-    forward bit for bit, run after run."""
+def test_fused_forward_on_gpu_in_bf16(monkeypatch, algo, cp, degree, exchange):
+    """bf16 within twice CP=1's error (with "+backward" the fused backward's gradients too,
+    "+atomic" with dq by atomic adds: ATOMIC_DQ); with concurrent_calls (its first launch on
+    a side stream) the forward is the one-stream forward bit for bit, run after run."""
+    from megatron_eod.attention import triton_backward
+
     cu, tensors = _case("mixed", 2, 1024, 8, 2, 64, seed=1, device="cuda",
                         dtype=torch.bfloat16)
     plan = plan_context_parallel(cu, cp, algo, degree)
     ref = _oracle(*tensors, cu, 0.125)
     exchange, _, suffix = exchange.partition("+")
     concurrent = suffix == "concurrent"
-    backend = TritonForwardBackend(TorchVarlenBackend(), suffix == "backward")
+    monkeypatch.setattr(triton_backward, "ATOMIC_DQ", suffix == "atomic")
+    backend = TritonForwardBackend(TorchVarlenBackend(), suffix in ("backward", "atomic"))
     got = SimulatedPlan(plan, *tensors, backend, 0.125, exchange, concurrent).run()
     if concurrent:
         both = SimulatedPlan(plan, *tensors, backend, 0.125, exchange, True)
