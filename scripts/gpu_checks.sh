@@ -37,8 +37,9 @@
 # Issue 11's next lease (docs/BENCHMARKS.md "Still to run"), the open items first:
 #   1. GPU_CHECKS_BUDGET=545 bash scripts/gpu_checks.sh env training-open backward-sweep \
 #      profile-open
-#   2. bench-open, with --fused-backward-config at the sweep's best shape if it beats the
-#      default (python3 tools/bench_cp_gpu.py ... as COMMAND[bench-open] below)
+#   2. bench-open, with --fused-backward-config at the sweep's best shape (its last lines,
+#      "[sweep] best by the device-only clock") if it beats the default (python3
+#      tools/bench_cp_gpu.py ... as COMMAND[bench-open] below)
 # --list prints each stage and its command, runs nothing.
 #   GPU_CHECKS_OUT     logs and summary.md (default: $OUT when set, else <repo>/runs/gpu_checks)
 #   GPU_CHECKS_BUDGET  seconds for all stages together (default: 560); a stage runs under what

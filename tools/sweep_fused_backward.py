@@ -21,7 +21,9 @@ backward (device-only), to say which kernel to work on; and
 the largest normwise gradient difference from PyTorch's
 (max |fused - PyTorch| / max |PyTorch| over dq, dk, dv: a shape computing wrongly shows;
 bf16 rounding alone gives ~1e-2). A shape that does not compile or launch is NaN, its
-traceback on stderr, and the others still run. Each shape compiles its kernels during its
+traceback on stderr, and the others still run. Last, the best shape by each clock (mean over
+the mixes, among those that ran everywhere and computed within WRONG of PyTorch's): what
+`--fused-backward-config` takes next. Each shape compiles its kernels during its
 warm-up run. Each mix's cells are printed ("[sweep] ...") as soon as it ends, the tables
 after all: a run its time limit cuts off keeps the mixes done.
 On a CPU (tests) it runs through Triton's interpreter in float32: slowly, at small sizes.
@@ -211,7 +213,29 @@ def main(argv=None):
     print_table("each kernel's device time (events, its launches queued behind a sleep) "
                 "over PyTorch's whole backward (device-only): " + " / ".join(KERNELS),
                 fused_only, lambda cell: " / ".join(f"{x:.2f}" for x in cell[3:]))
+    for clock, at in (("device-only", 1), ("wall", 0)):
+        best = best_shape(fused_only, at)
+        print(f"[sweep] best by the {clock} clock (mean over the mixes): " +
+              ("none (every shape failed or computed wrongly)" if best is None else
+               f"{best[0]}, {best[1]:.2f} of PyTorch's backward"))
     return table
+
+
+# A shape whose gradients differ from PyTorch's by more than this (normwise) computes wrongly:
+# bf16 rounding alone gives ~1e-2.
+WRONG = 5e-2
+
+
+def best_shape(table, at):
+    """(label, mean ratio) of the shape whose ratio `at` (0 wall, 1 device-only) is least on
+    average over the mixes, among those run everywhere with gradients within WRONG; or
+    None."""
+    means = {}
+    for label in table[next(iter(table))]:
+        cells = [table[column][label] for column in table]
+        if all(np.isfinite(c[at]) and c[2] <= WRONG for c in cells):
+            means[label] = float(np.mean([c[at] for c in cells]))
+    return min(means.items(), key=lambda item: item[1]) if means else None
 
 
 def print_table(what, table, cell_text):

@@ -47,6 +47,20 @@ def test_every_shape_is_timed_and_checked_and_a_failing_one_is_nan(capsys, monke
     assert "[sweep] web 128 | 16:32:4:2@32 | backward " in captured.out  # as the mix ends
     kernels = captured.out.split("dq / dk/dv / delta")[1]  # the second table: no PyTorch row
     assert "| 16:16:4:2 | " in kernels and "| PyTorch |" not in kernels
+    assert "[sweep] best by the device-only clock (mean over the mixes): " in captured.out
+    best = captured.out.split("[sweep] best by the wall clock (mean over the mixes): ")[1]
+    assert best.split(",")[0] in ("16:16:4:2", "16:32:4:2@32", "atomic:16:4:2")  # not NaN's
+
+
+def test_the_best_shape_skips_failed_and_wrong_ones():
+    nan = float("nan")
+    table = {"a": {"x": (0.5, 0.5, 0.2), "y": (0.9, 1.2, 0.0), "z": (nan, nan, nan),
+                   "w": (1.0, 0.8, 0.0)},
+             "b": {"x": (0.5, 0.5, 0.0), "y": (0.9, 1.0, 0.0), "z": (0.1, 0.1, 0.0),
+                   "w": (1.0, 0.8, 0.0)}}
+    assert sweep_fused_backward.best_shape(table, 0) == ("y", 0.9)  # x wrong, z failed in a
+    assert sweep_fused_backward.best_shape(table, 1) == ("w", 0.8)
+    assert sweep_fused_backward.best_shape({"a": {"z": (nan, nan, nan)}}, 0) is None
 
 
 @pytest.mark.parametrize("shapes,message", [
