@@ -367,10 +367,13 @@ def test_fused_forward_refuses_float32_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused_backward", [False, True])
-def test_fused_forward_makes_no_host_syncs_on_gpu(fused_backward):
+@pytest.mark.parametrize("fused_backward", [False, True, "atomic"])
+def test_fused_forward_makes_no_host_syncs_on_gpu(monkeypatch, fused_backward):
+    from megatron_eod.attention import triton_backward
+
+    monkeypatch.setattr(triton_backward, "ATOMIC_DQ", fused_backward == "atomic")
     cu, tensors = _case("mixed", 2, 1024, 8, 2, 64, seed=2, device="cuda",
                         dtype=torch.bfloat16)
     plan = plan_context_parallel(cu, 4, "ring")
-    backend = TritonForwardBackend(TorchVarlenBackend(), fused_backward)
+    backend = TritonForwardBackend(TorchVarlenBackend(), bool(fused_backward))
     run_without_host_syncs(SimulatedPlan(plan, *tensors, backend, 0.125))
