@@ -82,8 +82,10 @@ def parse_backward_shape(p, flag, text):
     atomic = head == "atomic"
     # (atomic: the dq kernel's block is unused, the default's stands in)
     parsed = f"{triton_backward.DQ_BLOCK_N}{sep}{rest}" if atomic else text
-    return _parse_shape(p, flag, parsed, "DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES", "32:32:8:2",
-                        "the blocks powers of two >= 16", "DKDV_WARPS", text), atomic
+    fields, example = ("atomic:DKDV_BLOCK_M:WARPS:STAGES", "atomic:32:8:2") if atomic else \
+        ("DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES", "32:32:8:2")
+    return _parse_shape(p, flag, parsed, fields, example, "the blocks powers of two >= 16",
+                        "DKDV_WARPS", text), atomic
 
 
 def add_fused_options(p):

@@ -9,7 +9,8 @@ A shape is DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES[:DKDV_WARPS][@KEYS] (dq's key bl
 query rows, warps, pipeline stages, dk/dv's warps if not dq's, and keys per dk/dv tile,
 plan/key_tiles.py's 64 unless given): attention/triton_backward.py's BACKWARD_OVERRIDE and the
 key tiles' size; `atomic` for DQ_BLOCK_N runs no dq kernel, the dk/dv kernel adding dq by
-float32 atomic adds (ATOMIC_DQ, FlashAttention-2's backward: its dq time is in dk/dv's). For each mix's rows (tools/bench_cp.py's document mixes) the whole row is one
+float32 atomic adds (ATOMIC_DQ, FlashAttention-2's backward: its dq time is in dk/dv's).
+For each mix's rows (tools/bench_cp.py's document mixes) the whole row is one
 plan (CP=1: every document in the fused kernels' tiles, as tools/bench_cp_gpu.py's "whole
 row, fused kernels fwd+bwd"), its forward the fused kernel's; its backward (forward+backward
 minus forward) is timed with PyTorch's kernels (the base backend's, as training runs it

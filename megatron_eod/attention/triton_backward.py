@@ -133,9 +133,11 @@ def tile_dkdv(dout, q, k, v, lse, delta, key_tiles, row_start, dk, dv, scale, ca
     check_tensors(q, key_tiles, row_start, 16, kernel=BACKWARD, k=k, v=v, dout=dout, dk=dk,
                   dv=dv)
     if dq32 is not None and (dq32.dtype != torch.float32 or dq32.shape != q.shape or
-                             dq32.stride(-1) != 1):
+                             dq32.stride(-1) != 1 or dq32.device != q.device):
         raise ValueError(f"{BACKWARD}: dq32 must be float32 of q's shape {tuple(q.shape)} "
-                         f"with a unit last stride, got {dq32.dtype} {tuple(dq32.shape)}")
+                         f"on q's device ({q.device}) with a unit last stride, got "
+                         f"{dq32.dtype} {tuple(dq32.shape)} on {dq32.device}, strides "
+                         f"{dq32.stride()}")
     block_m = _blocks(q.shape[2])[1] if block_m is None else block_m
     _check_block("the key tiles' keys (key_block)", block_n)
     _check_block("dk/dv's query block", block_m)

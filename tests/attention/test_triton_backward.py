@@ -101,7 +101,8 @@ def test_backward_blocks_under_16_and_row_delta(monkeypatch):
         triton_backward.tile_dq(q, q, q, q, None, None, None, None, tiles, tiles[:, 0], q, 0.3,
                                 16, block_n=8)
     with pytest.raises(ValueError, match=r"dq32 must be float32 of q's shape \(8, 2, 16\) "
-                                         r"with a unit last stride, got torch.float16"):
+                                         r"on q's device \(cpu\) with a unit last stride, "
+                                         r"got torch.float16 \(8, 2, 16\) on cpu"):
         triton_backward.tile_dkdv(q, q, q, q, None, None, tiles, tiles[:, 0], q, q, 0.3, True,
                                   16, dq32=q.half())
     gen = torch.Generator().manual_seed(5)

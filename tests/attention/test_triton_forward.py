@@ -322,13 +322,14 @@ def test_launch_shape_per_architecture():
 @pytest.mark.gpu
 @pytest.mark.parametrize("exchange", ["batched", "batched-keep", "batched+concurrent",
                                       "batched+backward", "batched-keep+backward",
-                                      "batched-keep+atomic"])
+                                      "batched-keep+atomic", "batched+concurrent-atomic"])
 @pytest.mark.parametrize("algo,cp,degree", [("ring", 4, None), ("ring", 8, None),
                                             ("hybrid", 8, 2)])
 def test_fused_forward_on_gpu_in_bf16(monkeypatch, algo, cp, degree, exchange):
     """bf16 within twice CP=1's error (with "+backward" the fused backward's gradients too,
-    "+atomic" with dq by atomic adds: ATOMIC_DQ); with concurrent_calls (its first launch on
-    a side stream) the forward is the one-stream forward bit for bit, run after run."""
+    "atomic" with dq by atomic adds: ATOMIC_DQ, with concurrent calls two streams' adds);
+    with concurrent_calls (its first launch on a side stream) the forward is the one-stream
+    forward bit for bit, run after run."""
     from megatron_eod.attention import triton_backward
 
     cu, tensors = _case("mixed", 2, 1024, 8, 2, 64, seed=1, device="cuda",
@@ -336,9 +337,10 @@ def test_fused_forward_on_gpu_in_bf16(monkeypatch, algo, cp, degree, exchange):
     plan = plan_context_parallel(cu, cp, algo, degree)
     ref = _oracle(*tensors, cu, 0.125)
     exchange, _, suffix = exchange.partition("+")
-    concurrent = suffix == "concurrent"
-    monkeypatch.setattr(triton_backward, "ATOMIC_DQ", suffix == "atomic")
-    backend = TritonForwardBackend(TorchVarlenBackend(), suffix in ("backward", "atomic"))
+    concurrent = suffix.startswith("concurrent")
+    monkeypatch.setattr(triton_backward, "ATOMIC_DQ", suffix.endswith("atomic"))
+    backend = TritonForwardBackend(TorchVarlenBackend(),
+                                   suffix in ("backward", "atomic", "concurrent-atomic"))
     got = SimulatedPlan(plan, *tensors, backend, 0.125, exchange, concurrent).run()
     if concurrent:
         both = SimulatedPlan(plan, *tensors, backend, 0.125, exchange, True)

@@ -42,6 +42,7 @@ def test_small_cpu_run_of_the_fused_rows(capsys, monkeypatch):
     from megatron_eod.attention import triton_backward, triton_forward
     monkeypatch.setattr(triton_forward, "LAUNCH_OVERRIDE", None)  # restored after
     monkeypatch.setattr(triton_backward, "BACKWARD_OVERRIDE", None)
+    monkeypatch.setattr(triton_backward, "ATOMIC_DQ", True)  # the flag's shape sets it
     # (the "concurrent backward" rows compute the same as "concurrent" on a CPU, and "fused
     # fwd+bwd, concurrent" as "fused fwd+bwd": left out, for time)
     bench_cp_gpu.main(["--samples", "1", "--repeats", "1", "--heads", "2", "--kv-heads", "1",
@@ -52,6 +53,7 @@ def test_small_cpu_run_of_the_fused_rows(capsys, monkeypatch):
                        "--key-tile-keys", "16"])
     assert triton_forward.LAUNCH_OVERRIDE == (16, 4, 2)
     assert triton_backward.BACKWARD_OVERRIDE == (16, 16, 4, 2)
+    assert not triton_backward.ATOMIC_DQ
     rows = _rows(capsys)
     assert [r[0] for r in rows] == ["| " + name for name in (
         "ideal", "ours ring (fused)", "ours hybrid u=2 (fused)",

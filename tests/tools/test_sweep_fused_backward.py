@@ -67,7 +67,8 @@ def test_the_best_shape_skips_failed_and_wrong_ones():
     ("32:32:8", "--shapes: DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES[:DKDV_WARPS]"),
     ("32:32:8:2@48", "--shapes 32:32:8:2@48: KEYS after @ must be a power of two >= 16"),
     ("32:24:8:2", "the blocks powers of two >= 16"),
-    ("atomic:32:8", "got 'atomic:32:8'"),
+    ("atomic:32:8", "--shapes: atomic:DKDV_BLOCK_M:WARPS:STAGES[:DKDV_WARPS] (e.g. "
+                    "atomic:32:8:2), got 'atomic:32:8'"),
     ("atomic:24:8:2", "--shapes atomic:24:8:2: the blocks powers of two >= 16"),
 ])
 def test_bad_shapes_name_the_flag(capsys, shapes, message):
