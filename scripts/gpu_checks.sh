@@ -28,8 +28,9 @@
 #                 --cp-concurrent-calls) against its CP=1 run: what the flags need before
 #                 they become defaults
 #   backward-sweep tools/sweep_fused_backward.py: the fused backward's time over PyTorch's at
-#                 the launch shapes that spill no register on sm_90 at head dim 128 (ptxas,
-#                 2026-11-28), the default first, then dq by atomic adds, in one process
+#                 the launch shapes that spill no register on sm_90 at head dim 128 under
+#                 Triton 3.6.0 (ptxas, 2026-11-28), the default first, then dq by atomic
+#                 adds, in one process
 # A lease of 15 device minutes (the machine's start included; 10 minutes a command) fits two
 # calls, the second at once while the machine is warm (~30 s):
 #   1. bash scripts/gpu_checks.sh env kernels bench-open profile-open multiprocess
@@ -67,9 +68,11 @@ COMMAND[e2e]="$PYTHON tools/bench_e2e.py --preset 1b --work-dir $WORK/bench_e2e"
 COMMAND[bench-open]="${COMMAND[bench-cp]} --samples 2 --only '^ours (ring|hybrid u=2)( \\((concurrent|fused.*)\\))?\$|fused kernel'"
 COMMAND[training-open]="${COMMAND[training]} -k fused"
 COMMAND[profile-open]="${COMMAND[profile]} --only '^ours (ring|hybrid u=2)( \((concurrent|fused).*\))?\$'"
-# DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES[:DKDV_WARPS][@KEYS per dk/dv tile], default first;
-# `atomic:` shapes: dq by the dk/dv kernel's atomic adds (no dq kernel, spill-free on sm_90).
-BACKWARD_SHAPES="32:32:8:2,32:32:8:3,64:32:8:3,32:16:8:2:4,32:16:8:3,32:32:8:3@128,32:16:8:3@128,atomic:32:8:2,atomic:16:8:3,atomic:16:8:3@128"
+# DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES[:DKDV_WARPS][@KEYS per dk/dv tile], default first
+# (its dk/dv spills 88 bytes under the machine's Triton 3.6.0, none under 3.7.1), then the
+# shapes whose kernels spill nothing on sm_90 under Triton 3.6.0 (ptxas, 2026-11-28); `atomic:`
+# shapes: dq by the dk/dv kernel's atomic adds (no dq kernel).
+BACKWARD_SHAPES="32:32:8:2,32:16:8:2,64:16:8:2,32:16:8:2@128,32:32:8:2@32,32:16:8:2:4@32,atomic:16:8:2,atomic:32:8:2@32,atomic:16:4:2@32"
 COMMAND[backward-sweep]="$PYTHON tools/sweep_fused_backward.py --shapes $BACKWARD_SHAPES"
 LIMIT=([env]=120 [kernels]=300 [multiprocess]=420 [training]=540 [bench-cp]=480
        [profile]=240 [e2e]=540 [bench-open]=360 [profile-open]=180 [training-open]=300

@@ -14,10 +14,12 @@ What it does not do: no communication (batched.py), no dropout.
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
-from megatron_eod.attention.triton_forward import block_d, check_tensors, compile_kernel
+from megatron_eod.attention.triton_compile import compile_kernel
+from megatron_eod.attention.triton_forward import block_d, check_tensors
 
 BACKWARD = "the fused backward (--cp-fused-backward)"
 
@@ -48,10 +50,11 @@ def _delta_constants(head_dim):
     return dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_T=DELTA_ROWS)
 
 
-# Blocks without register spills at head_dim 128 on sm_80 and sm_90 (ptxas -v on the PTX of
-# compile_backward_for, tested): dq 128 query rows x 32 keys (64 keys spill on sm_80);
-# dk/dv 64 keys x 32 query rows (64 rows spill on sm_90); 8 warps, 2 stages. Chosen for
-# registers, not measured: on one H200 the two kernels took 2.1-2.3x PyTorch's backward,
+# Blocks without register spills at head_dim 128 on sm_80 and sm_90 under Triton 3.7.1 (ptxas
+# -v on the PTX of compile_backward_for, tested): dq 128 query rows x 32 keys (64 keys spill on
+# sm_80); dk/dv 64 keys x 32 query rows (64 rows spill on sm_90; under Triton 3.6.0, the H200's,
+# 32 rows spill 88 bytes there and 16 none: scripts/test_triton_versions.sh); 8 warps, 2
+# stages. Chosen for registers, not measured: on one H200 the two kernels took 2.1-2.3x PyTorch's backward,
 # with a dk/dv kernel since rewritten (keys as the matrix rows: on sm_90 its four products
 # are warpgroup MMAs, where two were Ampere-style and p, ds went through shared memory to
 # be transposed, every block).
@@ -74,6 +77,19 @@ ATOMIC_DQ = False
 def atomic_dq() -> bool:
     """Whether the fused backward adds dq in its dk/dv kernel (ATOMIC_DQ)."""
     return ATOMIC_DQ
+
+
+def atomic_dq_problem():
+    """None where this Triton compiles the dk/dv kernel that adds dq, else why not (3.2
+    aborts the process compiling it, 3.3 fails; 3.4-3.7 compile it:
+    scripts/test_triton_versions.sh)."""
+    import triton
+
+    major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", triton.__version__).groups())
+    if (major, minor) < (3, 4):
+        return (f"dq by atomic adds needs Triton >= 3.4 (older ones fail compiling it, 3.2 "
+                f"by aborting the process): found {triton.__version__}")
+    return None
 
 
 def _blocks(head_dim):
@@ -138,6 +154,8 @@ def tile_dkdv(dout, q, k, v, lse, delta, key_tiles, row_start, dk, dv, scale, ca
                          f"on q's device ({q.device}) with a unit last stride, got "
                          f"{dq32.dtype} {tuple(dq32.shape)} on {dq32.device}, strides "
                          f"{dq32.stride()}")
+    if dq32 is not None and atomic_dq_problem() is not None:
+        raise ValueError(f"{BACKWARD}: {atomic_dq_problem()}")
     block_m = _blocks(q.shape[2])[1] if block_m is None else block_m
     _check_block("the key tiles' keys (key_block)", block_n)
     _check_block("dk/dv's query block", block_m)

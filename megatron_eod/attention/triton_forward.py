@@ -185,33 +185,10 @@ def compile_for(arch: int, dtype: str = "bf16", head_dim: int = 128, group: int 
     """The kernel compiled for CUDA compute capability `arch` (e.g. 90) without a GPU (Triton
     ships its own ptxas): how the tests check, on a CPU, that it compiles for the GPUs it will
     run on. Needs TRITON_INTERPRET unset when triton was imported. -> Triton's CompiledKernel."""
+    from megatron_eod.attention.triton_compile import compile_kernel
+
     constants, options = _compile_time(heads, head_dim, group, block_m, arch)
     return compile_kernel(_kernel(), arch, dtype, constants, options, ones=("s_lt",))
-
-
-def compile_kernel(kernel, arch, dtype, constants, options, ones=(), float32=()):
-    """`kernel` compiled for `arch`, specialised as a launch is: pointers and the strides
-    named s_* 16-aligned (what lets the loads be vectorised), those in `ones` equal to 1 (lse
-    is [H, T] memory read as [T, H]); pointers to `dtype` but lse, delta and those named in
-    `float32` (float32) and the tiles (int32); scales float32."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    types = {"LSE": "*fp32", "DELTA": "*fp32", "TILES": "*i32", "KEY_TILES": "*i32",
-             "ROW_START": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "rows": "i32",
-             **{name: "*fp32" for name in float32}}
-    signature = {name: types.get(name, "i32" if name.startswith("s_") else f"*{dtype}")
-                 for name in kernel.arg_names}
-    signature.update({name: "constexpr" for name in (*constants, *ones)})
-    aligned = [["tt.divisibility", 16]]
-    attrs = {(i,): aligned for i, name in enumerate(kernel.arg_names)
-             if signature[name].startswith("*") or (name.startswith("s_") and
-                                                    signature[name] == "i32")}
-    constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
-    constexprs.update({(kernel.arg_names.index(name),): 1 for name in ones})
-    source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 class TritonForwardBackend:

@@ -115,3 +115,22 @@ def test_backward_blocks_under_16_and_row_delta(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match=r"runs on CUDA tensors, got cpu"):
         triton_backward.row_delta(dout, out)
+
+
+@interpreted
+def test_atomic_dq_is_refused_by_name_on_a_triton_that_cannot_compile_it(monkeypatch):
+    """Triton 3.2 aborts the process compiling the dk/dv kernel that adds dq, 3.3 fails
+    (scripts/test_triton_versions.sh): refused before any launch, naming the version."""
+    import triton
+
+    from megatron_eod.attention import triton_backward
+
+    q = torch.zeros(16, 2, 16)
+    tiles = torch.zeros(0, 4, dtype=torch.int32)
+    monkeypatch.setattr(triton, "__version__", "3.3.1")
+    with pytest.raises(ValueError, match=r"the fused backward \(--cp-fused-backward\): dq by "
+                                         r"atomic adds needs Triton >= 3.4 .*found 3.3.1"):
+        triton_backward.tile_dkdv(q, q, q, q, None, None, tiles, tiles[:, 0], q, q, 0.3, True,
+                                  16, dq32=torch.zeros(16, 2, 16))
+    monkeypatch.setattr(triton, "__version__", "3.4.0+git1234")
+    assert triton_backward.atomic_dq_problem() is None
