@@ -71,10 +71,11 @@ def _launch_shape(head_dim: int, block_m: int, arch=None):
     shape on Hopper (64 keys, 8 warps, 3 stages) but on sm_90, where one H200 measured 32
     keys, 4 warps, 3 stages fastest: the whole row's forward at 0.87-0.95 of PyTorch's flash
     kernel in the sweep and 0.93-0.97 as the default, against 0.97-1.02 for 64:8:3
-    (docs/BENCHMARKS.md, 2026-11-28, fourth lease). That shape spilled 16 bytes of
-    registers on sm_90 then and spills none since the kernel's key blocks seen whole run
-    unmasked; it spills 204 bytes on sm_80, which keeps the spill-free one there until
-    measured; smaller blocks for smaller tiles."""
+    (docs/BENCHMARKS.md, 2026-11-28, fourth lease). That shape spilled 12 bytes of
+    registers on sm_90 then (Triton 3.6.0, the H200's); since the kernel's key blocks seen
+    whole run unmasked it spills 32 there and none under Triton 3.7.1 (not timed since); it
+    spills 204 bytes on sm_80, which keeps the spill-free one there until measured; smaller
+    blocks for smaller tiles."""
     if LAUNCH_OVERRIDE is not None:
         return LAUNCH_OVERRIDE
     if head_dim > 128:
