@@ -50,14 +50,14 @@ def _delta_constants(head_dim):
     return dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_T=DELTA_ROWS)
 
 
-# Blocks without register spills at head_dim 128 on sm_80 and sm_90 under Triton 3.7.1 (ptxas
-# -v on the PTX of compile_backward_for, tested): dq 128 query rows x 32 keys (64 keys spill on
-# sm_80); dk/dv 64 keys x 32 query rows (64 rows spill on sm_90; under Triton 3.6.0, the H200's,
-# 32 rows spill 88 bytes there and 16 none: scripts/test_triton_versions.sh); 8 warps, 2
-# stages. Chosen for registers, not measured: on one H200 the two kernels took 2.1-2.3x PyTorch's backward,
-# with a dk/dv kernel since rewritten (keys as the matrix rows: on sm_90 its four products
-# are warpgroup MMAs, where two were Ampere-style and p, ds went through shared memory to
-# be transposed, every block).
+# Blocks without register spills at head_dim 128 on sm_80 and sm_90 under Triton 3.7.1
+# (ptxas -v on the PTX of compile_backward_for, tested): dq 128 query rows x 32 keys (64 keys
+# spill on sm_80); dk/dv 64 keys x 32 query rows (64 rows spill on sm_90; under Triton 3.6.0,
+# the H200's, 32 rows spill 88 bytes there and 16 none: scripts/test_triton_versions.sh); 8
+# warps, 2 stages. Chosen for registers, not measured: on one H200 the two kernels took
+# 2.1-2.3x PyTorch's backward, with a dk/dv kernel since rewritten (keys as the matrix rows:
+# on sm_90 its four products are warpgroup MMAs, where two were Ampere-style and p, ds went
+# through shared memory to be transposed, every block).
 DQ_BLOCK_N, DKDV_BLOCK_M = 32, 32
 
 # (dq's key block, dk/dv's query block, num_warps, num_stages[, dk/dv's num_warps]) for every

@@ -60,17 +60,16 @@ def _before_3_3(kernel, names, signature, constants, aligned, unit):
     """The kernel's ASTSource as Triton 3.0-3.2 take it."""
     from triton.compiler import ASTSource
 
+    values = dict(constants, **{names[i]: 1 for i in unit})
     try:  # Triton 3.2: by name, the constexprs typed so
         from triton.backends.compiler import AttrsDescriptor
     except ImportError:  # Triton 3.0-3.1: by index, no constexpr in the signature
         from triton.compiler.compiler import AttrsDescriptor
 
-        values = dict(constants, **{names[i]: 1 for i in unit})
         return ASTSource(kernel, {i: kind for i, (name, kind) in enumerate(signature.items())
                                   if name not in constants},
                          {names.index(name): value for name, value in values.items()},
                          AttrsDescriptor(divisible_by_16=set(aligned), equal_to_1=set(unit)))
-    values = dict(constants, **{names[i]: 1 for i in unit})
     signature.update({name: "constexpr" for name in values})
     hints = {**{i: 16 for i in aligned}, **{i: 1 for i in unit}}
     return ASTSource(kernel, signature, values, AttrsDescriptor.from_hints(hints))
