@@ -3,9 +3,9 @@
 # Compiles the fused kernels (--cp-fused-forward, --cp-fused-backward) with each Triton
 # VERSION (default: 3.0.0 3.2.0 3.3.1 3.5.1 3.6.0: the versions of PyTorch 2.4, 2.6, 2.7,
 # 2.9 and 2.11, the GPU machine's; CI's venv has 3.7.1) for sm_80 and sm_90 without a GPU,
-# as the flags' start-up check does (attention/triton_compile.py, whose description of a kernel changed at
-# Triton 3.2 and 3.3): each kernel compiles, its loads are 16-byte vectors, its shared memory
-# fits the GPU's; registers and spills are printed, not checked (they move between versions).
+# as the flags' start-up check does (attention/triton_compile.py, whose description of a
+# kernel changed at Triton 3.2 and 3.3): each kernel compiles, its loads are 16-byte vectors,
+# its shared memory fits the GPU's; registers and spills are printed, not checked (they move between versions).
 # The backward's atomic-dq benchmark form (triton_backward.ATOMIC_DQ) is compiled from 3.4
 # on, and refused by name before. Each version is installed once, without its dependencies,
 # under .triton-versions/VERSION (550-700 MB each), and imported ahead of the venv's own.
