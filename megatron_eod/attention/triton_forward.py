@@ -161,7 +161,8 @@ def device_problem(head_dim: int, dtype: str = "bf16", block_m: int = 128, devic
     """None where the kernel (and with `backward` the fused backward's), compiled for this
     CUDA device's architecture at head_dim, fits the shared memory a program may have there,
     else why not (start-up checks: a launch that does not fit fails at the first layer,
-    inside the step). Compiles once (Triton caches)."""
+    inside the step), or where they do not compile there (this Triton, this GPU). Compiles
+    once (Triton caches)."""
     index = torch.cuda.current_device() if device is None else device
     major, minor = torch.cuda.get_device_capability(index)
     props = torch.cuda.get_device_properties(index)
@@ -169,10 +170,18 @@ def device_problem(head_dim: int, dtype: str = "bf16", block_m: int = 128, devic
     if not available:
         return None  # an older PyTorch: the launch itself will say
     arch = major * 10 + minor
-    kernels = [compile_for(arch, dtype, head_dim, block_m=block_m)]
-    if backward:
-        from megatron_eod.attention.triton_backward import compile_backward_for
-        kernels += compile_backward_for(arch, dtype, head_dim, block_m=block_m)
+    try:
+        kernels = [compile_for(arch, dtype, head_dim, block_m=block_m)]
+        if backward:
+            from megatron_eod.attention.triton_backward import compile_backward_for
+            kernels += compile_backward_for(arch, dtype, head_dim, block_m=block_m)
+    except Exception as error:  # noqa: BLE001 - any compiler failure: named, not a traceback
+        import triton
+
+        lines = str(error).strip().splitlines()
+        return (f"its kernels do not compile for {props.name} (sm_{major}{minor}) with Triton "
+                f"{triton.__version__}: {type(error).__name__}"
+                f"{': ' + lines[-1][:300] if lines else ''}; drop the flag")
     needed = max(kernel.metadata.shared for kernel in kernels)
     if needed <= available:
         return None

@@ -138,6 +138,29 @@ def test_tile_forward_names_what_it_cannot_take(monkeypatch):
         tile_forward(*args[:5], tiles.local_only.long(), *args[6:])
 
 
+def test_a_gpu_the_kernels_do_not_compile_for_is_named_at_start_up(monkeypatch):
+    """device_problem (the start-up check of --cp-fused-forward): a compiler failure for
+    this GPU and Triton is a line naming both, not a traceback inside the check."""
+    import types
+
+    import triton
+
+    import megatron_eod.attention.triton_forward as tf
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (12, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(
+        name="RTX 5090", shared_memory_per_block_optin=101376))
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("PassManager::run failed\nerror: no MMA for this target")
+
+    monkeypatch.setattr(tf, "compile_for", fails)
+    assert tf.device_problem(128) == (
+        f"its kernels do not compile for RTX 5090 (sm_120) with Triton {triton.__version__}: "
+        f"RuntimeError: error: no MMA for this target; drop the flag")
+
+
 def test_a_plan_the_steps_run_is_said_not_fused(monkeypatch):
     """One document over 8 groups has no batched form (a group would receive 7x its rows):
     the steps executor runs it, unfused; said once per process, not per layer."""
