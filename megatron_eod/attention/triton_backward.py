@@ -81,14 +81,14 @@ def atomic_dq() -> bool:
 
 def atomic_dq_problem():
     """None where this Triton compiles the dk/dv kernel that adds dq, else why not (3.2
-    aborts the process compiling it, 3.3 fails; 3.4-3.7 compile it:
-    scripts/test_triton_versions.sh)."""
+    aborts the process compiling it, 3.3 fails; 3.0-3.1 and 3.4-3.7 compile it, 3.0-3.1
+    with scalar adds: scripts/test_triton_versions.sh)."""
     import triton
 
     major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", triton.__version__).groups())
-    if (major, minor) < (3, 4):
-        return (f"dq by atomic adds needs Triton >= 3.4 (older ones fail compiling it, 3.2 "
-                f"by aborting the process): found {triton.__version__}")
+    if (major, minor) in ((3, 2), (3, 3)):
+        return (f"dq by atomic adds does not compile with Triton 3.2 (it aborts the process) "
+                f"or 3.3: found {triton.__version__}")
     return None
 
 

@@ -20,7 +20,32 @@ from __future__ import annotations
 
 import inspect
 
-__all__ = ["compile_kernel"]
+__all__ = ["KernelCompileError", "compile_kernel"]
+
+
+class KernelCompileError(RuntimeError):
+    """Triton could not compile a kernel for an architecture: `kernel` names it, the message
+    says why in a line (the innermost error; ptxas's own words where ptxas failed)."""
+
+    def __init__(self, kernel: str, arch: int, reason: str):
+        super().__init__(f"{kernel} does not compile for sm_{arch}: {reason}")
+        self.kernel, self.arch, self.reason = kernel, arch, reason
+
+
+def _reason(error: BaseException) -> str:
+    """What went wrong, in a line: the innermost cause (a jitted helper's error is a
+    CompilationError's cause), ptxas's first complaint where it failed, never the source
+    caret, the repro command or its deleted temporary file."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error)
+    lines = text.split("`ptxas` stderr:", 1)[-1].splitlines()
+    lines = [line.strip() for line in lines if line.strip() and line.strip() != "^"
+             and not line.strip().startswith("Repro command")]
+    if not lines:
+        return type(error).__name__
+    line = lines[0] if "`ptxas` stderr:" in text else lines[-1]
+    return f"{type(error).__name__}: {line[:300]}"
 
 # Pointers other than to the attention's dtype, and the scalars.
 _TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "TILES": "*i32", "KEY_TILES": "*i32",
@@ -33,7 +58,8 @@ def compile_kernel(kernel, arch, dtype, constants, options, ones=(), float32=())
     to 1 (lse is [H, T] memory read as [T, H]); pointers to `dtype` but lse, delta and those
     named in `float32` (float32) and the tiles (int32); scales float32. `constants`: the
     kernel's constexpr arguments by name; `options`: num_warps, num_stages.
-    -> Triton's CompiledKernel."""
+    -> Triton's CompiledKernel; KernelCompileError where Triton cannot compile it (a
+    mistake of ours in describing it raises as it is)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -53,7 +79,11 @@ def compile_kernel(kernel, arch, dtype, constants, options, ones=(), float32=())
         source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
     else:
         source = _before_3_3(kernel, names, signature, constants, aligned, unit)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    try:
+        return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    except Exception as error:  # noqa: BLE001 - the compiler's failures, whatever their class
+        raise KernelCompileError(getattr(kernel, "__name__", str(kernel)), arch,
+                                 _reason(error)) from error
 
 
 def _before_3_3(kernel, names, signature, constants, aligned, unit):

@@ -156,6 +156,12 @@ def _compile_time(heads, head_dim, group, block_m, arch=None):
             dict(num_warps=num_warps, num_stages=num_stages))
 
 
+# Shared memory a program may have (bytes, opt-in) by compute capability, for a PyTorch that
+# does not report it (before 2.7): CUDA's figures.
+_SHARED_PER_PROGRAM = {(7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912,
+                       (8, 9): 101376, (9, 0): 232448, (10, 0): 232448, (12, 0): 101376}
+
+
 def device_problem(head_dim: int, dtype: str = "bf16", block_m: int = 128, device=None,
                    backward: bool = False):
     """None where the kernel (and with `backward` the fused backward's), compiled for this
@@ -163,25 +169,31 @@ def device_problem(head_dim: int, dtype: str = "bf16", block_m: int = 128, devic
     else why not (start-up checks: a launch that does not fit fails at the first layer,
     inside the step), or where they do not compile there (this Triton, this GPU). Compiles
     once (Triton caches)."""
+    import triton
+
+    from megatron_eod.attention.triton_compile import KernelCompileError
+
     index = torch.cuda.current_device() if device is None else device
     major, minor = torch.cuda.get_device_capability(index)
     props = torch.cuda.get_device_properties(index)
-    available = getattr(props, "shared_memory_per_block_optin", None)
+    # (PyTorch < 2.7 does not say: the architecture's figure, if known)
+    available = getattr(props, "shared_memory_per_block_optin", None) or \
+        _SHARED_PER_PROGRAM.get((major, minor))
     if not available:
-        return None  # an older PyTorch: the launch itself will say
+        return None  # an architecture we do not know: the launch itself will say
     arch = major * 10 + minor
+    where = f"{props.name} (sm_{major}{minor}) with Triton {triton.__version__}"
     try:
         kernels = [compile_for(arch, dtype, head_dim, block_m=block_m)]
-        if backward:
-            from megatron_eod.attention.triton_backward import compile_backward_for
+    except KernelCompileError as error:
+        return f"its kernel does not compile for {where}: {error.reason}; drop the flag"
+    if backward:
+        from megatron_eod.attention.triton_backward import compile_backward_for
+        try:
             kernels += compile_backward_for(arch, dtype, head_dim, block_m=block_m)
-    except Exception as error:  # noqa: BLE001 - any compiler failure: named, not a traceback
-        import triton
-
-        lines = str(error).strip().splitlines()
-        return (f"its kernels do not compile for {props.name} (sm_{major}{minor}) with Triton "
-                f"{triton.__version__}: {type(error).__name__}"
-                f"{': ' + lines[-1][:300] if lines else ''}; drop the flag")
+        except KernelCompileError as error:
+            return (f"with --cp-fused-backward, the backward's {error.kernel} does not compile "
+                    f"for {where}: {error.reason}; drop --cp-fused-backward")
     needed = max(kernel.metadata.shared for kernel in kernels)
     if needed <= available:
         return None

@@ -120,7 +120,8 @@ def test_backward_blocks_under_16_and_row_delta(monkeypatch):
 @interpreted
 def test_atomic_dq_is_refused_by_name_on_a_triton_that_cannot_compile_it(monkeypatch):
     """Triton 3.2 aborts the process compiling the dk/dv kernel that adds dq, 3.3 fails
-    (scripts/test_triton_versions.sh): refused before any launch, naming the version."""
+    (scripts/test_triton_versions.sh): refused before any launch, naming the version; 3.0-3.1
+    and 3.4 on compile it."""
     import triton
 
     from megatron_eod.attention import triton_backward
@@ -129,8 +130,12 @@ def test_atomic_dq_is_refused_by_name_on_a_triton_that_cannot_compile_it(monkeyp
     tiles = torch.zeros(0, 4, dtype=torch.int32)
     monkeypatch.setattr(triton, "__version__", "3.3.1")
     with pytest.raises(ValueError, match=r"the fused backward \(--cp-fused-backward\): dq by "
-                                         r"atomic adds needs Triton >= 3.4 .*found 3.3.1"):
+                                         r"atomic adds does not compile with Triton 3.2 .*"
+                                         r"found 3.3.1"):
         triton_backward.tile_dkdv(q, q, q, q, None, None, tiles, tiles[:, 0], q, q, 0.3, True,
                                   16, dq32=torch.zeros(16, 2, 16))
-    monkeypatch.setattr(triton, "__version__", "3.4.0+git1234")
-    assert triton_backward.atomic_dq_problem() is None
+    monkeypatch.setattr(triton, "__version__", "3.2.0")
+    assert triton_backward.atomic_dq_problem() is not None
+    for version in ("3.1.0", "3.4.0+git1234"):
+        monkeypatch.setattr(triton, "__version__", version)
+        assert triton_backward.atomic_dq_problem() is None

@@ -93,3 +93,23 @@ def test_triton_3_3_on_takes_constexprs_by_index_tuple(monkeypatch):
     assert source.kwargs["constexprs"] == {(6,): 4, (7,): 64, (4,): 1}
     assert source.kwargs["attrs"] == {(i,): [["tt.divisibility", 16]] for i in range(4)}
     assert source.args[1]["s_lt"] == "constexpr" and source.args[1]["s_qt"] == "i32"
+
+
+def test_a_compiler_failure_is_told_in_a_line():
+    """ptxas's first complaint, not its repro command (whose temporary file is gone); a
+    jitted helper's error through the CompilationError it causes, not the source caret."""
+    from megatron_eod.attention.triton_compile import _reason
+
+    ptxas = RuntimeError("Internal Triton PTX codegen error\n`ptxas` stderr:\nptxas fatal   : "
+                         "Value 'sm_90a' is not defined for option 'gpu-name'\n\nRepro command: "
+                         "/x/ptxas -v /tmp/tmpab.ptx\n")
+    assert _reason(ptxas) == ("RuntimeError: ptxas fatal   : Value 'sm_90a' is not defined "
+                              "for option 'gpu-name'")
+    try:
+        try:
+            raise ValueError("arange's range must be a power of 2")
+        except ValueError as cause:
+            raise SyntaxError("at 5:11:\n    return tl.load(X)\n           ^") from cause
+    except SyntaxError as error:
+        assert _reason(error) == "ValueError: arange's range must be a power of 2"
+    assert _reason(RuntimeError("")) == "RuntimeError"

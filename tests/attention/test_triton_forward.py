@@ -139,26 +139,45 @@ def test_tile_forward_names_what_it_cannot_take(monkeypatch):
 
 
 def test_a_gpu_the_kernels_do_not_compile_for_is_named_at_start_up(monkeypatch):
-    """device_problem (the start-up check of --cp-fused-forward): a compiler failure for
-    this GPU and Triton is a line naming both, not a traceback inside the check."""
+    """device_problem (the start-up check of --cp-fused-forward): Triton failing to compile
+    a kernel for this GPU is a line naming the GPU, the Triton, the kernel and the flag to
+    drop; a PyTorch that does not report the GPU's shared memory (< 2.7) is checked against
+    the architecture's figure; an architecture without one is not checked."""
     import types
 
     import triton
 
+    import megatron_eod.attention.triton_backward as tb
     import megatron_eod.attention.triton_forward as tf
+    from megatron_eod.attention.triton_compile import KernelCompileError
 
+    capability = [(12, 0)]
+    props = types.SimpleNamespace(name="RTX 5090", shared_memory_per_block_optin=101376)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (12, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(
-        name="RTX 5090", shared_memory_per_block_optin=101376))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability[0])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
 
-    def fails(*args, **kwargs):
-        raise RuntimeError("PassManager::run failed\nerror: no MMA for this target")
+    def fails(arch, *args, **kwargs):
+        raise KernelCompileError("attention_dkdv_kernel", arch, "RuntimeError: no MMA here")
 
+    sizes = types.SimpleNamespace(metadata=types.SimpleNamespace(shared=139264))  # 136 KiB
+    monkeypatch.setattr(tf, "compile_for", lambda *args, **kwargs: sizes)
+    monkeypatch.setattr(tb, "compile_backward_for", fails)
+    where = f"RTX 5090 (sm_120) with Triton {triton.__version__}"
+    assert tf.device_problem(128, backward=True) == (
+        f"with --cp-fused-backward, the backward's attention_dkdv_kernel does not compile for "
+        f"{where}: RuntimeError: no MMA here; drop --cp-fused-backward")
     monkeypatch.setattr(tf, "compile_for", fails)
     assert tf.device_problem(128) == (
-        f"its kernels do not compile for RTX 5090 (sm_120) with Triton {triton.__version__}: "
-        f"RuntimeError: error: no MMA for this target; drop the flag")
+        f"its kernel does not compile for {where}: RuntimeError: no MMA here; drop the flag")
+
+    monkeypatch.setattr(tf, "compile_for", lambda *args, **kwargs: sizes)
+    props = types.SimpleNamespace(name="L40S")  # PyTorch 2.6: no shared_memory_per_block_optin
+    capability[0] = (8, 9)
+    assert "need 136 KiB of shared memory per program at head dim 256 on L40S (sm_89), which " \
+           "gives 99 KiB" in tf.device_problem(256)
+    capability[0] = (13, 0)  # not in the table: the launch will say
+    assert tf.device_problem(256) is None
 
 
 def test_a_plan_the_steps_run_is_said_not_fused(monkeypatch):
@@ -261,6 +280,16 @@ assert "atom.global.gpu.relaxed.add.v4.f32" in atomic.asm["ptx"]
 assert "mma.sync" not in atomic.asm["ptx"] and "wgmma" in atomic.asm["ptx"]
 assert_no_spill(atomic, 90, "atomic dq")
 
+# A kernel Triton cannot compile: KernelCompileError names it and the innermost error (a
+# jitted helper's, not the CompilationError's source caret).
+from broken_kernel import broken
+from megatron_eod.attention.triton_compile import KernelCompileError, compile_kernel
+try:
+    compile_kernel(broken, 90, "bf16", {"BLOCK": 3}, {"num_warps": 4})
+    raise AssertionError("compiled")
+except KernelCompileError as error:
+    assert error.kernel == "broken" and "power of 2" in error.reason, error.reason
+
 # The start-up check: a device whose programs get too little shared memory is named.
 import types
 import torch
@@ -278,6 +307,20 @@ for (major, minor), name, optin in (((8, 9), "L40S", 101376), ((9, 0), "H100", 2
     assert tf.device_problem(128, backward=True) is None, name  # the backward's fit too
 print("compiled")
 """
+BROKEN = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rows(X, BLOCK: tl.constexpr):
+    return tl.load(X + tl.arange(0, BLOCK))
+
+
+@triton.jit
+def broken(X, BLOCK: tl.constexpr):
+    tl.store(X + tl.arange(0, 16), tl.sum(_rows(X, BLOCK)))
+"""
 # Shared memory a program may have: A100 (sm_80) 163 KiB, H100/H200 (sm_90) 227 KiB.
 LIMIT_LINE = "LIMIT = {80: 166912, 90: 232448}\n"
 
@@ -291,6 +334,8 @@ def test_kernel_compiles_for_ampere_and_hopper(tmp_path):
     head_dim 256 where programs get 99 KiB (sm_89) and not where they get 227 (sm_90)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compiled here, not read from a cache
+    (tmp_path / "broken_kernel.py").write_text(BROKEN)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
     result = subprocess.run([sys.executable, "-c", LIMIT_LINE + COMPILE], env=env,
                             capture_output=True,
                             text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(
