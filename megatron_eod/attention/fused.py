@@ -10,8 +10,8 @@ Forward: the query tiles needing no received key while the keys travel, then the
 each row's out and lse written once (no merge). Backward: delta = rowsum(dout * out); the
 local keys' dk/dv while the keys travel (or, with the forward's buffer kept, after the
 received keys' dk/dv, whose gradients then travel during it); the received keys' dk/dv, sent
-back to their owners; dq of every row from its received and local keys; the returned
-gradients landed as the batched executor lands them. With concurrent calls the local keys'
+back to their owners; dq of every row from its received and local keys (one launch); the
+returned gradients landed as the batched executor lands them. With concurrent calls the local keys'
 dk/dv runs on a side stream beside the rest (streams.py). With the backend's `atomic_dq`
 (triton_backward.ATOMIC_DQ, for benchmarks) the dk/dv kernels add dq into one float32 buffer
 and no dq kernel runs.
@@ -96,13 +96,12 @@ def fused_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tra
                                         q_THD.device)
 
     def all_dq(recv_2NGD):
+        """Every row's dq in one launch, longest tiles first (local-only tiles read no
+        received row)."""
         if dq32 is not None:  # added by the dk/dv kernels
             return
-        backend.dq_tiles(*common, k_TGD, v_TGD, None, None, tiles.local_only, dq,
-                         tiles.block_m)
-        if tiles.with_received.shape[0]:
-            backend.dq_tiles(*common, k_TGD, v_TGD, *batched._keys(recv_2NGD),
-                             tiles.with_received, dq, tiles.block_m)
+        received = batched._keys(recv_2NGD) if tiles.with_received.shape[0] else (None, None)
+        backend.dq_tiles(*common, k_TGD, v_TGD, *received, tiles.every, dq, tiles.block_m)
 
     def beside_local(after=None):
         return Beside(local_dkdv, q_THD.device, concurrent_calls, after=after)

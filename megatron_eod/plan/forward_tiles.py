@@ -49,17 +49,21 @@ class ForwardTiles(NamedTuple):
     """`local_only`, `with_received`: int32 [n, 5] tiles (q_start, q_stop, r_start, r_stop,
     l_start), each longest first;
     `row_start`: int32 [T], each local row's first local row of its document (its run);
-    `block_m`: the most rows a tile has (the kernel's query block)."""
+    `block_m`: the most rows a tile has (the kernel's query block);
+    `every`: both launches' tiles, longest first (the fused backward's dq runs them in one
+    launch once the received keys are in)."""
 
     local_only: torch.Tensor
     with_received: torch.Tensor
     row_start: torch.Tensor
     block_m: int
+    every: torch.Tensor
 
     def to(self, device) -> "ForwardTiles":
         return ForwardTiles(to_device(self.local_only, device),
                             to_device(self.with_received, device),
-                            to_device(self.row_start, device), self.block_m)
+                            to_device(self.row_start, device), self.block_m,
+                            to_device(self.every, device))
 
 
 def cut_ranges(q_start: np.ndarray, q_stop: np.ndarray, block_m: int):
@@ -102,6 +106,13 @@ def _table(q_start, q_stop, r_start, r_stop, row_start, block_m) -> torch.Tensor
     which, t_start = cut_ranges(q_start, q_stop, block_m)
     table = np.stack([t_start, np.minimum(t_start + block_m, q_stop[which]), r_start[which],
                       r_stop[which], row_start[t_start] if t_start.size else t_start], axis=1)
+    return _longest_first(table)
+
+
+def _longest_first(table) -> torch.Tensor:
+    """The tiles (int [n, 5]) as int32, by cost (their keys: received plus local), highest
+    first."""
+    table = np.asarray(table, dtype=np.int64).reshape(-1, 5)
     cost = (table[:, 3] - table[:, 2]) + (table[:, 1] - table[:, 4])
     table = table[np.argsort(-cost, kind="stable")]
     return torch.from_numpy(np.ascontiguousarray(table, dtype=np.int32).reshape(-1, 5))
@@ -148,9 +159,10 @@ def forward_tiles(local_cu, call_rows=None, call_cu_q=None, call_cu_k=None,
     a, b = pack_short(a[plain], b[plain], block_m)
     zero = np.zeros(a.size, np.int64)
     row_start = local_cu[run_of_row] if num_rows else nothing
-    return ForwardTiles(_table(a, b, zero, zero, row_start, block_m),
-                        _table(first, stop, r_start, r_stop, row_start, block_m),
-                        torch.from_numpy(row_start.astype(np.int32)), block_m)
+    local_only = _table(a, b, zero, zero, row_start, block_m)
+    with_received = _table(first, stop, r_start, r_stop, row_start, block_m)
+    return ForwardTiles(local_only, with_received, torch.from_numpy(row_start.astype(np.int32)),
+                        block_m, _longest_first(torch.cat([local_only, with_received]).numpy()))
 
 
 def with_fused_tiles(schedule: GroupSchedule, block_m: int = DEFAULT_BLOCK_M,

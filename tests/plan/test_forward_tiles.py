@@ -76,10 +76,12 @@ def test_tiles_cover_exactly_the_document_mask(case, block_m):
             assert doc[q_start] == doc[q_stop - 1]
         assert bool((tiles.local_only[:, 2] == tiles.local_only[:, 3]).all())
         assert bool((tiles.with_received[:, 3] > tiles.with_received[:, 2]).all())
-        for launch in (tiles.local_only, tiles.with_received):
+        for launch in (tiles.local_only, tiles.with_received, tiles.every):
             assert launch.dtype == torch.int32 and launch.shape[1] == 5
             cost = _cost(launch)
             assert bool((cost[:-1] >= cost[1:]).all())
+        # the backward's one dq launch: both launches' tiles, each once
+        assert sorted(tiles.every.tolist()) == sorted(both.tolist())
 
 
 def _key_tile_pairs(tiles, row_start, own, received, causal):
