@@ -11,10 +11,10 @@ each row's out and lse written once (no merge). Backward: delta = rowsum(dout * 
 local keys' dk/dv while the keys travel (or, with the forward's buffer kept, after the
 received keys' dk/dv, whose gradients then travel during it); the received keys' dk/dv, sent
 back to their owners; dq of every row from its received and local keys (one launch); the
-returned gradients landed as the batched executor lands them. With concurrent calls the local keys'
-dk/dv runs on a side stream beside the rest (streams.py). With the backend's `atomic_dq`
-(triton_backward.ATOMIC_DQ, for benchmarks) the dk/dv kernels add dq into one float32 buffer
-and no dq kernel runs.
+returned gradients landed as the batched executor lands them. With concurrent calls the
+local keys' dk/dv runs on a side stream beside the rest (streams.py). With the backend's
+`atomic_dq` (triton_backward.ATOMIC_DQ, for benchmarks) the dk/dv kernels add dq into one
+float32 buffer and no dq kernel runs.
 
 What it does not do: no kernels (triton_forward.py, triton_backward.py), no communication of
 its own.
