@@ -74,11 +74,6 @@ BACKWARD_OVERRIDE = None
 ATOMIC_DQ = False
 
 
-def atomic_dq() -> bool:
-    """Whether the fused backward adds dq in its dk/dv kernel (ATOMIC_DQ)."""
-    return ATOMIC_DQ
-
-
 def atomic_dq_problem():
     """None where this Triton compiles the dk/dv kernel that adds dq, else why not (3.2
     aborts the process compiling it, 3.3 fails; 3.0-3.1 and 3.4-3.7 compile it, 3.0-3.1

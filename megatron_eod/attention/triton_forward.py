@@ -151,8 +151,7 @@ def _compile_time(heads, head_dim, group, block_m, arch=None):
     """(the kernel's constexpr arguments, its launch options) for a shape on `arch`."""
     block_n, num_warps, num_stages = _launch_shape(head_dim, block_m, arch)
     return (dict(HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), GROUP=group,
-                 BLOCK_M=block_m,
-                 BLOCK_N=block_n),
+                 BLOCK_M=block_m, BLOCK_N=block_n),
             dict(num_warps=num_warps, num_stages=num_stages))
 
 
@@ -270,5 +269,5 @@ class TritonForwardBackend:
     @property
     def atomic_dq(self) -> bool:
         """Whether the fused backward's dk/dv kernels add dq (triton_backward.ATOMIC_DQ)."""
-        from megatron_eod.attention.triton_backward import atomic_dq
-        return self.fused_backward and atomic_dq()
+        from megatron_eod.attention import triton_backward
+        return self.fused_backward and triton_backward.ATOMIC_DQ

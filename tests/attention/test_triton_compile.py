@@ -1,17 +1,23 @@
-"""attention/triton_compile.py's three descriptions of a kernel, one per Triton era.
+"""Compiling the fused kernels ahead of a launch (attention/triton_compile.py), on the CPU.
 
-CI's Triton (3.7.1) takes the newest form, which the compile tests run for real
-(tests/attention/test_triton_forward.py). The two older forms (Triton 3.2; 3.0-3.1) were
-checked against those releases by `scripts/test_triton_versions.sh` (every kernel compiles);
-here Triton's classes are replaced by recorders of what they are given, so that a change to
-the mapping (which arguments are 16-byte aligned, equal to 1, constant, and how each release
-keys them) fails in CI, not on a user's PyTorch 2.4-2.6 at start-up.
+The kernels compiled for sm_80 and sm_90 by CI's Triton (3.7.1) in a process whose
+interpreter is off: their loads, shared memory and registers, and a kernel Triton rejects
+named (KernelCompileError). The start-up check built on it (triton_forward.device_problem):
+a GPU the kernels do not compile for, or whose shared memory PyTorch does not report. And
+the two older ways of describing a kernel (Triton 3.2; 3.0-3.1), checked against those
+releases by `scripts/test_triton_versions.sh` (every kernel compiles): here Triton's classes
+are replaced by recorders of what they are given, so that a change to the mapping (which
+arguments are 16-byte aligned, equal to 1, constant, and how each release keys them) fails
+in CI, not at a user's start-up.
 """
 
+import os
+import subprocess
 import sys
 import types
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 
@@ -113,3 +119,159 @@ def test_a_compiler_failure_is_told_in_a_line():
     except SyntaxError as error:
         assert _reason(error) == "ValueError: arange's range must be a power of 2"
     assert _reason(RuntimeError("")) == "RuntimeError"
+
+
+COMPILE = """
+import sys
+from megatron_eod.attention.triton_backward import compile_backward_for, compile_delta_for
+from megatron_eod.attention.triton_forward import compile_for
+for arch in (80, 90):
+    for dtype, head_dim, group, block_m in (("bf16", 128, 4, 128), ("fp16", 64, 1, 64),
+                                            ("bf16", 80, 8, 16), ("bf16", 256, 2, 128)):
+        backward = compile_backward_for(arch, dtype, head_dim, group, block_m) \
+            if block_m > 16 else ()  # (16-row tiles: the forward's shape only, for time)
+        for kernel in (compile_for(arch, dtype, head_dim, group, block_m), *backward):
+            assert kernel.asm["cubin"], (arch, dtype, head_dim)
+            # vectorised loads (16-byte aligned rows, as a launch specialises them), pipelined
+            # up to head_dim 128 (above, the backward's kernels run one stage: shared memory)
+            ptx = kernel.asm["ptx"]
+            assert "ld.global.v4" in ptx, (arch, dtype, head_dim)
+            assert "cp.async" in ptx or head_dim > 128, (arch, dtype, head_dim)
+            assert kernel.metadata.shared <= LIMIT[arch], (arch, head_dim,
+                                                           kernel.metadata.shared)
+
+# No register spills at the shapes training uses most (ptxas -v, Triton's own ptxas), the
+# forward's on sm_90 (32 keys x 4 warps, measured fastest there) included: it spilled 16
+# bytes before its unmasked blocks (2026-11-28), and a shape spilling 252, 64 keys x 4 warps,
+# ran 1.5x slower.
+import os, re, subprocess, tempfile
+import triton
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def assert_no_spill(kernel, arch, shape):
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a" if arch == 90 else "sm_80",
+                             f.name, "-o", os.devnull], capture_output=True, text=True,
+                            check=True).stderr
+    spilled = int(re.search(r"([0-9]+) bytes spill stores", report).group(1))
+    assert spilled == 0, (arch, shape, report)
+
+
+for arch in (80, 90):
+    for shape in (("bf16", 128, 4, 128), ("fp16", 64, 1, 64)):  # compiled above: cached
+        delta = compile_delta_for(arch, shape[0], shape[1])
+        assert "ld.global.v4" in delta.asm["ptx"], (arch, shape)  # 16-byte loads
+        for kernel in (compile_for(arch, *shape), *compile_backward_for(arch, *shape), delta):
+            assert_no_spill(kernel, arch, shape)
+# dq by the dk/dv kernel's atomic adds (ATOMIC_DQ, benchmarks' on sm_90): relaxed (no fence)
+# 16-byte adds, its five products warpgroup MMAs, no spill
+atomic = compile_backward_for(90, "bf16", 128, 4, 128, atomic_dq=True)[1]
+assert "atom.global.gpu.relaxed.add.v4.f32" in atomic.asm["ptx"]
+assert "mma.sync" not in atomic.asm["ptx"] and "wgmma" in atomic.asm["ptx"]
+assert_no_spill(atomic, 90, "atomic dq")
+
+# A kernel Triton cannot compile: KernelCompileError names it and the innermost error (a
+# jitted helper's, not the CompilationError's source caret).
+from broken_kernel import broken
+from megatron_eod.attention.triton_compile import KernelCompileError, compile_kernel
+try:
+    compile_kernel(broken, 90, "bf16", {"BLOCK": 3}, {"num_warps": 4})
+    raise AssertionError("compiled")
+except KernelCompileError as error:
+    assert error.kernel == "broken" and "power of 2" in error.reason, error.reason
+
+# The start-up check: a device whose programs get too little shared memory is named.
+import types
+import torch
+import megatron_eod.attention.triton_forward as tf
+torch.cuda.current_device = lambda: 0
+for (major, minor), name, optin in (((8, 9), "L40S", 101376), ((9, 0), "H100", 232448)):
+    torch.cuda.get_device_capability = lambda index: (major, minor)
+    torch.cuda.get_device_properties = lambda index: types.SimpleNamespace(
+        name=name, shared_memory_per_block_optin=optin)
+    assert tf.device_problem(128) is None, name
+    problem = tf.device_problem(256)
+    assert (problem is None) == (name == "H100"), problem
+    assert problem is None or ("KiB of shared memory per program at head dim 256 on L40S "
+                               "(sm_89)" in problem), problem
+    assert tf.device_problem(128, backward=True) is None, name  # the backward's fit too
+print("compiled")
+"""
+BROKEN = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rows(X, BLOCK: tl.constexpr):
+    return tl.load(X + tl.arange(0, BLOCK))
+
+
+@triton.jit
+def broken(X, BLOCK: tl.constexpr):
+    tl.store(X + tl.arange(0, 16), tl.sum(_rows(X, BLOCK)))
+"""
+# Shared memory a program may have: A100 (sm_80) 163 KiB, H100/H200 (sm_90) 227 KiB.
+LIMIT_LINE = "LIMIT = {80: 166912, 90: 232448}\n"
+
+
+def test_kernel_compiles_for_ampere_and_hopper(tmp_path):
+    """Without a GPU: Triton (its own ptxas) compiles the kernel to sm_80 and sm_90 machine
+    code for the shapes training uses (bf16/fp16, head_dim 64-256 and one not a power of two,
+    GQA groups, 16-128 row tiles), in a process where its interpreter is off: its loads
+    vectorised and pipelined, its shared memory within the GPU's, no register spills at head
+    dim 128 (bf16) and 64 (fp16); the start-up check refuses
+    head_dim 256 where programs get 99 KiB (sm_89) and not where they get 227 (sm_90)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compiled here, not read from a cache
+    (tmp_path / "broken_kernel.py").write_text(BROKEN)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", LIMIT_LINE + COMPILE], env=env,
+                            capture_output=True,
+                            text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(
+                                os.path.dirname(os.path.abspath(__file__)))))
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
+def test_a_gpu_the_kernels_do_not_compile_for_is_named_at_start_up(monkeypatch):
+    """device_problem (the start-up check of --cp-fused-forward): Triton failing to compile
+    a kernel for this GPU is a line naming the GPU, the Triton, the kernel and the flag to
+    drop; a PyTorch that does not report the GPU's shared memory (< 2.7) is checked against
+    the architecture's figure; an architecture without one is not checked."""
+    import types
+
+    import triton
+
+    import megatron_eod.attention.triton_backward as tb
+    import megatron_eod.attention.triton_forward as tf
+    from megatron_eod.attention.triton_compile import KernelCompileError
+
+    capability = [(12, 0)]
+    props = types.SimpleNamespace(name="RTX 5090", shared_memory_per_block_optin=101376)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability[0])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+
+    def fails(arch, *args, **kwargs):
+        raise KernelCompileError("attention_dkdv_kernel", arch, "RuntimeError: no MMA here")
+
+    sizes = types.SimpleNamespace(metadata=types.SimpleNamespace(shared=139264))  # 136 KiB
+    monkeypatch.setattr(tf, "compile_for", lambda *args, **kwargs: sizes)
+    monkeypatch.setattr(tb, "compile_backward_for", fails)
+    where = f"RTX 5090 (sm_120) with Triton {triton.__version__}"
+    assert tf.device_problem(128, backward=True) == (
+        f"with --cp-fused-backward, the backward's attention_dkdv_kernel does not compile for "
+        f"{where}: RuntimeError: no MMA here; drop --cp-fused-backward")
+    monkeypatch.setattr(tf, "compile_for", fails)
+    assert tf.device_problem(128) == (
+        f"its kernel does not compile for {where}: RuntimeError: no MMA here; drop the flag")
+
+    monkeypatch.setattr(tf, "compile_for", lambda *args, **kwargs: sizes)
+    props = types.SimpleNamespace(name="L40S")  # PyTorch 2.6: no shared_memory_per_block_optin
+    capability[0] = (8, 9)
+    assert "need 136 KiB of shared memory per program at head dim 256 on L40S (sm_89), which " \
+           "gives 99 KiB" in tf.device_problem(256)
+    capability[0] = (13, 0)  # not in the table: the launch will say
+    assert tf.device_problem(256) is None
