@@ -81,8 +81,8 @@ def fused_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tra
     dq = batched._empty_like(q_THD) if dq32 is None else None
 
     def local_dkdv():
-        backend.dkdv_tiles(*common, k_TGD, v_TGD, keys.local, dk, dv, True, keys.block_n,
-                           dq32)
+        backend.dkdv_tiles(*common, k_TGD, v_TGD, keys.local, dk, dv, schedule.local.causal,
+                           keys.block_n, dq32)
 
     def received_dkdv(recv_2NGD):
         """The received rows' gradients, on their way back to their owners."""
@@ -90,8 +90,8 @@ def fused_backward(dout_THD, q_THD, k_TGD, v_TGD, out_THD, lse_TH, schedule, tra
         if exchange.call is not None:
             k, v = batched._keys(recv_2NGD)
             gk, gv = batched._empty_like(k), batched._empty_like(v)
-            backend.dkdv_tiles(*common, k, v, keys.received, gk, gv, False, keys.block_n,
-                               dq32)
+            backend.dkdv_tiles(*common, k, v, keys.received, gk, gv, exchange.call.causal,
+                               keys.block_n, dq32)
         return transport.start_all_grad(schedule, gk, gv, k_TGD.shape[1:], k_TGD.dtype,
                                         q_THD.device)
 
