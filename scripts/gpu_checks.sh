@@ -35,7 +35,7 @@
 # calls, the second at once while the machine is warm (~30 s):
 #   1. bash scripts/gpu_checks.sh env kernels bench-open profile-open multiprocess
 #   2. GPU_CHECKS_BUDGET=<seconds left - 60> bash scripts/gpu_checks.sh env training
-# Issue 11's next lease (docs/BENCHMARKS.md "Still to run"), the open items first:
+# The next lease (docs/BENCHMARKS.md "Still to run": what issue 11 left to a GPU), first:
 #   1. GPU_CHECKS_BUDGET=545 bash scripts/gpu_checks.sh env training-open backward-sweep \
 #      profile-open
 #   2. bench-open, with --fused-backward-config at the sweep's best shape (its last lines,
