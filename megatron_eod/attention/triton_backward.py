@@ -149,8 +149,8 @@ def tile_dkdv(dout, q, k, v, lse, delta, key_tiles, row_start, dk, dv, scale, ca
                          f"on q's device ({q.device}) with a unit last stride, got "
                          f"{dq32.dtype} {tuple(dq32.shape)} on {dq32.device}, strides "
                          f"{dq32.stride()}")
-    if dq32 is not None and atomic_dq_problem() is not None:
-        raise ValueError(f"{BACKWARD}: {atomic_dq_problem()}")
+    if dq32 is not None and (problem := atomic_dq_problem()) is not None:
+        raise ValueError(f"{BACKWARD}: {problem}")
     block_m = _blocks(q.shape[2])[1] if block_m is None else block_m
     _check_block("the key tiles' keys (key_block)", block_n)
     _check_block("dk/dv's query block", block_m)
