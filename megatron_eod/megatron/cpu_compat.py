@@ -7,7 +7,7 @@ RNG tracker, GPTModel, RoPE, DDP, optimizers, dist_checkpointing) and, with
 `apply(megatron_lm=True)`, Megatron-LM's `pretrain()` run without a GPU, for tests and the
 CPU quickstart. On GPUs both run as shipped. The stand-ins live in cpu_stand_ins.py.
 
-Scope "core" (every CPU run, both trainers):
+Scope "core" (every CPU run):
 
 | target                                           | why it breaks on CPU                      |
 |--------------------------------------------------|-------------------------------------------|

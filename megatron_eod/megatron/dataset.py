@@ -121,7 +121,7 @@ def build_gpt_datasets(data_path, seq_length: int, tokenizer, num_samples: Seque
     documents, --mock-data). `blend` / `blend_per_split`: blends already parsed
     (Megatron-LM's (prefixes, weights) form) instead of `data_path`; a blend per split takes
     no `split`. `settings`: further GPTDatasetConfig fields (Megatron-LM's data flags,
-    training/megatron_lm_data.py).
+    training/data.py).
     """
     builder = import_megatron("megatron.core.datasets.blended_megatron_dataset_builder")
     gpt = import_megatron("megatron.core.datasets.gpt_dataset")

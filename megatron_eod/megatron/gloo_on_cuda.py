@@ -1,10 +1,10 @@
 """`--distributed-backend gloo` on CUDA (several ranks sharing one GPU, as the GPU tests run
-them, or a machine whose NCCL is unusable), in both trainers: what gloo cannot do with device
+them, or a machine whose NCCL is unusable): what gloo cannot do with device
 tensors, done another way.
 
-One job, two changes, both made by `apply()` (the lean trainer's initialize, or our hook
-after Megatron-LM's validate_args) and undone by `remove()` (the flags that cannot work
-there are refused by training/cp_flags.py's `check_gloo_on_cuda`):
+One job, two changes, both made by `apply()` (our hook after Megatron-LM's validate_args) and
+undone by `remove()` (the flags that cannot work there are refused by training/cp_flags.py's
+`check_gloo_on_cuda`):
 - megatron-core's DDP coalesces each bucket group's gradient reduction (and the distributed
   optimizer's parameter gather) with `torch.distributed._coalescing_manager`, which hands
   gloo `allreduce_coalesced`: CPU tensors only ("unsupported device type cuda"). The stand-in
@@ -16,8 +16,7 @@ there are refused by training/cp_flags.py's `check_gloo_on_cuda`):
   sends and receives CPU tensors only.
 And `share_devices(args)`, for Megatron-LM's trainer: its start-up sets the device to
 `args.local_rank`, so more processes than GPUs on a node stopped at "invalid device ordinal";
-a local rank beyond the visible GPUs runs on `local_rank % device_count`, as the lean
-trainer's initialize picks its device.
+a local rank beyond the visible GPUs runs on `local_rank % device_count`.
 
 NCCL runs (every production GPU run) touch neither.
 """

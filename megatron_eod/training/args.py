@@ -1,378 +1,338 @@
-"""Megatron-style command-line flags for `pretrain_gpt.py`.
+"""Megatron-LM's flags, read the EoD way: our extra flags, its CP spellings, our refusals.
 
-One job: parse Megatron's flag spellings (dest names as in Megatron-LM: `--num-layers` ->
-`args.num_layers`, `--disable-bias-linear` -> `args.add_bias_linear = False`, mirrored as
-`args.disable_bias_linear`), fill the derived fields (`world_size`, `data_parallel_size`,
-`ulysses_degree`, `params_dtype`, batch and LR defaults, ...) and reject every invalid
-combination with a `FlagError` that names the flags. The model flags are args_model.py's,
-the optimizer/schedule/checkpoint ones args_optim.py's, the device rules args_device.py's.
-The CP rules (and FlagError) live in cp_flags.py, shared with Megatron-LM's args;
-`--context-parallel-algo` also takes the Ascend spellings (`megatron_cp_algo` -> ring, ...)
-and stores the short name.
+One job: turn Megatron-LM's parsed and validated args into args our providers can run, or a
+FlagError naming the flag and what to pass instead. `add_eod_args` is the
+`extra_args_provider`; `eod_args_from_megatron(args)` runs right after Megatron-LM's own
+`validate_args` (run.py hooks it in; `check_before_megatron`, the CP spellings alone, right
+before it) and again, as a no-op, from the providers.
 
-What it does not do: no file checks (dataset.py and build_tokenizer check that paths exist),
-no process groups, no global args object, no import of optional tokenizer packages.
+Context parallelism, one fact asked once: Megatron-LM's `--cp-comm-type` and ours map onto
+each other (cp_flags.resolve_cp_spellings).
+
+Honoured: RoPE (base, percent, interleaved, Llama-3 scaling, interpolation) at reset
+positions, learned absolute positions at reset positions, `--position-embedding-type none`,
+`--qk-layernorm`, GQA, `--transformer-impl local|transformer_engine`, TP/PP/CP/DP, virtual
+pipeline stages, the distributed optimizer, torch_dist checkpoints. Per-token loss is the
+default here (`--calculate-per-token-loss` on): otherwise each CP rank divides by its own
+token count.
+Everything else EoD attention cannot run is in REFUSED, with the reason.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import signal
+import dataclasses
+import importlib
+import importlib.util
 import sys
-from typing import Optional, Sequence
 
 import torch
 
-from megatron_eod.data.tokenizers import TOKENIZER_TYPES
-from megatron_eod.megatron.dataset import NO_DATA, PER_SPLIT_SOURCES, data_sources_given
-from megatron_eod.training import args_optim as optim
-from megatron_eod.training import checkpoint_args
-from megatron_eod.training.args_megatron_lm_only import (add_no_effect_args,
-                                                         check_no_effect_values,
-                                                         explain_unrecognized)
-from megatron_eod.training.args_model import add_model_args, check_model, switches, typed
-from megatron_eod.training.args_pipeline import (add_virtual_pipeline_args,
-                                                 check_interleaved_micro_batches,
-                                                 check_pipeline_stages, check_virtual_pipeline,
-                                                 chunk_layers)
-from megatron_eod.training.args_device import check_device_flags
+from megatron_eod.megatron.dataset import NO_DATA, data_sources_given
+from megatron_eod.training import data
 from megatron_eod.training.cp_flags import (CONCURRENT_CALLS_HELP, CP_ALGO_ALIASES,
                                             FUSED_BACKWARD_HELP, FUSED_FORWARD_HELP,
                                             RING_EXCHANGE_HELP, RING_EXCHANGES, FlagError,
-                                            check_context_parallel, check_sequence_parallel_rows)
-from megatron_eod.training.cp_spellings import NotGiven, resolve_cp_spellings
-from megatron_eod.training.flag_rules import check_positive as _positive
-from megatron_eod.training.flag_rules import check_split, check_tokenizer_files
+                                            NotGiven, check_context_parallel,
+                                            check_gloo_on_cuda, check_gpu_attention,
+                                            check_query_groups, check_sequence_parallel_rows,
+                                            resolve_cp_spellings)
+from megatron_eod.training.flag_rules import (check_backend_device,
+                                              check_decoupled_lr_checkpoints,
+                                              check_device_precision, check_global_batch,
+                                              check_persistent_ckpt_worker, check_positive,
+                                              check_profiler_device, check_rank_order,
+                                              check_split,
+                                              keep_the_flags_attention_dropout,
+                                              ramp_as_step_schedule)
+from megatron_eod.training.tokenizer_flags import check_tokenizer, tokenizer_from_data
 
-__all__ = ["CP_ALGO_ALIASES", "FlagError", "build_parser", "check_context_parallel", "parse_args",
-           "validate_args"]
+__all__ = ["REFUSED", "SAVE_AT_THE_END", "add_eod_args", "check_before_megatron",
+           "eod_args_from_megatron"]
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors raise FlagError (one clean line) instead of exiting."""
-
-    def error(self, message):
-        raise FlagError(message)
-
-
-def _add_training_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("training")
-    typed(g, int, ("--micro-batch-size", 1),
-           ("--global-batch-size", None, "default: --micro-batch-size x data-parallel size"),
-           ("--seed", 1234), ("--recompute-num-layers", None, "default with full: 1"))
-    switches(g, "--bf16", "--fp16", "--use-cpu-initialization")
-    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
-                   dest="check_for_nan_in_loss_and_grad",
-                   help="keep training when the loss or the grad norm is NaN/Inf (default: "
-                        "stop, as Megatron-LM)")
-    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
-    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
-                   help="default with full: uniform")
-    g.add_argument("--recompute-activations", action="store_true",
-                   help="Megatron-LM's other name of --recompute-granularity selective")
-    g.add_argument("--manual-gc", action="store_true",
-                   help="Python's garbage collector off, a full collection every "
-                        "--manual-gc-interval iterations (0: none) and around evaluations")
-    g.add_argument("--manual-gc-interval", type=int, default=0)
-    g.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", action="store_false",
-                   dest="manual_gc_eval",
-                   help="with --manual-gc: no collection around evaluations")
-    g.add_argument("--empty-unused-memory-level", type=int, choices=(0, 1, 2), default=0,
-                   help="give cached CUDA memory back: 1 after each forward-backward, 2 also "
-                        "after each optimizer step (as Megatron-LM)")
-    g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on --exit-signal (any rank), save (with --save) after the current "
-                        "iteration and stop")
-    g.add_argument("--exit-signal", default="SIGTERM", help="a signal name (default SIGTERM)")
-    for flag, dest in (("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion"),
-                       ("--no-bias-gelu-fusion", "bias_gelu_fusion"),
-                       ("--no-bias-swiglu-fusion", "bias_swiglu_fusion"),
-                       ("--no-bias-dropout-fusion", "bias_dropout_fusion")):
-        g.add_argument(flag, action="store_false", dest=dest,
-                       help="turn off this fusion of megatron-core's (on with CUDA where it runs)")
-    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
-                   help="megatron-core's fused vocab-parallel cross entropy")
-    g.add_argument("--cross-entropy-fusion-impl", choices=("native", "te"), default="native")
-    g.add_argument("--deterministic-mode", action="store_true",
-                   help="bitwise reproducible runs, as Megatron-LM's: torch's deterministic "
-                        "algorithms (deterministic flash-attention backward too) and "
-                        "megatron-core's deterministic embedding; on CUDA needs "
-                        "CUBLAS_WORKSPACE_CONFIG and, with NCCL, NCCL_ALGO (slower)")
-    g.add_argument("--grad-reduce-in-bf16", action="store_true",
-                   help="with --bf16: reduce gradients in bf16 (default float32)")
-    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
-                   help="default: nccl with CUDA, else gloo")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
-                   help="a collective that waits longer (a rank stopped answering) ends the "
-                        "job; every process group (Megatron-LM's default: 10)")
+# --save without --save-interval: Megatron-LM asserts an interval; we save at the end only,
+# which an interval no run reaches gives in Megatron-LM's loop.
+SAVE_AT_THE_END = 2 ** 31 - 1
 
 
-def _add_data_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="*", default=None,
-                   help="PREFIX ... or WEIGHT PREFIX ... (required unless --mock-data)")
-    switches(g, "--mock-data")
-    g.add_argument("--data-args-path", default=None,
-                   help="a file holding --data-path's words (for long blends)")
-    for split in ("train", "valid", "test"):
-        g.add_argument(f"--{split}-data-path", nargs="*", default=None,
-                       help=f"the {split} split's own blend (PREFIX ... or WEIGHT PREFIX ...)")
-    g.add_argument("--per-split-data-args-path", default=None,
-                   help='a JSON file {"train": ..., "valid": ..., "test": ...} of blends')
-    g.add_argument("--split", default=None,
-                   help="train,valid,test shares of one blend (default 969,30,1)")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="ByteTokenizer")
-    typed(g, str, ("--tokenizer-model", None), ("--vocab-file", None), ("--merge-file", None),
-           ("--data-cache-path", None))
-    typed(g, int, ("--vocab-size", None), ("--num-workers", 0),
-           ("--tiktoken-num-special-tokens", 1000))
-    g.add_argument("--tiktoken-pattern", choices=("v1", "v2"), default=None,
-                   help="TikTokenizer's split pattern (required with it)")
-    g.add_argument("--tiktoken-special-tokens", nargs="+", default=None)
-    g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
-                   help="read the .bin files instead of memory-mapping them (megatron-core's)")
-    g.add_argument("--dataloader-type", choices=("single", "cyclic", "external"), default=None,
-                   help="single (the default, and the only one here): the samples in order, "
-                        "each once, as Megatron-LM's single sampler")
-    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
-                   dest="create_attention_mask_in_dataloader",
-                   help="accepted for Megatron-LM scripts: no dense mask is ever made here")
-    typed(g, int, ("--num-dataset-builder-threads", 1))
-    typed(g, float, ("--mid-level-dataset-surplus", 0.005))
-    switches(g, "--dataloader-fast-cache-load", "--dataloader-defer-npy-index-mmap")
+class _DefaultGroups(int):
+    """Megatron-LM's default --num-query-groups (1), told apart from an explicit
+    `--num-query-groups 1` (MQA meant, multi-head attention built without
+    --group-query-attention). Made a plain int once read: args go into checkpoints."""
 
 
-def _add_logging_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("logging and checkpoints")
-    typed(g, str, ("--save", None), ("--load", None), ("--tensorboard-dir", None),
-           ("--metrics-file", None))
-    switches(g, "--skip-train", "--log-params-norm", "--log-num-zeros-in-grad",
-              "--log-throughput", "--log-validation-ppl-to-tensorboard")
-    typed(g, int, ("--save-interval", None), ("--eval-interval", 1000), ("--eval-iters", 100),
-           ("--log-interval", 100), ("--exit-interval", None),
-           ("--exit-duration-in-mins", None, "save (with --save) and exit after this many "
-                                             "minutes since start-up, checked every iteration "
-                                             "(Megatron-LM's; 0: off)"),
-           ("--save-keep-last", None, "keep only the newest N checkpoints under --save "
-                                      "(default: keep all, as Megatron-LM)"))
+# dest -> (is it set?, why it is refused). Checked in order; the first hit raises.
+REFUSED = {
+    "num_experts": (bool, "MoE layers are not wired with EoD attention"),
+    "multi_latent_attention": (bool, "MLA applies its own RoPE to split heads"),
+    "mtp_num_layers": (bool, "multi-token prediction is not wired with EoD batches"),
+    "spec": (bool, "a custom layer spec replaces the one EoD attention is slotted into"),
+    "heterogeneous_layers_config_path": (bool, "heterogeneous layers use their own specs"),
+    "use_legacy_models": (bool, "the legacy model has no pluggable core attention"),
+    "experimental_attention_variant": (bool, "it replaces softmax attention (gated delta "
+                                             "net, DSA)"),
+    "qk_l2_norm": (bool, "the EoD layer spec has q/k layer norms (--qk-layernorm), not L2 "
+                         "norms"),
+    "use_kitchen_attention": (bool, "Kitchen attention replaces the core attention"),
+    "kitchen_config_file": (bool, "Kitchen quantized layers are not in the EoD layer spec"),
+    "kitchen_recipe_number": (lambda v: v is not None, "Kitchen quantized layers are not in "
+                                                       "the EoD layer spec"),
+    "yaml_cfg": (bool, "the EoD providers read the model from command-line flags"),
+    "window_size": (lambda v: v is not None, "EoD attention is full causal per document"),
+    "softmax_type": (lambda v: v not in (None, "vanilla"), "the kernels compute vanilla softmax"),
+    "hybrid_context_parallel": (bool, "Megatron-LM's dynamic hybrid CP re-packs sequences; "
+                                      "use --cp-comm-type a2a+p2p (our hybrid)"),
+    "sft": (bool, "the EoD providers build pretraining GPTDatasets"),
+    "fim_data": (bool, "the EoD providers build pretraining GPTDatasets"),
+    # From Megatron-LM 0.19:
+    "dataloader_inter_document_masking": (bool, "Megatron-LM's own document masking "
+                                                "(documents from the index, balanced per "
+                                                "sequence); EoD providers mask at EoD tokens: "
+                                                "pass --reset-attention-mask "
+                                                "--reset-position-ids"),
+    "logits_load_dir": (lambda v: v is not None, "distillation from cached logits replaces "
+                                                 "the loss function the EoD providers use"),
+    "logits_save_dir": (lambda v: v is not None, "a CP rank holds its tokens in its plan's "
+                                                 "order, not the sequence's"),
+    "qk_clip": (bool, "QK-clip reads the core attention's largest logits, which the EoD "
+                      "attention's varlen kernels do not report"),
+    "log_max_attention_logit": (bool, "the EoD attention's varlen kernels do not report the "
+                                      "largest attention logits"),
+    "dataloader_type": (lambda v: v == "external", "an external data loader bypasses the "
+                                                   "datasets and batches the EoD providers "
+                                                   "build (it failed at the first step)"),
+}
 
 
-def _add_parallel_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("parallelism and EoD")
-    typed(g, int, ("--tensor-model-parallel-size", 1), ("--pipeline-model-parallel-size", 1),
-           ("--context-parallel-size", 1),
-           ("--ulysses-degree-in-cp", None, "Ulysses group size for --context-parallel-algo "
-                                            "hybrid"))
+def add_eod_args(parser):
+    """Megatron-LM `extra_args_provider`: our flags, per-token loss by default, and a default
+    --eval-interval."""
+    g = parser.add_argument_group("megatron-eod")
     g.add_argument("--context-parallel-algo", default=None,
-                   help=f"one of {', '.join(CP_ALGO_ALIASES)} (default: from --cp-comm-type: "
-                        f"ring)")
-    g.add_argument("--cp-comm-type", nargs="+", default=NotGiven(["p2p"]),
-                   help="Megatron-LM's spelling: p2p = ring, a2a = ulysses, a2a+p2p = hybrid "
-                        "(with --hierarchical-context-parallel-sizes)")
-    g.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
-                   help="Megatron-LM's spelling of hybrid's sizes: U CP/U (Ulysses inside, Ring "
-                        "across)")
+                   help=f"one of {', '.join(CP_ALGO_ALIASES)} (default: from --cp-comm-type, "
+                        f"p2p = ring, a2a = ulysses, a2a+p2p = hybrid)")
+    g.add_argument("--ulysses-degree-in-cp", type=int, default=None,
+                   help="Ulysses group size for hybrid (default: the first of "
+                        "--hierarchical-context-parallel-sizes)")
     g.add_argument("--cp-ring-exchange", choices=RING_EXCHANGES, default="batched",
                    help=RING_EXCHANGE_HELP)
     g.add_argument("--cp-concurrent-calls", action="store_true", help=CONCURRENT_CALLS_HELP)
     g.add_argument("--cp-fused-forward", action="store_true", help=FUSED_FORWARD_HELP)
     g.add_argument("--cp-fused-backward", action="store_true", help=FUSED_BACKWARD_HELP)
-    switches(g, "--sequence-parallel", "--use-flash-attn", "--reset-attention-mask",
-              "--reset-position-ids", "--eod-mask-loss")
-    g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
-                   help="Megatron-LM's rank order tp-cp-ep-pp-dp (pipeline stages on nearer "
-                        "ranks than data-parallel replicas) instead of tp-cp-ep-dp-pp")
-    g.add_argument("--attention-mask-type", choices=("causal", "general"), default=None,
-                   help="general = EoD document mask (default with --reset-attention-mask)")
-    g.add_argument("--trainer", choices=("auto", "megatron-lm", "lean"), default="auto",
-                   help="which trainer pretrain_gpt.py runs (read before these flags)")
+    g.add_argument("--metrics-file", default=None,
+                   help="append one JSON line per iteration and per evaluation")
     g.add_argument("--no-plan-ahead", action="store_false", dest="plan_ahead",
-                   help="plan each micro-batch when the step needs it instead of one "
-                        "micro-batch ahead on a worker thread (for debugging)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The flags of `pretrain_gpt.py`; usage errors raise FlagError."""
-    parser = _Parser(description="GPT pretraining with EoD reset under context parallelism",
-                     allow_abbrev=False)
-    for add in (add_model_args, add_virtual_pipeline_args, _add_training_args,
-                optim.add_optimizer_args, optim.add_schedule_args, _add_data_args,
-                _add_logging_args, optim.add_checkpoint_args, _add_parallel_args,
-                add_no_effect_args):
-        add(parser)
+                   help="plan each micro-batch when the step needs it, not one ahead")
+    # --eval-interval: core_v0.16.1 and later have no default (None) and divide by it when
+    # they size the validation data (a TypeError after the model is built, whatever
+    # --eval-iters says); Megatron-LM <= 0.15's, 1000. apply_rope_fusion (--no-rope-fusion):
+    # EoD attention applies RoPE itself at the reset positions, never megatron-core's fused
+    # kernel, whose default needs TransformerEngine (without it every rank stopped with
+    # "apply_rope_fusion is not available").
+    parser.set_defaults(calculate_per_token_loss=True, cp_comm_type=NotGiven(["p2p"]),
+                        eval_interval=1000, num_query_groups=_DefaultGroups(1),
+                        apply_rope_fusion=False)
     return parser
 
 
-def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
-               cuda_available: Optional[bool] = None) -> argparse.Namespace:
-    """Parse `argv` (default sys.argv[1:]) and `validate_args`; unknown flags are a FlagError."""
-    parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--use-checkpoint-args" in argv:  # the checkpoint may give them
-        for action in parser._actions:
-            if action.dest in checkpoint_args.REQUIRED:
-                action.required = False
-    try:
-        args, unknown = parser.parse_known_args(argv)
-    except FlagError:  # a required flag missing: a misspelling of it says more
-        for action in parser._actions:
-            action.required = False
-        try:
-            unknown = parser.parse_known_args(argv)[1]
-        except FlagError:
-            unknown = []
-        if unknown:
-            raise FlagError(explain_unrecognized(unknown, parser._option_string_actions)) \
-                from None
-        raise
-    if unknown:
-        raise FlagError(explain_unrecognized(unknown, parser._option_string_actions))
-    spelled = parser._option_string_actions
-    given = {spelled[word.split("=", 1)[0]].dest: None for word in argv
-             if word.split("=", 1)[0] in spelled}  # the dests the flags set
-    given = {dest: getattr(args, dest) for dest in given}
-    checkpoint_args.apply_checkpoint_args(args, given, parser)
-    if world_size is None:
-        try:
-            world_size = int(os.environ.get("WORLD_SIZE", 1))
-        except ValueError:
-            raise FlagError(f"WORLD_SIZE must be an integer, got "
-                            f"{os.environ['WORLD_SIZE']!r}") from None
-    if cuda_available is None:
-        cuda_available = torch.cuda.is_available()
-    return validate_args(args, world_size, cuda_available)
+def check_before_megatron(args) -> None:
+    """Our CP spellings resolved and checked BEFORE Megatron-LM's validate_args (hooked in by
+    run.py), whose bare assertions on them (the hierarchical sizes'
+    product) would otherwise stop the run first with no message; it also fills in
+    --hierarchical-context-parallel-sizes from --ulysses-degree-in-cp, which
+    --cp-comm-type a2a+p2p needs there. eod_args_from_megatron repeats it, a no-op then.
+    Likewise --split and the intervals (its bare assertion, or a ZeroDivisionError after the
+    first iteration), and --save without --save-interval saves at the end (Megatron-LM asserts
+    an interval)."""
+    if getattr(args, "ulysses_degree", None) is None:
+        resolve_cp_spellings(args)
+    tokenizer_from_data(args, sys.argv[1:])
+    keep_the_flags_attention_dropout(args)
+    check_split(args)
+    check_positive(args, "log_interval")
+    if not (getattr(args, "skip_train", False) or getattr(args, "full_validation", False)):
+        check_positive(args, "eval_interval")  # it sizes the validation data by it
+    if getattr(args, "save", None):
+        check_positive(args, "save_interval")
+        if getattr(args, "save_interval", 0) is None and \
+                getattr(args, "save_retain_interval", None) is None:  # else: its assertion
+            args.save_interval = SAVE_AT_THE_END
 
 
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise FlagError(message)
-
-
-def validate_args(args: argparse.Namespace, world_size: int,
-                  cuda_available: bool) -> argparse.Namespace:
-    """Fill the derived fields of `args` in place and check every rule; returns `args`."""
-    _require(isinstance(world_size, int) and world_size > 0,
-             f"WORLD_SIZE must be a positive integer, got {world_size!r}")
-    args.world_size = world_size
-    _check_parallel_sizes(args)
-    check_model(args)
-    check_pipeline_stages(args)
+def eod_args_from_megatron(args) -> None:
+    """Normalise and check Megatron-LM's args in place; FlagError names the flags."""
+    if getattr(args, "ulysses_degree", None) is not None:
+        return  # already done (the hook and the providers both call this)
     resolve_cp_spellings(args)
     check_context_parallel(args)
-    _check_training(args, bool(cuda_available))
-    check_interleaved_micro_batches(args)
-    _check_sequence_parallel(args)
-    _check_data(args)
-    _check_eod(args)
-    _check_logging(args)
-    optim.check_checkpoint(args)
-    check_no_effect_values(args)
-    return args
-
-
-def _check_parallel_sizes(args) -> None:
-    _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size",
-              "context_parallel_size")
-    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                  args.context_parallel_size)
-    _require(args.world_size % (tp * pp * cp) == 0,
-             f"WORLD_SIZE {args.world_size} is not divisible by --tensor-model-parallel-size x "
-             f"--pipeline-model-parallel-size x --context-parallel-size = {tp} x {pp} x {cp} = "
-             f"{tp * pp * cp}")
-    args.data_parallel_size = args.world_size // (tp * pp * cp)
-    check_virtual_pipeline(args)
-
-
-def _check_sequence_parallel(args) -> None:
-    if args.tensor_model_parallel_size == 1:
-        args.sequence_parallel = False  # as Megatron: nothing to shard at TP 1
+    _refuse(args)
+    _check_xavier(args)
     check_sequence_parallel_rows(args)
+    _check_rampup(args)
+    _check_cuda_graphs(args)
+    check_persistent_ckpt_worker(args, torch.cuda.is_available())
+    check_decoupled_lr_checkpoints(args)
+    check_gloo_on_cuda(args, torch.cuda.is_available())
+    check_gpu_attention(args, torch.cuda.is_available())
+    check_device_precision(args, torch.cuda.is_available())
+    if not torch.distributed.is_initialized():  # else Megatron-LM keeps the group it finds
+        given = any(word.split("=", 1)[0] == "--distributed-backend" for word in sys.argv)
+        check_backend_device(args, torch.cuda.is_available(),
+                             "" if given else " (Megatron-LM's default where none is given)")
+    check_profiler_device(args, torch.cuda.is_available())
+    check_rank_order(args)
+    _check_validation_data(args)
+    _check_full_validation(args)
+    if getattr(args, "data_parallel_size", None) and args.global_batch_size:  # validated
+        check_global_batch(args)
+    check_tokenizer(args)
+    _check_gradient_accumulation_fusion(args)
+    _check_warmup(args)
 
 
-def _check_training(args, cuda_available: bool) -> None:
-    optim.check_batch_sizes(args)
-    optim.check_schedule(args)
-    optim.check_optimizer(args)
-    _check_recompute(args)
-    check_device_flags(args, cuda_available)
-    _positive(args, "distributed_timeout_minutes")
-    _require(args.manual_gc_interval >= 0,
-             f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
-    _require(not args.grad_reduce_in_bf16 or args.bf16,
-             "--grad-reduce-in-bf16 reduces bf16 gradients: it needs --bf16")
-    _require(args.exit_signal in signal.Signals.__members__
-             and args.exit_signal not in ("SIGKILL", "SIGSTOP"),
-             f"--exit-signal {args.exit_signal}: not a signal name (e.g. SIGTERM, SIGUSR1)")
-
-
-def _check_recompute(args) -> None:
-    if args.recompute_granularity != "full":
-        for dest in ("recompute_method", "recompute_num_layers"):
-            _require(getattr(args, dest) is None,
-                     f"{_flag(dest)} needs --recompute-granularity full")
+def _check_warmup(args) -> None:
+    """The LR warm-up must end before the decay does: megatron-core's scheduler asserted it
+    bare on every rank, after the model was built."""
+    unit = "iters" if getattr(args, "train_iters", None) else "samples"
+    decay = getattr(args, f"lr_decay_{unit}", None) or getattr(args, f"train_{unit}", None)
+    fraction = getattr(args, "lr_warmup_fraction", None)
+    if not decay:
         return
-    args.recompute_method = args.recompute_method or "uniform"
-    if args.recompute_num_layers is None:
-        args.recompute_num_layers = 1
-    chunks = args.virtual_pipeline_model_parallel_size or 1
-    built = [n for n in chunk_layers(args) if n > 0]
-    even = len(set(built)) == 1
-    _require(1 <= args.recompute_num_layers <= max(built),
-             f"--recompute-num-layers {args.recompute_num_layers} must be in [1, "
-             + ("--num-layers / --pipeline-model-parallel-size" if even else
-                "the layers of the largest pipeline stage")
-             + (" / virtual stages" if chunks > 1 else "") + f" = {max(built)}]")
-    # megatron-core's uniform method checkpoints runs of N layers and reads past a chunk
-    # whose layers N does not divide (an IndexError in the first forward)
-    uneven = sorted({n for n in built if n % args.recompute_num_layers})
-    _require(args.recompute_method != "uniform" or not uneven,
-             f"--recompute-method uniform --recompute-num-layers {args.recompute_num_layers} "
-             f"must divide the layers of every pipeline stage"
-             + (" chunk" if chunks > 1 else "") + f" (some have {uneven[0] if uneven else 0}): "
-             f"pass a divisor, or --recompute-method block")
+    if fraction is not None and not 0.0 <= fraction < 1.0:
+        raise FlagError(f"--lr-warmup-fraction must be in [0, 1), got {fraction} (the warmup "
+                        f"must end before the decay does)")
+    warmup = getattr(args, f"lr_warmup_{unit}", 0) or 0
+    if fraction is None and not 0 <= warmup < decay:
+        raise FlagError(f"--lr-warmup-{unit} {warmup} must be in [0, --lr-decay-{unit} {decay}) "
+                        f"(the warmup must end before the decay does)")
 
 
-def _check_data(args) -> None:
-    given = data_sources_given(args)
-    _require(len(given) <= 1, f"{' and '.join(given)} are exclusive: pass one data source")
-    _require(bool(given), NO_DATA)
-    per_split = given[0] in PER_SPLIT_SOURCES
-    _require(not (per_split and args.split is not None),
-             f"--split {args.split} shares one blend between the splits; {given[0]} gives "
-             f"each split its own: drop --split")
-    if per_split:
-        _require(args.per_split_data_args_path or args.train_data_path,
-                 "a blend per split needs --train-data-path")
-    elif args.split is None:
-        args.split = "969,30,1"
-    check_split(args)
-    check_tokenizer_files(args)
-    _positive(args, "vocab_size")
-    _require(args.num_workers >= 0, f"--num-workers must be >= 0, got {args.num_workers}")
-    _require(args.dataloader_type in (None, "single"),
-             f"--dataloader-type {args.dataloader_type}: the lean trainer reads the samples in "
-             f"order, each once (single); drop the flag, or train with Megatron-LM's trainer "
-             f"(--trainer megatron-lm)")
+def _check_gradient_accumulation_fusion(args) -> None:
+    """Megatron-LM's default --gradient-accumulation-fusion needs apex's CUDA extension
+    fused_weight_gradient_mlp_cuda (absent on CPUs, and on GPUs without apex): megatron-core
+    raised in the output layer's constructor, after the flags had passed, a traceback per rank
+    naming no flag."""
+    if getattr(args, "gradient_accumulation_fusion", False) and \
+            importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+        raise FlagError("--gradient-accumulation-fusion (Megatron-LM's default) needs apex's "
+                        "CUDA extension fused_weight_gradient_mlp_cuda, which is not installed: "
+                        "pass --no-gradient-accumulation-fusion")
 
 
-def _check_eod(args) -> None:
-    if args.attention_mask_type is None:
-        args.attention_mask_type = "general" if args.reset_attention_mask else "causal"
-    elif args.attention_mask_type == "general":
-        args.reset_attention_mask = True
-    _require(args.attention_mask_type == "general" or not args.reset_attention_mask,
-             "--attention-mask-type causal contradicts --reset-attention-mask (causal attends "
-             "across EoD); drop one of them")
+def _check_xavier(args) -> None:
+    """Megatron-LM 0.16's config mapping passes --init-method-xavier-uniform on as a
+    `scaled_init_method` its megatron-core's TransformerConfig lacks: a TypeError when it
+    builds the model. Named here, where that is so."""
+    if not getattr(args, "init_method_xavier_uniform", False):
+        return
+    core = importlib.import_module("megatron.core.transformer.transformer_config")
+    fields = {f.name for f in dataclasses.fields(core.TransformerConfig)}
+    if "scaled_init_method" not in fields:
+        raise FlagError("--init-method-xavier-uniform: this Megatron-LM passes megatron-core a "
+                        "`scaled_init_method` its TransformerConfig lacks (a TypeError when the "
+                        "model is built); drop the flag (later Megatron-LMs have it)")
 
 
-def _check_logging(args) -> None:
-    _positive(args, "save_interval", "log_interval", "exit_interval", "save_keep_last")
-    if not args.skip_train:  # read by the training loop only
-        _positive(args, "eval_interval")
-    _require(args.save_keep_last is None or args.save is not None,
-             "--save-keep-last needs --save DIR")
-    _require(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
+def _check_cuda_graphs(args) -> None:
+    """A CUDA graph replays the kernels it captured, with the index tensors of the CP plan
+    it saw; EoD attention plans every micro-batch anew. Graphs of MLP/MoE parts only are
+    fine; a scope that holds attention (empty = the whole layer, "attn", a full iteration)
+    would silently reuse one batch's plan for the next."""
+    impl = getattr(args, "cuda_graph_impl", "none") or "none"
+    legacy = [f for f in ("enable_cuda_graph", "external_cuda_graph") if getattr(args, f, False)]
+    if impl == "none" and not legacy:
+        return
+    scope = list(getattr(args, "cuda_graph_modules", None) or
+                 getattr(args, "cuda_graph_scope", None) or [])
+    names = [str(getattr(s, "name", s)).lower() for s in scope]
+    if legacy or impl == "full_iteration" or not names or any(
+            "attn" in n or "full" in n for n in names):
+        shown = (f"--{legacy[0].replace('_', '-')}" if legacy else f"--cuda-graph-impl {impl}") \
+            + (f" with scope {' '.join(names)}" if names else "")
+        raise FlagError(f"{shown}: a CUDA graph would replay one micro-batch's CP plan for "
+                        f"the next (EoD attention plans each anew); capture mlp/moe parts "
+                        f"only (--cuda-graph-scope or, from Megatron-LM 0.19, "
+                        f"--cuda-graph-modules), or no graphs")
+
+
+def _check_full_validation(args) -> None:
+    """Megatron-LM >= 0.19 validates --full-validation one sequence a micro-batch while its
+    pipeline schedule still shapes stage transfers for the micro-batch size; sequence
+    parallelism must split one sequence's tokens over TP."""
+    if not data.validates_one_row_at_a_time(args):
+        return
+    if args.pipeline_model_parallel_size > 1:
+        raise FlagError(f"--full-validation with --pipeline-model-parallel-size "
+                        f"{args.pipeline_model_parallel_size}: this Megatron-LM validates one "
+                        f"sequence a micro-batch but shapes its pipeline transfers for "
+                        f"--micro-batch-size; drop --full-validation (validate with "
+                        f"--eval-iters)")
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    if args.sequence_parallel and tp > 1 and (args.seq_length // cp) % tp:
+        raise FlagError(f"--full-validation with --sequence-parallel needs --seq-length / "
+                        f"--context-parallel-size = {args.seq_length // cp} tokens (one "
+                        f"sequence a micro-batch) divisible by --tensor-model-parallel-size "
+                        f"{tp}")
+
+
+def _check_validation_data(args) -> None:
+    """Megatron-LM evaluates whenever --eval-iters > 0 (or --full-validation), with or without
+    validation data: without, its evaluation reads from no iterator and the run stops at its
+    first evaluation, or at the end, after the whole training (every version to 0.19)."""
+    evaluates = getattr(args, "eval_iters", 0) > 0 or getattr(args, "full_validation", False)
+    if evaluates and data.validation_source(args) is None:
+        given = (f"--split {args.split} gives none" if args.split is not None else
+                 "no --valid-data-path, or no \"valid\" in --per-split-data-args-path")
+        raise FlagError(f"no validation data ({given}) but "
+                        f"--eval-iters {args.eval_iters}: Megatron-LM would stop at its first "
+                        f"evaluation; pass --eval-iters 0, or validation data")
+
+
+def _check_rampup(args) -> None:
+    """Megatron-LM >= 0.18 accepts --rampup-batch-size and then trains at the full batch (its
+    megatron-core ignores the ramp): hand it the same ramp as its --step-batch-size-schedule
+    (thresholds in tokens, as it reads them, with its --seq-length), and say so."""
+    schedule = ramp_as_step_schedule(args, tokens_per_sample=args.seq_length)
+    if schedule is None:
+        return
+    given = "--rampup-batch-size " + " ".join(map(str, args.rampup_batch_size))
+    args.step_batch_size_schedule, args.rampup_batch_size = schedule, None
+    if getattr(args, "rank", 0) == 0:
+        print(f" megatron-eod: {given} runs as --step-batch-size-schedule \"{schedule}\" "
+              f"(tokens; this Megatron-LM's megatron-core ignores the ramp)", flush=True)
+
+
+def _refuse(args) -> None:
+    for dest, (is_set, why) in REFUSED.items():
+        value = getattr(args, dest, None)
+        if value is not None and is_set(value):
+            shown = "" if value is True else f" {value}"
+            raise FlagError(f"--{dest.replace('_', '-')}{shown}: {why}")
+    if args.attention_dropout:
+        source = (" taken from the checkpoint's args (--use-checkpoint-args), where the flags "
+                  "give none" if getattr(args, "use_checkpoint_args", False) else "")
+        raise FlagError(f"--attention-dropout {args.attention_dropout}{source} (Megatron-LM's "
+                        f"default is 0.1): the varlen attention kernels apply no dropout; pass "
+                        f"--attention-dropout 0")
+    if isinstance(args.num_query_groups, _DefaultGroups):  # not passed: nothing to check
+        args.num_query_groups = int(args.num_query_groups)
+    else:
+        check_query_groups(args)
+    if args.position_embedding_type not in ("rope", "learned_absolute", "none"):
+        raise FlagError(f"--position-embedding-type {args.position_embedding_type}: EoD reset "
+                        f"supports rope, learned_absolute and none (at reset positions)")
+    impl = getattr(args, "transformer_impl", "local")
+    if impl not in ("local", "transformer_engine"):
+        raise FlagError(f"--transformer-impl {impl}: EoD attention slots into the local or the "
+                        f"transformer_engine GPT layer spec")
+    if impl == "transformer_engine":
+        from megatron_eod.attention.backends import has_transformer_engine
+
+        if not has_transformer_engine():
+            raise FlagError("--transformer-impl transformer_engine (Megatron-LM's default) "
+                            "needs TransformerEngine, which is not installed; pass "
+                            "--transformer-impl local")
+    if not args.calculate_per_token_loss:
+        raise FlagError("--calculate-per-token-loss is off: each CP rank would divide its loss "
+                        "by its own token count; EoD providers need per-token loss")
+    if not data_sources_given(args):
+        raise FlagError(NO_DATA)

@@ -1,11 +1,11 @@
 """Before a checkpoint is read: which one --load names, the same on every rank, and whole.
 
 One job: `find_checkpoint(args)`, a collective of the default group called by every rank
-before any checkpoint file is read for loading (both trainers), returns the checkpoint to
+before any checkpoint file is read for loading, returns the checkpoint to
 load (`Found`) or None for a fresh start, or raises the same CheckpointError on every rank,
-naming the flag, the file and the rule. What it refuses, where both trainers failed deep
-inside torch or megatron-core (a traceback on every rank, some ranks waiting in a collective
-the others never joined, or, in Megatron-LM's trainer, exit status 0):
+naming the flag, the file and the rule. What it refuses, where Megatron-LM's trainer failed
+deep inside torch or megatron-core (a traceback on every rank, some ranks waiting in a
+collective the others never joined, or exit status 0):
 
 - a tracker that holds no iteration or cannot be read;
 - a `--load` that is a file, a folder this user cannot read, or an iteration folder itself
@@ -15,17 +15,15 @@ the others never joined, or, in Megatron-LM's trainer, exit status 0):
   starts fresh); the newest is named;
 - ranks reading different trackers (node-local copies, one stale): resumed at different
   iterations, they trained on mismatched states until a collective failed;
-- an iteration folder holding no checkpoint (the complete ones named), or a torch_dcp /
-  fsdp_dtensor one under the lean trainer;
+- an iteration folder holding no checkpoint (the complete ones named);
 - a torch_dist checkpoint whose metadata.json, common.pt or .metadata cannot be read, or
   whose shard files are missing or shorter than the data its index lists (rank 0 reads the
   index and stats the shards);
 - a torch-format file of this rank (or the distributed optimizer's beside it) empty or cut
-  short (its zip directory is read; Megatron-LM's trainer exited 0 there; a missing one is
-  named by the load, which gathers it the same way: `raise_on_every_rank`);
+  short (its zip directory is read; Megatron-LM's trainer exited 0 there);
 - a resume (not --finetune, not --no-load-optim) of a checkpoint saved without its optimizer
-  state (--no-save-optim): the lean trainer restarted Adam and the learning-rate warm-up
-  silently (Megatron-LM refuses).
+  state (--no-save-optim), which Megatron-LM loads as far as it can (a traceback, or Adam
+  restarted silently).
 
 Each rank's finding is gathered (one all_gather_object of a few bytes a rank), so every rank
 raises the first, naming that rank where only some found it.
@@ -50,13 +48,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint  # noqa: F401 (FileSystemReader reads the shards' index)
 
 from megatron_eod.megatron.imports import import_megatron
-from megatron_eod.training.checkpointing import (DISTRIB_OPTIM_FILE, TRACKER, CheckpointError,
+from megatron_eod.training.checkpoint_files import (DISTRIB_OPTIM_FILE, TRACKER, CheckpointError,
                                                  _legacy_file, checkpoint_folder,
                                                  checkpoint_format, is_whole, iterations_under,
                                                  read_tracker)
 from megatron_eod.training.every_rank import gathered
 
-__all__ = ["Found", "check_optimizer_saved", "find_checkpoint", "raise_on_every_rank"]
+__all__ = ["Found", "check_optimizer_saved", "find_checkpoint"]
 
 _ITERATION_FOLDER = re.compile(r"(iter_\d{7}|release)$")
 _ZIP = b"PK\x03\x04"  # torch.save's format; older checkpoints may be plain pickles
@@ -99,7 +97,7 @@ def _check_root(root, flag) -> bool:
     return True
 
 
-def _found(flag, root, iteration, finetune, lean, named_by=TRACKER) -> Found:
+def _found(flag, root, iteration, finetune, named_by=TRACKER) -> Found:
     folder = checkpoint_folder(root, iteration)
     kind = checkpoint_format(folder)
     if kind is None and os.path.isfile(os.path.join(folder, ".metadata")):
@@ -107,12 +105,7 @@ def _found(flag, root, iteration, finetune, lean, named_by=TRACKER) -> Found:
             raise CheckpointError(f"{flag} {root}: {folder} is a torch_dist checkpoint without "
                                   f"its metadata.json (written last: a save killed at its end, "
                                   f"or a copy that lost it)")
-        kind = "other"
-        if lean:
-            raise CheckpointError(f"{flag} {root}: {folder} holds .metadata without "
-                                  f"metadata.json: a checkpoint of another format (torch_dcp "
-                                  f"or fsdp_dtensor: load it with --trainer megatron-lm), or a "
-                                  f"torch_dist one that lost its metadata.json")
+        kind = "other"  # torch_dcp or fsdp_dtensor: Megatron-LM reads them itself
     if kind is None:
         complete = [i for i in _complete_iterations(root) if i != iteration]
         older = (f"; complete there: iteration {', '.join(map(str, complete[-3:]))} (write one "
@@ -123,11 +116,11 @@ def _found(flag, root, iteration, finetune, lean, named_by=TRACKER) -> Found:
     return Found(flag, root, iteration, finetune or iteration == "release", folder, kind)
 
 
-def _locate(args, lean) -> Optional[Found]:
+def _locate(args) -> Optional[Found]:
     """This rank's view: --load (at Megatron-LM's --ckpt-step where given), or
     --pretrained-checkpoint where --load has none (then as --finetune), or None."""
     try:
-        return _located(args, lean)
+        return _located(args)
     except OSError as error:  # an iteration folder this user cannot list, ...
         raise CheckpointError(f"--load {getattr(args, 'load', None)}: {error.filename} cannot "
                               f"be read ({error.strerror or error})") from None
@@ -145,16 +138,16 @@ def _say_partial(load, iterations) -> None:
               f"from scratch", flush=True)
 
 
-def _located(args, lean) -> Optional[Found]:
+def _located(args) -> Optional[Found]:
     load = getattr(args, "load", None)
     finetune = bool(getattr(args, "finetune", False))
     if load and _check_root(load, "--load"):
         step = getattr(args, "ckpt_step", None)
         if step is not None:  # Megatron-LM's: this iteration, whatever the tracker says
-            return _found("--load", load, step, finetune, lean, f"--ckpt-step {step}")
+            return _found("--load", load, step, finetune, f"--ckpt-step {step}")
         iteration = read_tracker(load, "--load")
         if iteration is not None:
-            return _found("--load", load, iteration, finetune, lean)
+            return _found("--load", load, iteration, finetune)
         complete = _complete_iterations(load)
         if complete:
             raise CheckpointError(
@@ -169,7 +162,7 @@ def _located(args, lean) -> Optional[Found]:
                      if _check_root(pretrained, "--pretrained-checkpoint") else None)
         if iteration is None:
             raise CheckpointError(f"--pretrained-checkpoint {pretrained}: no {TRACKER} there")
-        return _found("--pretrained-checkpoint", pretrained, iteration, True, lean)
+        return _found("--pretrained-checkpoint", pretrained, iteration, True)
     return None
 
 
@@ -301,25 +294,16 @@ def _raise_first(seen) -> None:
         raise CheckpointError(error)
 
 
-def raise_on_every_rank(error: Optional[str]) -> None:
-    """Every rank raises the first rank's error (a collective: every rank calls it)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        _raise_first(gathered((error, socket.gethostname(), False)))
-    elif error:
-        raise CheckpointError(error)
-
-
 def _where(view) -> str:
     return "no checkpoint" if view is None else f"iteration {view[1]} of {view[0]}"
 
 
-def find_checkpoint(args, lean: bool = True) -> Optional[Found]:
+def find_checkpoint(args) -> Optional[Found]:
     """The checkpoint every rank loads, or None (a fresh start); raises the same
-    CheckpointError on every rank. Collective. `lean`: the lean trainer (Megatron-LM's reads
-    more formats and names its torch-format files itself)."""
+    CheckpointError on every rank. Collective."""
     error, found, shared = None, None, False
     try:
-        found = _locate(args, lean)
+        found = _locate(args)
         if found is None and getattr(args, "exit_on_missing_checkpoint", False):
             raise CheckpointError(
                 f"--load {args.load or args.pretrained_checkpoint} holds no checkpoint (no "

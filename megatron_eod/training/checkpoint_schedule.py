@@ -1,4 +1,4 @@
-"""A resumed run's learning-rate schedule against its checkpoint's, both trainers.
+"""A resumed run's learning-rate schedule against its checkpoint's.
 
 One job: the rules a resume follows for the optimizer's per-group schedule values (max/min
 LR, start/end weight decay) that megatron-core's optimizer and OptimizerParamScheduler carry
@@ -6,10 +6,9 @@ in a checkpoint: the flags' values by default (refused by name where the schedul
 `schedule_mismatch`), the flags' with --override-opt_param-scheduler, the checkpoint's with
 --use-checkpoint-opt_param-scheduler (`apply_schedule_choice`), and the saved param groups
 paired with the current ones whatever megatron-core version pairs them by
-(`schedule_values_to_flags`). Used by checkpoint_load.py (the lean trainer) and
-megatron_lm_run.py (around Megatron-LM's own load).
+(`schedule_values_to_flags`). Used by checkpoint_load.py, around Megatron-LM's own load.
 
-What it does not do: no loading (checkpoint_load.py's), no scheduler of its own.
+What it does not do: no loading (Megatron-LM's), no scheduler of its own.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from __future__ import annotations
 import re
 
 from megatron_eod.megatron.imports import import_megatron
-from megatron_eod.training.checkpointing import CheckpointError
+from megatron_eod.training.checkpoint_files import CheckpointError
 
 __all__ = ["apply_schedule_choice", "group_lrs", "schedule_mismatch", "schedule_values_to_flags"]
 
@@ -36,8 +35,8 @@ _SCHEDULE_FLAGS = {
 
 def schedule_mismatch(error: AssertionError, folder) -> str:
     """The line for megatron-core's assertion that a resumed run's LR schedule differs from
-    its checkpoint's (both trainers: a traceback on every rank, counting samples as
-    'iterations', naming no flag)."""
+    its checkpoint's (a traceback on every rank, counting samples as 'iterations', naming
+    no flag)."""
     found = re.search(r"class input value (.*) and checkpoint ?value (.*) for (.*) do not match",
                       str(error))
     if found is None:

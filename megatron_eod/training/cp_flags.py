@@ -1,7 +1,12 @@
-"""The context-parallel flag rules both trainers share, and the error every flag rule raises.
+"""The context-parallel flags, and the error every flag rule raises.
 
-One job: `check_context_parallel(args)` on any namespace with Megatron's attribute names (the
-lean trainer's args, or Megatron-LM's after megatron_lm_args maps its --cp-comm-type):
+One job, for Megatron-LM's args: `resolve_cp_spellings(args)` makes one fact of the two
+spellings of context parallelism (before Megatron-LM's validate_args): Megatron-LM's
+`--cp-comm-type` maps onto ours, p2p = ring, a2a = ulysses, a2a+p2p with
+`--hierarchical-context-parallel-sizes U CP/U` = hybrid with Ulysses degree U;
+`--context-parallel-algo` / `--ulysses-degree-in-cp` may say the same instead (then the
+hierarchical sizes are filled in for Megatron-LM to build the groups); saying both and
+differently is an error naming both. `check_context_parallel(args)`, after it:
 normalises `context_parallel_algo` (the Ascend spellings too), sets `ulysses_degree` from the
 plan's one rule, and raises `FlagError` naming the flags; `check_sequence_parallel_rows(args)`
 checks that sequence parallelism can split a rank's packed micro-batch over TP;
@@ -12,7 +17,7 @@ refuses what the GPU flash kernels cannot take (float32, a head dim off their si
 `check_query_groups` keeps --num-query-groups to Megatron-LM's meaning; `exit_with_error`
 says a FlagError (or any start-up error) and exits.
 
-What it does not do: no parsing (args.py, megatron_lm_args.py).
+What it does not do: no parsing (args.py).
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ __all__ = ["CONCURRENT_CALLS_HELP", "CP_ALGO_ALIASES", "FUSED_BACKWARD_HELP",
            "RING_EXCHANGES",
            "RING_EXCHANGE_HELP", "check_context_parallel", "check_gloo_on_cuda",
            "check_gpu_attention", "check_hybrid_degree", "check_query_groups",
-           "check_sequence_parallel_rows", "exit_with_error", "say_error"]
+           "check_sequence_parallel_rows", "exit_with_error", "resolve_cp_spellings",
+           "say_error"]
 
 RING_EXCHANGE_HELP = ("how ring and hybrid CP move keys/values: batched (default: all of a "
                       "layer's transfers at once, 2 attention calls per direction), "
@@ -106,7 +112,7 @@ def say_error(line: str) -> None:
 
 def check_query_groups(args) -> None:
     """--num-query-groups counts only with --group-query-attention (Megatron-LM's meaning,
-    which both trainers keep: one launch script, one model); without it Megatron-LM builds
+    one launch script, one model); without it Megatron-LM builds
     multi-head attention and says nothing, so a value given that would change the model is
     refused (None: not given)."""
     heads, groups = args.num_attention_heads, args.num_query_groups
@@ -245,3 +251,90 @@ def check_gpu_attention(args, cuda_available: bool) -> None:
     problem = flash_attn_problem()
     _require(problem is None, f"--use-flash-attn needs a usable flash-attn: {problem}; drop "
                               f"the flag to use PyTorch's varlen flash kernels")
+
+
+COMM_TO_ALGO = {"p2p": "ring", "a2a": "ulysses", "a2a+p2p": "hybrid"}
+ALGO_TO_COMM = {algo: comm for comm, algo in COMM_TO_ALGO.items()}
+
+
+class NotGiven(list):
+    """The default of --cp-comm-type (["p2p"]), told apart from an explicit --cp-comm-type."""
+
+
+def resolve_cp_spellings(args) -> None:
+    """Megatron-LM's spellings and ours made one: sets `context_parallel_algo`, the Ulysses
+    degree of hybrid (from --hierarchical-context-parallel-sizes where given) and, for
+    Megatron-LM to build its groups, `cp_comm_type` and the hierarchical sizes; FlagError
+    names the flags that disagree."""
+    cp = args.context_parallel_size
+    comm = getattr(args, "cp_comm_type", None)
+    comm_given = comm is not None and not isinstance(comm, NotGiven)
+    comm = list(comm or ["p2p"])
+    if len(comm) != 1:
+        raise FlagError(f"--cp-comm-type {' '.join(comm)}: one type per layer is not "
+                        f"supported; EoD attention uses one algorithm for every layer")
+    if comm[0] not in COMM_TO_ALGO:
+        raise FlagError(f"--cp-comm-type {comm[0]}: EoD attention implements p2p (ring), a2a "
+                        f"(ulysses) and a2a+p2p (hybrid)")
+    sizes = list(getattr(args, "hierarchical_context_parallel_sizes", None) or [])
+    given = args.context_parallel_algo
+    if given is not None and given not in CP_ALGO_ALIASES:
+        raise FlagError(f"--context-parallel-algo {given!r} is not supported; choose one of "
+                        f"{', '.join(CP_ALGO_ALIASES)}")
+    if cp == 1 and comm[0] == "a2a+p2p" and CP_ALGO_ALIASES.get(given) in (None, "ring"):
+        # A launch script templated for hybrid, run at CP=1 (Megatron-LM takes it with sizes
+        # whose product is 1): nothing is exchanged, so it runs as plain CP=1 attention
+        # ("ring": what this sets, read again on a second pass).
+        shown = f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}"
+        if sizes and len(sizes) != 2:
+            raise FlagError(f"{shown}: hybrid takes two sizes, Ulysses (inner) then Ring "
+                            f"(outer)")
+        if sizes and sizes[0] * sizes[1] != 1:
+            raise FlagError(f"{shown}: their product must be --context-parallel-size 1")
+        u = args.ulysses_degree_in_cp
+        if u not in (None, 1):
+            raise FlagError(f"--ulysses-degree-in-cp {u} needs --context-parallel-size > {u}")
+        args.context_parallel_algo = "ring"
+        return
+    algo = CP_ALGO_ALIASES.get(given, given) if given is not None else COMM_TO_ALGO[comm[0]]
+    if given is not None and comm_given and COMM_TO_ALGO[comm[0]] != algo:
+        raise FlagError(f"--context-parallel-algo {given} contradicts --cp-comm-type {comm[0]} "
+                        f"({COMM_TO_ALGO[comm[0]]}); pass one of them")
+    args.context_parallel_algo = algo
+    u = args.ulysses_degree_in_cp
+    if given is None and algo != "hybrid" and u not in (None, 1, cp if algo == "ulysses" else 1):
+        raise FlagError(f"--ulysses-degree-in-cp {u} asks for hybrid context parallelism, but "
+                        f"--cp-comm-type {comm[0]}{'' if comm_given else ' (the default)'} is "
+                        f"{algo}: pass --cp-comm-type a2a+p2p (or --context-parallel-algo "
+                        f"hybrid)")
+    if algo != "hybrid":
+        if sizes:
+            raise FlagError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))} "
+                            f"is only used by --cp-comm-type a2a+p2p (hybrid), not by {algo}")
+    elif cp > 1:
+        if sizes:
+            shown = f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}"
+            if len(sizes) != 2:
+                raise FlagError(f"{shown}: hybrid takes two sizes, Ulysses (inner) then Ring "
+                                f"(outer)")
+            if sizes[0] * sizes[1] != cp or min(sizes) < 2:
+                raise FlagError(f"{shown}: hybrid needs two sizes > 1 whose product is "
+                                f"--context-parallel-size {cp} (an inner size of 1 is ring: "
+                                f"--cp-comm-type p2p; an outer size of 1 is ulysses: a2a)")
+            if u is not None and u != sizes[0]:
+                raise FlagError(f"--ulysses-degree-in-cp {u} contradicts "
+                                f"--hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]}")
+            args.ulysses_degree_in_cp = u = sizes[0]
+        # Checked here, not only in check_context_parallel: this runs before Megatron-LM's
+        # validate_args (check_before_megatron), whose assertions on a2a+p2p have no message.
+        if given is None and u is None:
+            raise FlagError(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes "
+                            f"U {cp}/U (Ulysses inside, Ring across), or --ulysses-degree-in-cp "
+                            f"U")
+        check_hybrid_degree(u, cp, f"--context-parallel-algo {given}" if given is not None
+                            else "--cp-comm-type a2a+p2p")
+        args.hierarchical_context_parallel_sizes = [u, cp // u]  # Megatron-LM builds them
+    if algo != "hybrid" or cp > 1:
+        args.cp_comm_type = [ALGO_TO_COMM[algo]]
+    elif isinstance(args.cp_comm_type, NotGiven):  # args go into checkpoints: a plain list
+        args.cp_comm_type = list(args.cp_comm_type)

@@ -1,8 +1,7 @@
-"""Flag rules outside context parallelism that both trainers share, so that one launch script
-is refused by both with the same line, or by neither.
+"""Flag rules outside context parallelism, run on Megatron-LM's args around its validate_args.
 
-One job: each `check_*(args)` reads a namespace with Megatron's attribute names (the lean
-trainer's args, or Megatron-LM's) and raises `FlagError` naming the flag and the rule:
+One job: each `check_*(args)` reads Megatron-LM's args and raises `FlagError` naming the flag
+and the rule:
 `check_split` (the --split string), `check_positive` (intervals that are divided by, sizes),
 `check_global_batch` (--global-batch-size against the micro-batch and DP sizes; needs
 `data_parallel_size`), `check_tokenizer_files` (what each --tokenizer-type reads),
@@ -10,21 +9,30 @@ trainer's args, or Megatron-LM's) and raises `FlagError` naming the flag and the
 CUDA), `check_profiler_device` (--profile's CUDA profiler), `check_rank_order`
 (--use-tp-pp-dp-mapping's groups). Under Megatron-LM's trainer each of these was a bare
 `AssertionError`, a ZeroDivisionError or a traceback, some only after the model was built
-(megatron_lm_args.py runs them around its validate_args).
+(args.py runs them around its validate_args). For checkpoints: `--attention-dropout` given on
+the command line kept over the one `--use-checkpoint-args` takes from a checkpoint (EoD
+attention has no dropout), the persistent checkpoint worker refused without CUDA (it dies at
+the first save and the run waits), and `--decoupled-lr` refused where this megatron-core
+cannot load the checkpoints it would write. `ramp_as_step_schedule`: --rampup-batch-size as
+the step schedule megatron-core >= 0.18 reads instead (it ignores the ramp).
 
-What it does not do: no defaults (args.py, megatron_lm_args.py set them), no CP rules
-(cp_flags.py).
+What it does not do: no defaults (args.py sets them), no CP rules (cp_flags.py).
 """
 
 from __future__ import annotations
+
+import importlib
+import inspect
+import sys
 
 from megatron_eod.data.split_sizes import split_shares
 from megatron_eod.data.tokenizers import SENTENCEPIECE_TYPES
 from megatron_eod.training.cp_flags import FlagError
 
-__all__ = ["check_backend_device", "check_device_precision", "check_global_batch",
+__all__ = ["check_backend_device", "check_decoupled_lr_checkpoints", "check_device_precision",
+           "check_global_batch", "check_persistent_ckpt_worker", "keep_the_flags_attention_dropout",
            "check_positive", "check_profiler_device", "check_rank_order", "check_split",
-           "check_tokenizer_files"]
+           "check_tokenizer_files", "ramp_as_step_schedule", "rampup_as_step_schedule"]
 
 # What each --tokenizer-type reads (Megatron-LM's build_tokenizer asserts these bare).
 TOKENIZER_NEEDS = {"HuggingFaceTokenizer": ("tokenizer_model",),
@@ -84,13 +92,12 @@ def check_global_batch(args, decrease_helps: bool = True) -> None:
                             else ""))
 
 
-def check_tokenizer_files(args, default: str = "") -> None:
-    """The flags --tokenizer-type needs; `default`: said where the type is the trainer's
-    default rather than the user's (Megatron-LM's GPT2BPETokenizer)."""
+def check_tokenizer_files(args) -> None:
+    """The flags --tokenizer-type needs."""
     kind = getattr(args, "tokenizer_type", None)
     for dest in TOKENIZER_NEEDS.get(kind, ()):
         if getattr(args, dest, None) is None:
-            raise FlagError(f"--tokenizer-type {kind}{default} needs {_flag(dest)}")
+            raise FlagError(f"--tokenizer-type {kind} needs {_flag(dest)}")
 
 
 def check_device_precision(args, cuda_available: bool) -> None:
@@ -139,3 +146,127 @@ def check_profiler_device(args, cuda_available: bool) -> None:
         raise FlagError("--profile needs CUDA (Megatron-LM starts CUDA's profiler at "
                         "--profile-step-start); add --use-pytorch-profiler, or drop --profile "
                         "on CPU")
+
+
+def ramp_as_step_schedule(args, tokens_per_sample: int = 1):
+    """The --rampup-batch-size ramp as a step schedule (`rampup_as_step_schedule`) where the
+    installed megatron-core ignores rampup_batch_size (>= 0.18, a deprecation warning and
+    then the full batch), None where it ramps itself or no ramp is asked for. There a ramp
+    beside --step-batch-size-schedule, or with --decrease-batch-size-if-needed (a step
+    schedule cannot decrease the batch), is a FlagError."""
+    if getattr(args, "rampup_batch_size", None) is None or not ramps_by_step_schedule():
+        return None
+    start, increment, samples = map(int, args.rampup_batch_size)
+    given = f"--rampup-batch-size {start} {increment} {samples}"
+    if getattr(args, "step_batch_size_schedule", None):
+        raise FlagError(
+f"{given}: this megatron-core ignores it beside --step-batch-size-schedule; "
+                        f"drop one of them")
+    if args.decrease_batch_size_if_needed:
+        raise FlagError(f"{given} with --decrease-batch-size-if-needed: this megatron-core "
+                        f"ramps only by a step schedule, which cannot decrease the batch; drop "
+                        f"one of them")
+    return rampup_as_step_schedule(start, increment, samples, args.global_batch_size,
+                                   tokens_per_sample)
+
+
+def ramps_by_step_schedule() -> bool:
+    """Whether the installed megatron-core ramps the batch only by a step schedule and ignores
+    rampup_batch_size (>= 0.18)."""
+    calculator = importlib.import_module("megatron.core.num_microbatches_calculator")
+    return "step_batch_size_schedule" in inspect.signature(
+        calculator.init_num_microbatches_calculator).parameters
+
+
+def rampup_as_step_schedule(start: int, increment: int, samples: int,
+                            global_batch_size: int, tokens_per_sample: int = 1) -> str:
+    """--rampup-batch-size START INCREMENT SAMPLES as megatron-core's step schedule
+    ("THRESHOLD:BATCH ...", thresholds in samples x `tokens_per_sample`: Megatron-LM hands
+    the calculator its --seq-length, which makes them tokens), the same batch at every
+    consumed-sample count: megatron-core >= 0.18 ignores rampup_batch_size (deprecated for
+    step_batch_size_schedule). The ramp: START + INCREMENT x int(consumed / (SAMPLES /
+    increments)) up to SAMPLES, then the global batch; each threshold is the first sample
+    count its step reaches."""
+    increments = (global_batch_size - start) // increment
+    per_increment = samples / increments  # a float, as megatron-core's ramp computes it
+
+    def step(consumed: int) -> int:
+        return increments if consumed > samples else int(consumed / per_increment)
+
+    schedule = {0: start}  # threshold -> batch; several steps may share a threshold
+    for k in range(1, increments + 1):
+        threshold = max(0, int(k * per_increment) - 1)
+        while step(threshold) < k:
+            threshold += 1
+        schedule[threshold] = start + k * increment
+    schedule = sorted(schedule.items())
+    return " ".join(f"{threshold * tokens_per_sample}:{batch}" for threshold, batch in schedule)
+
+
+def _flag_value(argv, flag: str):
+    """The last value `argv` gives `flag` (`--flag V` or `--flag=V`), or None."""
+    value = None
+    for i, word in enumerate(argv):
+        if word == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif word.startswith(flag + "="):
+            value = word[len(flag) + 1:]
+    return value
+
+
+
+def keep_the_flags_attention_dropout(args) -> None:
+    """--use-checkpoint-args: Megatron-LM sets --attention-dropout from the checkpoint's args
+    whatever the flags say, and a checkpoint trained without EoD attention has its default,
+    0.1, which EoD attention cannot run: the flags' value is kept over it (said on rank 0)."""
+    if not getattr(args, "use_checkpoint_args", False):
+        return
+    given = _flag_value(sys.argv[1:], "--attention-dropout")
+    if given is None or float(given) == args.attention_dropout:
+        return
+    if getattr(args, "rank", 0) == 0:
+        print(f" megatron-eod: --attention-dropout {given} kept over the checkpoint's "
+              f"{args.attention_dropout} (--use-checkpoint-args): EoD attention has no dropout",
+              flush=True)
+    args.attention_dropout = float(given)
+
+
+
+def check_persistent_ckpt_worker(args, cuda_available: bool) -> None:
+    """Megatron-LM's persistent checkpoint worker (--async-save --use-persistent-ckpt-worker)
+    sets a CUDA device unconditionally: without CUDA the worker dies at the first save
+    (ZeroDivisionError in its process) and the run waits for that save forever."""
+    if cuda_available or not (getattr(args, "async_save", False)
+                              and getattr(args, "use_persistent_ckpt_worker", False)):
+        return
+    raise FlagError("--use-persistent-ckpt-worker needs CUDA: Megatron-LM's worker sets a CUDA "
+                    "device and, without one, dies at the first save while the run waits for "
+                    "it; drop --use-persistent-ckpt-worker (Megatron-LM then saves "
+                    "synchronously) or run on GPUs")
+
+
+
+def check_decoupled_lr_checkpoints(args) -> None:
+    """megatron-core 0.16's regular optimizer matches saved parameter groups to its own by
+    (wd_mult, lr_mult, expert, decoupled) only: --decoupled-lr's group (the embedding and
+    output layer) differs from the default group in its learning rate alone, one overwrites
+    the other, and every --load of the run's own checkpoints stops with "loaded state dict
+    contains a parameter group that doesn't match" (measured on CPU, both formats). Later
+    megatron-cores (0.19.2) match by the learning rates too; the distributed optimizer loads
+    by another path and resumes (one group's max/min LR in both, put right after the load:
+    checkpoint_schedule.apply_schedule_choice)."""
+    loads_optimizer = getattr(args, "load", None) and not (
+        getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
+    if getattr(args, "decoupled_lr", None) is None or args.use_distributed_optimizer or not (
+            getattr(args, "save", None) or loads_optimizer):
+        return
+    keys = getattr(importlib.import_module("megatron.core.optimizer.optimizer"),
+                   "param_group_identifier_keys", ())
+    if "max_lr" in keys:
+        return
+    raise FlagError(f"--decoupled-lr {args.decoupled_lr} without --use-distributed-optimizer: "
+                    f"this megatron-core's optimizer cannot load the checkpoints this run would "
+                    f"write (its decoupled and default parameter groups differ only in their "
+                    f"learning rate, which it does not compare: a ValueError at every --load); "
+                    f"add --use-distributed-optimizer, or use megatron-core >= 0.19")
+

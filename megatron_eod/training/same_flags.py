@@ -1,7 +1,7 @@
 """Whether every rank was launched with the same flags and the same versions.
 
 One job: `check_same_flags(args, argv)`, called on every rank once the process group exists
-and before any other group is made (both trainers), raises FlagError on every rank when some
+and before any other group is made, raises FlagError on every rank when some
 rank's parsed flags, or its torch / megatron-core version, differ from rank 0's, naming the
 flag, both ranks with their hosts and both values.
 

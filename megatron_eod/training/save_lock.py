@@ -1,4 +1,4 @@
-"""One job at a time in a --save folder: `hold_save_folder(folder, error_type)`, both trainers.
+"""One job at a time in a --save folder: `hold_save_folder(folder, error_type)`.
 
 Two jobs writing one --save (a job submitted twice, a relaunch while the first still runs)
 took turns over its checkpoints: both saved the same iterations into the same folders, each

@@ -5,7 +5,7 @@ One job: `check_shared_folders(folders, error)`, a collective of the default gro
 rank on another host, naming the folder, the flag, both ranks and hosts. It runs only where
 the ranks span more than one host (one gather of host names); on one host it returns at once.
 
-Why: both trainers failed late and unclearly where a folder the ranks share was node-local
+Why: Megatron-LM's trainer failed late and unclearly where a folder the ranks share was node-local
 (a helper's two-node runs):
 - `--save` on node-local disks: every save said it was done, but each node held only its own
   ranks' shards (rank 0's node the tracker and metadata): no node could resume, found only at

@@ -1,10 +1,14 @@
-"""End-to-end CPU training of the tiny GPT (tiny_gpt.py): the losses do not depend on how the
-work is split.
+"""End-to-end CPU training of the tiny GPT (tests/training/runs.py) through Megatron-LM's REAL
+`pretrain()` with our providers, on 4 gloo ranks: the losses do not depend on how the work is
+split, and every EoD flag and model feature reaches the attention.
 
-Each test forks gloo ranks and runs the real trainer (`pretrain`, megatron-core schedules,
-DDP, our attention). float32; tolerance 1e-5 relative per iteration: CP changes only the
-order of floating-point sums (attention partials merged by log-sum-exp, losses and
-gradients summed over ranks), which over 10 Adam steps stays around 1e-6.
+float32, dropout off; each iteration's own lm loss from --metrics-file (Megatron-LM's "lm loss"
+log line averages over --log-interval, and its first line after a start averages two
+iterations). Tolerance 1e-5 relative: CP changes only the order of floating-point sums
+(attention partials merged by log-sum-exp, losses and gradients summed over ranks), which over
+4 Adam steps stays around 1e-7. The data is conftest.short_docs_data (about 2 EoDs a row), on
+which dropping any EoD flag moves the losses 60-170x the tolerance
+(`test_the_parity_data_makes_each_eod_flag_matter`).
 """
 
 import json
@@ -12,164 +16,142 @@ import math
 import os
 
 import pytest
-import torch
 
-from tests.functional.tiny_gpt import (ITERS, losses_of, megatron_lm_tiny_flags, tiny_flags,
-                                      train_rank)
-from tests.harness import run_ranks
-from tests.training.megatron_lm_checkout import (import_megatron_lm, needs_megatron_lm,
-                                                 null_tokenizer_vocab_size)
+from megatron_eod.data.preprocess import preprocess_jsonl
+from megatron_eod.data.tokenizers import ByteTokenizer
+from tests.functional.tiny_gpt import ITERS as GOLDEN_ITERS
+from tests.functional.tiny_gpt import golden_flags
+from tests.training.megatron_lm_checkout import import_megatron_lm, megatron_lm_knows
+from tests.training.runs import ITERS, flags, metrics_records, run_ranks, start, train
+
+pytestmark = pytest.mark.timeout(300)
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden_cpu_losses.json")
 TOL = 1e-5
 
 
-def train(world, data, *extra, drop=()):
-    """Per-iteration losses of the tiny config plus `extra` flags, minus `drop`."""
-    # Not daemonic: megatron-core's torch_dist checkpoint writer starts processes.
-    return losses_of(run_ranks(train_rank, world, tiny_flags(data, *extra, drop=drop),
-                               timeout=200, daemon=False))
+def assert_same(losses, reference, tol=TOL, iterations=None):
+    iterations = iterations or sorted(reference)
+    assert sorted(losses) == list(iterations), (sorted(losses), iterations)
+    for iteration in iterations:
+        assert losses[iteration] == pytest.approx(reference[iteration], rel=tol), iteration
 
 
-def assert_same(losses, reference, tol=TOL):
-    assert len(losses) == len(reference) == ITERS
-    for i, (a, b) in enumerate(zip(losses, reference)):
-        assert a == pytest.approx(b, rel=tol), f"iteration {i + 1}: {a} != {b}"
-
-
-@pytest.fixture(scope="module")
-def cp1(short_docs_data):
-    """The CP=1 reference of the parity tests, on short documents (conftest.short_docs_data:
-    about 2 EoDs a row, so masks, position ids and the loss mask shape every loss)."""
-    return train(1, short_docs_data)
-
-
-def test_cp1_matches_golden_losses(tiny_data):
-    """Golden per-iteration losses of the tiny config (as Megatron's functional tests keep;
-    tests/functional/test_gpu_training.py compares its GPU runs with them). Regenerate with
+def test_cp1_matches_golden_losses(tiny_data, tmp_path):
+    """Golden per-iteration losses of the golden tiny GPT on one rank (as Megatron's functional
+    tests keep; test_gpu_training.py compares its GPU runs with them). Regenerate with
     MEGATRON_EOD_UPDATE_GOLDEN=1 after an intended change."""
-    cp1 = train(1, tiny_data)
+    import_megatron_lm()
+    metrics = tmp_path / "golden.jsonl"
+    argv = golden_flags(tiny_data, "--metrics-file", str(metrics), "--distributed-backend",
+                        "gloo")
+    run_ranks(_quiet_rank, 1, argv, timeout=240, daemon=False)
+    losses = [r["lm_loss"] for r in metrics_records(metrics) if "kind" not in r]
     if os.environ.get("MEGATRON_EOD_UPDATE_GOLDEN"):
         with open(GOLDEN, "w") as f:
-            json.dump({"lm_loss": cp1}, f, indent=1)
+            json.dump({"lm_loss": losses}, f, indent=1)
     with open(GOLDEN) as f:
         golden = json.load(f)["lm_loss"]
-    assert_same(cp1, golden, tol=1e-4)  # across machines: thread counts change sum orders
-    assert cp1[-1] < cp1[0] - 0.3  # and it learns
+    assert len(losses) == len(golden) == GOLDEN_ITERS
+    for i, (a, b) in enumerate(zip(losses, golden)):  # across machines: thread counts
+        assert a == pytest.approx(b, rel=1e-4), f"iteration {i + 1}"  # change sum orders
+    assert losses[-1] < losses[0] - 0.3  # and it learns
 
 
-@pytest.mark.parametrize("flag,extra", [
-    ("--reset-attention-mask", []), ("--eod-mask-loss", []),
-    # With RoPE, position ids do not matter inside a document-masked attention (its angles are
-    # relative); with learned absolute positions they do.
-    ("--reset-position-ids", ["--position-embedding-type", "learned_absolute"])])
-def test_the_parity_data_makes_each_eod_flag_matter(cp1, short_docs_data, flag, extra):
-    """Without each EoD flag the same run gives other losses (measured: 1.2e-3, 1.7e-3 and
-    6e-4 relative, against the parity tests' 1e-5): on this data a CP run that got a
-    document's mask, loss mask or position ids wrong cannot match CP=1. (On tiny_data the
-    first 10 iterations see no EoD: the three differences are 0.)"""
-    reference = train(1, short_docs_data, *extra) if extra else cp1
-    without = train(1, short_docs_data, *extra, drop=(flag,))
-    assert max(abs(a - b) / b for a, b in zip(without, reference)) > 1e-4
-
-
-def _megatron_lm_rank(rank, world, argv):
+def _quiet_rank(rank, world, argv):
     import contextlib
     import io
 
+    from tests.training.runs import _as_rank
+
+    _as_rank(rank, world)
     import pretrain_gpt
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     with contextlib.redirect_stdout(io.StringIO()):
-        pretrain_gpt.main(["--trainer", "megatron-lm", *argv])
+        pretrain_gpt.main(list(argv))
 
 
-def test_every_data_source_trains_as_its_data_path_twin(cp1, short_docs_data, tmp_path):
-    """The lean trainer reads Megatron's other data sources: --data-args-path (the blend in a
-    file) trains exactly as --data-path, and so does --no-mmap-bin-files; a blend per split (--train-data-path ..., or the same
-    in --per-split-data-args-path) trains on the whole train blend, as --split 100,0,0."""
-    words = tmp_path / "blend.txt"
-    words.write_text(short_docs_data + "\n")
-    assert_same(train(1, short_docs_data, "--data-args-path", str(words),
-                      drop=("--data-path",)), cp1)
-    assert_same(train(1, short_docs_data, "--no-mmap-bin-files"), cp1)  # read, not mapped
-    whole = train(1, short_docs_data, "--split", "100,0,0")
-    assert_same(train(1, short_docs_data, "--train-data-path", short_docs_data, "--valid-data-path",
-                      short_docs_data, drop=("--data-path", "--split")), whole)
-    spec = tmp_path / "splits.json"
-    spec.write_text(json.dumps({"train": short_docs_data, "valid": short_docs_data}))
-    assert_same(train(1, short_docs_data, "--per-split-data-args-path", str(spec),
-                      drop=("--data-path", "--split")), whole)
+@pytest.mark.parametrize("extra", [
+    ["--context-parallel-size", "4", "--num-workers", "2"],  # and the data in loader workers
+    ["--context-parallel-size", "4", "--cp-comm-type", "a2a"],
+    ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+     "--hierarchical-context-parallel-sizes", "2", "2"],
+    ["--context-parallel-size", "2", "--cp-ring-exchange", "batched-keep"],
+], ids=["ring4", "ulysses4", "hybrid2x2", "cp2xdp2-keep"])
+def test_cp_matches_cp1(baseline, short_docs_data, tmp_path, extra):
+    losses, _ = train(tmp_path, "cp", short_docs_data, *extra)
+    assert_same(losses, baseline[0])
 
 
-@needs_megatron_lm
-def test_megatron_lm_trainer_trains_like_the_lean_trainer(cp1, short_docs_data, tmp_path):
-    """Megatron-LM's own `pretrain()` with our providers trains the tiny GPT to the lean
-    trainer's losses, on the short documents (so its masks, position ids and loss mask are
-    the lean trainer's): same initialisation (--use-cpu-initialization, as the lean trainer
-    always does without CUDA; Megatron-LM otherwise draws the weights from its model-parallel
-    generator), data order, schedule and loss (measured: equal to 5e-8).
-    tests/functional/test_gpu_training.py repeats it on a GPU."""
-    import_megatron_lm()
-    metrics = tmp_path / "megatron_lm.jsonl"
-    argv = megatron_lm_tiny_flags(short_docs_data, null_tokenizer_vocab_size(256),
-                                  "--metrics-file", str(metrics), "--distributed-backend", "gloo",
-                                  "--eval-interval", "1000", "--use-cpu-initialization")
-    run_ranks(_megatron_lm_rank, 1, argv, timeout=200, daemon=False)
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert_same([r["lm_loss"] for r in records if "kind" not in r], cp1)
-    # The LR each iteration ran at, as the lean trainer's --metrics-file has it (Megatron-LM's
-    # log line has the one its step leaves for the next: 1e-3 at iteration 1).
-    assert [r["lr"] for r in records if "kind" not in r] == tiny_lrs()
+@pytest.mark.parametrize("reference_flags,flags_", [
+    (["--use-cpu-initialization", "--qk-layernorm"],
+     ["--use-cpu-initialization", "--qk-layernorm", "--tensor-model-parallel-size", "2",
+      "--sequence-parallel", "--context-parallel-size", "2",
+      "--make-vocab-size-divisible-by", "64"]),
+    (["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1"],
+     ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
+      "--context-parallel-size", "2"]),
+], ids=["tp2-sp-cp2-qk-layernorm", "pp2-cp2-mbs2"])
+def test_tensor_and_pipeline_parallel_cp(short_docs_data, tmp_path, reference_flags, flags_):
+    """TP x CP with sequence parallelism and q/k layer norms (torch norms that allow sequence
+    parallelism, their weight gradients summed over TP) == TP=1 x CP=1, both initialised on
+    the CPU, as one master weight split, so TP=2 holds the TP=1 model (the vocabulary, 257
+    with the null tokenizer's EoD, is padded to a multiple of divisible-by x TP: halving
+    divisible-by keeps 384 rows); PP x CP == PP x CP=1 (Megatron-LM seeds each pipeline stage
+    apart, so PP=1 is another model). Megatron-LM's own schedule carries the packed EoD
+    micro-batches between stages: at 2 sequences a micro-batch they are [2*s/cp, 1, h], not
+    the [s/cp, 2, h] it shapes its buffers for unless told (`pack_stage_shapes`)."""
+    reference, _ = train(tmp_path, "reference", short_docs_data, *reference_flags)
+    losses, _ = train(tmp_path, "parallel", short_docs_data, *flags_)
+    assert_same(losses, reference)
 
 
-@needs_megatron_lm
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="the fused forward on a CPU needs Triton's interpreter")
-def test_megatron_lm_trainer_with_the_fused_forward(cp1, short_docs_data, tmp_path,
-                                                   fused_calls):
-    """Megatron-LM's `pretrain()` at CP=2 ring with --cp-fused-forward: both ranks' attention
-    forward is the fused kernel, CP=1's losses."""
-    import_megatron_lm()
-    metrics = tmp_path / "megatron_lm.jsonl"
-    argv = megatron_lm_tiny_flags(short_docs_data, null_tokenizer_vocab_size(256),
-                                  "--metrics-file", str(metrics), "--distributed-backend", "gloo",
-                                  "--eval-interval", "1000", "--use-cpu-initialization",
-                                  "--context-parallel-size", "2", "--cp-fused-forward")
-    run_ranks(_megatron_lm_rank, 2, argv, timeout=200, daemon=False)
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert_same([r["lm_loss"] for r in records if "kind" not in r], cp1)
-    assert len(fused_calls()) == 2
+def test_rope_variants_and_recompute_under_cp(short_docs_data, tmp_path):
+    """Interleaved RoPE with Llama-3 scaling and another base, at reset positions, reach the
+    attention the same way at every CP layout: CP=4 hybrid 2x2 with full recompute (each
+    layer's batch context read again in backward) == CP=1 with selective recompute (that each
+    RoPE layout is right is checked against stock megatron-core in
+    tests/megatron/test_stock_equivalence.py)."""
+    rope = ["--rotary-interleaved", "--use-rope-scaling", "--rotary-base", "500000"]
+    reference, _ = train(tmp_path, "cp1", short_docs_data, *rope,
+                         "--recompute-granularity", "selective")
+    losses, _ = train(tmp_path, "hybrid", short_docs_data, *rope, "--context-parallel-size",
+                      "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes",
+                      "2", "2", "--recompute-granularity", "full", "--recompute-method",
+                      "uniform", "--recompute-num-layers", "1")
+    assert_same(losses, reference)
 
 
-def tiny_lrs():
-    """The tiny GPT's LR at each iteration: --lr 2e-3 warmed up over 2 iterations of 4 samples,
-    then cosine to --min-lr 2e-4 at iteration 10 (megatron-core counts samples)."""
-    def lr(samples):
-        if samples <= 8:
-            return 2e-3 * samples / 8
-        return 2e-4 + 0.5 * (math.cos(math.pi * (samples - 8) / 32) + 1) * 1.8e-3
-    return [pytest.approx(lr(4 * (i - 1)), rel=1e-9) for i in range(1, ITERS + 1)]
+def test_learned_positions_and_qk_layernorm_under_cp(learned_cp1, short_docs_data, tmp_path):
+    """Megatron-LM's default --position-embedding-type learned_absolute, looked up at reset
+    positions, with q/k layer norms: CP=4 hybrid 2x2 (our spelling) == CP=1."""
+    losses, _ = train(tmp_path, "hybrid", short_docs_data, "--position-embedding-type",
+                      "learned_absolute", "--qk-layernorm", "--context-parallel-size", "4",
+                      "--context-parallel-algo", "hybrid", "--ulysses-degree-in-cp", "2")
+    assert_same(losses, learned_cp1[0])
 
 
-@pytest.mark.parametrize("world,algo", [
-    (2, ["ring"]), (4, ["ring"]), (2, ["ulysses"]), (4, ["ulysses"]),
-    (4, ["hybrid", "--ulysses-degree-in-cp", "2"]), (4, ["hybrid_cp_algo",
-                                                         "--ulysses-degree-in-cp", "2"])],
-    ids=["ring2", "ring4", "ulysses2", "ulysses4", "hybrid2x2", "ascend-hybrid2x2"])
-def test_cp_losses_equal_cp1(cp1, short_docs_data, world, algo):
-    losses = train(world, short_docs_data, "--context-parallel-size", str(world),
-                   "--context-parallel-algo", *algo)
-    assert_same(losses, cp1)
+@pytest.mark.parametrize("flag", ["--reset-attention-mask", "--eod-mask-loss",
+                                  "--reset-position-ids"])
+def test_the_parity_data_makes_each_eod_flag_matter(baseline, learned_cp1, short_docs_data,
+                                                    tmp_path, flag):
+    """Without each EoD flag the same run gives other losses (measured 6e-4 to 1.7e-3
+    relative, against the parity tests' 1e-5): on this data a CP run that got a document's
+    mask, loss mask or position ids wrong cannot match CP=1. With RoPE, position ids do not
+    matter inside a document-masked attention (its angles are relative); with learned
+    absolute positions they do."""
+    learned = flag == "--reset-position-ids"
+    extra = ["--position-embedding-type", "learned_absolute", "--qk-layernorm"] * learned
+    reference = (learned_cp1 if learned else baseline)[0]
+    without, _ = train(tmp_path, "without", short_docs_data, *extra, drop=(flag,))
+    assert max(abs(without[i] - reference[i]) / reference[i] for i in reference) > 1e-4
 
 
 @pytest.fixture
 def fused_calls(monkeypatch, tmp_path):
     """A file each rank's fused kernel launches append their process id to (the ranks are
-    forked after the patch): shows the flag reached the attention."""
-    from megatron_eod.attention import triton_forward
-
-    from megatron_eod.attention import triton_backward
+    forked after the patch): shows the flags reached the attention."""
+    from megatron_eod.attention import triton_backward, triton_forward
 
     log = tmp_path / "fused_calls"
 
@@ -186,7 +168,7 @@ def fused_calls(monkeypatch, tmp_path):
                          (triton_backward, "tile_dkdv")):
         counting(module, name)
 
-    def ranks(name="tile_forward"):
+    def ranks(name):
         """The processes that launched `name`."""
         lines = log.read_text().split() if log.exists() else []
         return {line.split(":")[1] for line in lines if line.startswith(name + ":")}
@@ -194,140 +176,168 @@ def fused_calls(monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="the fused forward on a CPU needs Triton's interpreter")
-@pytest.mark.parametrize("world,algo,backward", [
-    (2, ["ring"], False), (2, ["ring"], True)], ids=["ring2", "ring2-backward"])
-def test_fused_forward_trains_as_cp1(cp1, short_docs_data, world, algo, backward, fused_calls):
-    """--cp-fused-forward (attention/triton_forward.py, through Triton's interpreter here),
-    and --cp-fused-backward: every rank's attention forward (and backward) is the fused
-    kernels, the losses those of CP=1."""
-    losses = train(world, short_docs_data, "--context-parallel-size", str(world),
-                   "--context-parallel-algo", *algo, "--cp-fused-forward",
-                   *(["--cp-fused-backward"] if backward else []))
-    assert_same(losses, cp1)
-    assert len(fused_calls()) == world
-    assert len(fused_calls("tile_dq")) == len(fused_calls("tile_dkdv")) == \
-        (world if backward else 0)
+                    reason="the fused kernels on a CPU need Triton's interpreter")
+def test_fused_kernels_train_as_cp1(baseline, short_docs_data, tmp_path, fused_calls):
+    """--cp-fused-forward and --cp-fused-backward (attention/triton_forward.py and
+    triton_backward.py, through Triton's interpreter here): every rank's attention forward and
+    backward are the fused kernels, the losses those of CP=1 (two iterations: the interpreter
+    is slow)."""
+    losses, _ = train(tmp_path, "fused", short_docs_data, "--context-parallel-size", "2",
+                      "--cp-fused-forward", "--cp-fused-backward", "--train-iters", "2",
+                      drop=("--train-iters",))
+    assert_same(losses, baseline[0], iterations=[1, 2])
+    for kernel in ("tile_forward", "tile_dq", "tile_dkdv"):
+        assert len(fused_calls(kernel)) == 4, kernel
 
 
-def test_tp2_cp2_equals_cp1(cp1, short_docs_data):
-    """CPU initialisation makes tensor-parallel weights TP-invariant; the vocabulary is padded
-    to a multiple of divisible-by x TP, so halve divisible-by to keep 384 rows."""
-    losses = train(4, short_docs_data, "--tensor-model-parallel-size", "2",
-                   "--context-parallel-size", "2", "--sequence-parallel",
-                   "--make-vocab-size-divisible-by", "64")
-    assert_same(losses, cp1)
-
-
-def test_planning_ahead_changes_nothing(short_docs_data):
+def test_planning_ahead_changes_nothing(short_docs_data, tmp_path):
     """Plans made one micro-batch ahead on a worker thread (the default) give exactly the
     losses of plans made in the step, with TP 2 (peers follow the source's streams through
-    the header broadcast) and validation interleaved with training every 5 iterations."""
-    flags = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
-             "--make-vocab-size-divisible-by", "64"]
-    assert train(4, short_docs_data, *flags) == train(4, short_docs_data, *flags, "--no-plan-ahead")
+    the header broadcast) and validation interleaved with training every 2 iterations."""
+    common = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+              "--make-vocab-size-divisible-by", "64", "--eval-interval", "2",
+              "--rerun-mode", "disabled"]
+    ahead, ahead_log = train(tmp_path, "ahead", short_docs_data, *common)
+    inline, inline_log = train(tmp_path, "inline", short_docs_data, *common, "--no-plan-ahead")
+    assert ahead == inline
+    assert json.loads(ahead_log.splitlines()[-1]) == json.loads(inline_log.splitlines()[-1])
 
 
-def test_tp2_with_empty_validation_and_test_splits_finishes(short_docs_data):
-    """Only TP rank 0 reads data; every TP rank must agree to skip an empty split's
-    evaluation (else the others wait in the TP broadcast for a batch that never comes)."""
-    losses = train(2, short_docs_data, "--tensor-model-parallel-size", "2", "--split", "100,0,0")
-    assert len(losses) == ITERS and all(math.isfinite(x) for x in losses)
+def test_every_data_source_megatron_lm_reads(baseline, short_docs_data, tmp_path):
+    """Megatron-LM's other data sources mean what they mean there (its own
+    get_blend_and_blend_per_split): --data-args-path (the blend in a file) trains exactly as
+    --data-path; a blend per split (--train/--valid/--test-data-path, or the same in
+    --per-split-data-args-path) trains on the whole train blend, as --data-path with
+    --split 100,0,0 does, and evaluates on its own valid and test blends."""
+    blend_file = tmp_path / "blend.txt"
+    blend_file.write_text(f"{short_docs_data}\n")
+    losses, _ = train(tmp_path, "args_file", short_docs_data, "--data-args-path", str(blend_file),
+                      drop=("--data-path",))
+    assert losses == pytest.approx(baseline[0], rel=1e-6)
+    whole, _ = train(tmp_path, "whole", short_docs_data, "--split", "100,0,0", "--eval-iters", "0")
+    data = short_docs_data
+    per_split, log = train(tmp_path, "per_split", data, "--train-data-path", data,
+                           "--valid-data-path", data, "--test-data-path", data,
+                           "--no-mmap-bin-files", drop=("--data-path", "--split"))
+    assert per_split == pytest.approx(whole, rel=1e-6)
+    assert set(json.loads(log.splitlines()[-1])) == {"valid", "test"}
+    spec = tmp_path / "splits.json"
+    spec.write_text(json.dumps({"train": [data], "valid": [data], "test": [data]}))
+    from_file, _ = train(tmp_path, "spec", data, "--per-split-data-args-path", str(spec),
+                         drop=("--data-path", "--split"))
+    assert from_file == pytest.approx(whole, rel=1e-6)
 
 
-@pytest.mark.parametrize("granularity", [["full", "--recompute-method", "uniform"],
-                                         ["selective"]])
-def test_recompute_with_cp2_equals_cp1(cp1, short_docs_data, granularity):
-    losses = train(2, short_docs_data, "--context-parallel-size", "2",
-                   "--recompute-granularity", *granularity)
-    assert_same(losses, cp1)
+def test_multiple_validation_sets(short_docs_data, tmp_path):
+    """--multiple-validation-sets (with --full-validation, which Megatron-LM requires): a
+    validation blend of two prefixes is evaluated as two sets, each whole, and
+    --metrics-file records each set's loss (the same data twice here: equal losses)."""
+    small = str(tmp_path / "small")  # whole validation sets: keep them to a few batches
+    with open(small + ".jsonl", "w") as f:
+        for i in range(24):
+            f.write(json.dumps({"text": f"document {i}: " + "some text to validate on " * 8})
+                    + "\n")
+    preprocess_jsonl(small + ".jsonl", small, ByteTokenizer(), append_eod=True,
+                     log=lambda message: None)
+    small += "_text_document"
+    losses, log = train(tmp_path, "multi", short_docs_data, "--train-data-path", short_docs_data,
+                        "--valid-data-path", small, small, "--multiple-validation-sets",
+                        "--full-validation", drop=("--data-path", "--split"))
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    assert "validation-0 loss at iteration 4" in log and "validation-1 loss at iteration 4" in log
+    sets = [r for r in metrics_records(tmp_path / "multi.jsonl") if r.get("kind") == "valid"]
+    assert [(r["iteration"], r["set"]) for r in sets] == [(ITERS, 0), (ITERS, 1)]
+    assert sets[0]["lm_loss"] == pytest.approx(sets[1]["lm_loss"], rel=1e-6)
 
 
-@pytest.fixture(scope="module")
-def pp2(short_docs_data):
-    """PP=2's curve: Megatron seeds each pipeline stage differently (seed + 100 * stage), so
-    PP=2 starts from other weights than PP=1."""
-    return train(2, short_docs_data, "--pipeline-model-parallel-size", "2")
+def _lrs():
+    """The tiny GPT's LR at each iteration: 2e-3 decayed linearly over --lr-decay-iters 10 to
+    megatron-core's min LR 0, no warmup (the LR the iteration ran at, not the one its step
+    leaves for the next, which Megatron-LM's log line shows)."""
+    return [pytest.approx(2e-3 * (1 - (i - 1) / 10), rel=1e-9) for i in range(1, ITERS + 1)]
 
 
-def test_pp2_cp2_equals_pp2_cp1(pp2, short_docs_data):
-    """CP must not change PP=2's curve."""
-    losses = train(4, short_docs_data, "--pipeline-model-parallel-size", "2",
-                   "--context-parallel-size", "2")
-    assert_same(losses, pp2)
+def test_log_lines_and_metrics_records(baseline):
+    """Megatron-LM's own log lines, and one --metrics-file record per iteration (its own loss,
+    the LR it ran at, its tokens) and per end-of-run evaluation, whose losses are the ones
+    Megatron-LM prints."""
+    losses, log = baseline
+    assert "iteration        4/       4" in log
+    assert "lm loss:" in log and "throughput per GPU (TFLOP/s/GPU)" in log
+    records = [json.loads(line) for line in log.splitlines() if line.startswith('{"iteration')]
+    assert records == []  # the records are in --metrics-file, not the log
+    evaluations = json.loads(log.splitlines()[-1])
+    assert set(evaluations) == {"valid", "test"}
+    for kind, label in (("valid", "validation"), ("test", "test")):
+        assert evaluations[kind]["iteration"] == ITERS
+        assert f"lm loss value: {evaluations[kind]['lm_loss']:.6E}" in log.split(
+            f"on {label} set")[1].splitlines()[0]
 
 
-def _pipeline_ranks(rank, world, argv):
-    from megatron.core import parallel_state as ps
-
-    from megatron_eod.training.args import parse_args
-    from megatron_eod.training.initialize import initialize, shutdown
-
-    initialize(parse_args(argv, world_size=world))
-    try:
-        return torch.distributed.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
-    finally:
-        shutdown()
+def test_metrics_records_hold_each_iteration(short_docs_data, tmp_path):
+    losses, _ = train(tmp_path, "m", short_docs_data, "--context-parallel-size", "2")
+    records = [r for r in metrics_records(tmp_path / "m.jsonl") if "kind" not in r]
+    assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))
+    assert [r["lr"] for r in records] == _lrs()
+    for r in records:
+        assert r["lm_loss"] == losses[r["iteration"]] and math.isfinite(r["grad_norm"])
+        assert r["tokens"] == 8 * 128 and r["tokens_per_s"] > 0  # global batch x seq length
 
 
-def test_tp_pp_dp_mapping_places_stages_as_megatron_lm_does(pp2, short_docs_data):
-    """--use-tp-pp-dp-mapping (Megatron-LM's CP functional configs "*_dp_last"): pipeline
-    stages on neighbouring ranks, data-parallel replicas apart; it was refused as a CUDA-graph
-    or communication-tuning flag. The curve is PP=2's at DP=2 either way."""
-    flags = tiny_flags(short_docs_data, "--pipeline-model-parallel-size", "2")
-    assert run_ranks(_pipeline_ranks, 4, flags)[0] == [0, 2]
-    assert run_ranks(_pipeline_ranks, 4, flags + ["--use-tp-pp-dp-mapping"])[0] == [0, 1]
-    assert_same(train(4, short_docs_data, "--pipeline-model-parallel-size", "2",
-                      "--use-tp-pp-dp-mapping"), pp2)
+def test_evaluation_in_micro_batches_of_its_own(short_docs_data, tmp_path):
+    """Megatron-LM >= 0.18 reads validation and test data in --eval-micro-batch-size rows. At
+    PP=2 x CP=2 (the stage tensors packed for the evaluation's rows, the plans made for them,
+    TP-less peers told their size), evaluating 4 sequences a micro-batch gives the validation
+    and test losses of evaluating 2, and training is untouched."""
+    if not megatron_lm_knows("--eval-micro-batch-size"):
+        pytest.skip("this Megatron-LM has no --eval-micro-batch-size (from 0.18)")
+    common = ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2",
+              "--eval-iters", "2"]
+    reference, reference_log = train(tmp_path, "eval2", short_docs_data, *common)
+    losses, log = train(tmp_path, "eval4", short_docs_data, *common, "--eval-micro-batch-size", "4")
+    assert losses == pytest.approx(reference, rel=1e-6)
+    expected = json.loads(reference_log.splitlines()[-1])
+    evaluations = json.loads(log.splitlines()[-1])
+    assert set(evaluations) == set(expected) == {"valid", "test"}
+    for kind in expected:
+        assert evaluations[kind]["lm_loss"] == pytest.approx(expected[kind]["lm_loss"],
+                                                             rel=1e-5), kind
 
 
-def test_data_parallel_cp_equals_cp1(cp1, short_docs_data, tmp_path):
-    """DP=2 x CP=2: each DP rank trains half of the global batch. Its --metrics-file holds
-    one record per iteration with the reported losses, and validation records."""
-    metrics = tmp_path / "metrics.jsonl"
-    losses = train(4, short_docs_data, "--context-parallel-size", "2",
-                   "--metrics-file", str(metrics))
-    assert_same(losses, cp1)
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    train_records = [r for r in records if "kind" not in r]
-    assert [r["iteration"] for r in train_records] == list(range(1, ITERS + 1))
-    assert [r["lm_loss"] for r in train_records] == losses
-    for r in train_records:
-        assert r["tokens"] == 4 * 128  # --global-batch-size x --seq-length
-        assert r["tokens_per_s"] > 0 and r["attention_tflops"] > 0 and r["grad_norm"] > 0
-    # Megatron's warmup: the first step runs at lr 0, then lr rises to --lr and decays.
-    assert [r["lr"] for r in train_records] == tiny_lrs()
-    # in the loop at 5 and 10, then at the end of training (the next batch), as Megatron-LM
-    assert [r["iteration"] for r in records if r.get("kind") == "valid"] == [5, 10, 10]
+def test_batch_ramp_up(short_docs_data, tmp_path):
+    """--rampup-batch-size 4 4 16 to a global batch of 8 over 40 samples: 4 sequences an
+    iteration until 16 are consumed, then 8 (megatron-core <= 0.17's own ramp; from 0.18,
+    which ignores it, the same ramp as the step schedule the rules hand Megatron-LM); the
+    metrics count each iteration's own batch."""
+    losses, _ = train(tmp_path, "ramp", short_docs_data, "--train-samples", "40",
+                      "--micro-batch-size", "1", "--global-batch-size", "8",
+                      "--rampup-batch-size", "4", "4", "16",
+                      drop=("--train-iters", "--lr-decay-iters"))
+    records = metrics_records(tmp_path / "ramp.jsonl")
+    batches = [r["tokens"] // 128 for r in records if "kind" not in r]
+    assert batches == [4, 4, 4, 4, 8, 8, 8] and len(losses) == 7
 
 
-def test_kill_and_resume_is_bit_identical(cp1, short_docs_data, tmp_path):
-    save = str(tmp_path / "ckpt")
-    first = train(2, short_docs_data, "--context-parallel-size", "2", "--save", save,
-                  "--exit-interval", "4")
-    assert len(first) == 4
-    rest = train(2, short_docs_data, "--context-parallel-size", "2", "--load", save)
-    full = train(2, short_docs_data, "--context-parallel-size", "2")
-    assert first + rest == full  # exactly, not approximately
-    assert_same(full, cp1)
+def test_a_run_that_ends_where_its_data_ends_finishes(short_docs_data, tmp_path):
+    """A weighted blend has exactly the samples the run asks for, so reading one micro-batch
+    ahead (plan-ahead) reads past its end on the last step: that read's error counts only if
+    the step asks for it (it crashed the last iteration). TP=2: the peer learns of the failed
+    read from the source's header."""
+    losses, _ = train(tmp_path, "exact", short_docs_data, "--data-path", "0.3", short_docs_data,
+                      "0.7", short_docs_data, "--tensor-model-parallel-size", "2",
+                      "--make-vocab-size-divisible-by", "64", "--rerun-mode", "disabled",
+                      drop=("--data-path",))
+    assert sorted(losses) == list(range(1, ITERS + 1))
 
 
-def test_rope_variants_and_learned_positions_under_cp(short_docs_data):
-    """The lean trainer builds through the same EoD wiring as Megatron-LM's providers:
-    learned absolute positions with q/k layer norms, and interleaved, Llama-3-scaled RoPE,
-    each at CP=4 hybrid 2x2 == CP=1 (that each layout is right is checked against stock
-    megatron-core in tests/megatron/test_stock_equivalence.py)."""
-    for extra in (["--position-embedding-type", "learned_absolute", "--qk-layernorm"],
-                  ["--rotary-interleaved", "--use-rope-scaling", "--rotary-base", "500000"]):
-        hybrid = ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid",
-                  "--ulysses-degree-in-cp", "2"]
-        assert_same(train(4, short_docs_data, *extra, *hybrid), train(1, short_docs_data, *extra))
-
-
-def test_qk_layernorm_with_sequence_parallel_equals_tp1(short_docs_data):
-    """q/k norms are torch norms that allow sequence parallelism (megatron-core's refuse it:
-    the run stopped while building the model), their weight gradients summed over TP."""
-    reference = train(1, short_docs_data, "--qk-layernorm")
-    assert_same(train(4, short_docs_data, "--qk-layernorm", "--tensor-model-parallel-size", "2",
-                      "--sequence-parallel", "--context-parallel-size", "2",
-                      "--make-vocab-size-divisible-by", "64"), reference)
+def test_a_data_error_is_one_line_on_every_rank(short_docs_data, tmp_path):
+    """The start-up data checks end the run as the flag errors do (exit 2, `pretrain_gpt.py:
+    error:` on every rank), not with a traceback per rank."""
+    import_megatron_lm()
+    argv = flags(short_docs_data, tmp_path / "m.jsonl")
+    argv[argv.index("--vocab-size") + 1] = "300"  # the data's EoD is 256
+    results = run_ranks(start, 2, argv, timeout=240, daemon=False)
+    assert [code for code, _ in results] == [2, 2], results
+    for _, text in results:
+        assert "pretrain_gpt.py: error: " in text and "EoD id 256" in text, text[-2000:]
+        assert "Traceback" not in text

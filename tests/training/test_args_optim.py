@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_eod.training.args import FlagError, parse_args
-from megatron_eod.training.args_optim import rampup_as_step_schedule
+from megatron_eod.training.flag_rules import rampup_as_step_schedule
 from tests.training.test_args import MODEL, parse
 
 BAD = [

@@ -183,7 +183,7 @@ def test_gloo_groups_are_made_only_for_the_torch_formats_distributed_optimizer(t
     --disable-gloo-process-groups forbids them."""
     import argparse
 
-    from megatron_eod.training.checkpointing import needs_gloo_dp_groups
+    from megatron_eod.training.checkpoint_files import needs_gloo_dp_groups
     from megatron_eod.training.cp_flags import FlagError
 
     torch_ckpt = tmp_path / "ckpt"

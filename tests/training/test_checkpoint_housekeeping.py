@@ -5,7 +5,7 @@ save, and the run resumes from the last complete checkpoint."""
 
 import os
 
-from megatron_eod.training.checkpointing import _prune
+from megatron_eod.training.checkpoint_files import _prune
 from tests.functional.test_cpu_training import train
 
 

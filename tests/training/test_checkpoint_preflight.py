@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from megatron_eod.training.checkpoint_preflight import find_checkpoint
-from megatron_eod.training.checkpointing import TRACKER, CheckpointError
+from megatron_eod.training.checkpoint_files import TRACKER, CheckpointError
 from tests.functional.tiny_gpt import tiny_flags
 from tests.harness import run_ranks
 from tests.training.test_checkpoint_formats import refused

@@ -263,7 +263,7 @@ def test_a_batch_ramp_this_megatron_lm_would_ignore_runs_as_its_step_schedule():
     the rules hand it the same ramp as that schedule; where the ramp is honoured (<= 0.17)
     nothing changes. Beside a schedule, or with --decrease-batch-size-if-needed, refused."""
     import_megatron_lm()
-    from megatron_eod.training.args_optim import ramps_by_step_schedule
+    from megatron_eod.training.flag_rules import ramps_by_step_schedule
 
     ramp = ["--rampup-batch-size", "8", "8", "64", "--global-batch-size", "32"]
     args = checked(*ramp)

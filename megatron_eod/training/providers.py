@@ -1,7 +1,7 @@
 """Providers for Megatron-LM's own trainer (`megatron.training.pretrain`): the model, the
 datasets and the forward step that make its loop train with EoD reset under CP.
 
-`pretrain_gpt.py` calls `pretrain()` with them (training/megatron_lm_run.py, both the <= 0.17
+`pretrain_gpt.py` calls `pretrain()` with them (training/run.py, both the <= 0.17
 and the >= 0.18 signatures); a user with their own script passes them the same way:
 
     providers = EodProviders()
@@ -9,9 +9,9 @@ and the >= 0.18 signatures); a user with their own script passes them the same w
              ModelType.encoder_or_decoder, providers.forward_step,
              extra_args_provider=add_eod_args)
 
-One job: adapt Megatron-LM's provider signatures to the pieces our lean trainer uses (the
-EoD layer spec, our GPTDataset builder, `EodGPTSteps`); flags are read and checked by
-megatron_lm_args.py. `megatron.training` is imported only when a provider is called.
+One job: adapt Megatron-LM's provider signatures to the EoD pieces (the EoD layer spec with
+the args' RoPE and CP settings, our GPTDataset builder in data.py, `EodGPTSteps`); flags are
+read and checked by args.py. `megatron.training` is imported only when a provider is called.
 
 Pipeline stages hand each other a micro-batch packed as one row, [mbs*s/cp, 1, h]; the model
 provider makes Megatron-LM's schedules shape their buffers so (`pack_stage_shapes`).
@@ -20,8 +20,7 @@ model chunk, so every chunk of a stage reads and plans the micro-batches itself 
 iterator is its own stream in plan_ahead.py) and finds its own context in the registry, which
 is sized for every micro-batch the schedule holds between forward and backward.
 
-What it does not do: no multi-token prediction, no MoE, no dense masks (see
-megatron_lm_args.REFUSED).
+What it does not do: no multi-token prediction, no MoE, no dense masks (see args.REFUSED).
 """
 
 from __future__ import annotations
@@ -33,23 +32,23 @@ import inspect
 import torch
 
 from megatron_eod.attention.backends import has_transformer_engine
+from megatron_eod.attention.groups import register_hybrid_groups
 from megatron_eod.megatron.batch_context import EodContextRegistry
 from megatron_eod.megatron.imports import import_megatron
+from megatron_eod.megatron.layer_spec import get_gpt_eod_block_spec
 from megatron_eod.megatron.steps import EodGPTSteps
-from megatron_eod.training import eod_wiring as wiring
-from megatron_eod.training.eod_wiring import contexts_in_flight
-from megatron_eod.training.megatron_lm_args import add_eod_args, eod_args_from_megatron
+from megatron_eod.training import data
+from megatron_eod.training.args import add_eod_args, eod_args_from_megatron
 
-__all__ = ["EodProviders", "add_eod_args", "checked_loss", "contexts_in_flight",
-           "pack_stage_shapes",
-           "plans_ahead"]
+__all__ = ["EodProviders", "add_eod_args", "block_spec", "checked_loss", "contexts_in_flight",
+           "pack_stage_shapes", "plans_ahead"]
 
 
 def pack_stage_shapes(training) -> None:
     """Make Megatron-LM's schedules shape the tensors between pipeline stages as an EoD
     micro-batch travels: packed, [mbs*s/cp, 1, h] (one row; the plan, not the row, separates
     documents), not [s/cp, mbs, h]. The same elements, so `training.get_forward_backward_func`
-    is wrapped to ask for `seq_length` x mbs at micro-batch 1, as our lean trainer does.
+    is wrapped to ask for `seq_length` x mbs at micro-batch 1, so every micro-batch is one row.
     Not `variable_seq_lengths`: its shape exchange costs a round trip per transfer, crosses
     the shapes at PP=2 with virtual stages and deadlocks batched p2p at PP >= 4 in
     megatron-core 0.16-0.19 (Megatron-LM issues #1450, #5100). Idempotent."""
@@ -92,6 +91,70 @@ def plans_ahead(args) -> bool:
                   f"--rerun-mode disabled to plan ahead", flush=True)
         return False
     return True
+
+
+def block_spec(registry, config, args, use_transformer_engine: bool, vp_stage=None):
+    """This pipeline stage's (model chunk's) block spec with EoD attention and the args' RoPE
+    settings."""
+    rope = args.position_embedding_type == "rope"
+    return get_gpt_eod_block_spec(
+        registry, config, use_transformer_engine=use_transformer_engine, vp_stage=vp_stage,
+        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent if rope else 0.0,
+        rope_scaling=getattr(args, "use_rope_scaling", False),
+        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
+        seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
+        normalization=args.normalization, qk_layernorm=getattr(args, "qk_layernorm", False),
+        kernel="flash_attn" if getattr(args, "use_flash_attn", False) else "auto",
+        ring_exchange=getattr(args, "cp_ring_exchange", "batched"),
+        concurrent_calls=getattr(args, "cp_concurrent_calls", False),
+        fused_forward=getattr(args, "cp_fused_forward", False),
+        fused_backward=getattr(args, "cp_fused_backward", False))
+
+
+
+def contexts_in_flight(args) -> int:
+    """The most batch contexts a rank needs at once under megatron-core's schedules (both
+    ): one per (model chunk, micro-batch) forward not yet run backward (on pipeline rank 0 the
+    interleaved schedule warms up 2 (pp - 1) + (chunks - 1) x group of them, the group being
+    megatron-core's `microbatch_group_size_per_vp_stage`, pp unless set; 1F1B pp - 1), the
+    one running, and one for an evaluation in between."""
+    pp = args.pipeline_model_parallel_size
+    chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    group = getattr(args, "microbatch_group_size_per_vp_stage", None) or pp
+    return 2 * (pp - 1) + (chunks - 1) * group + 2
+
+
+
+def gpt_position_embedding_type(args) -> str:
+    """GPTModel's own position embedding: RoPE is applied inside EoD attention ("none");
+    learned absolute positions are looked up at the reset position ids get_batch passes."""
+    return "learned_absolute" if args.position_embedding_type == "learned_absolute" else "none"
+
+
+
+def steps(args, registry, eod_token_id: int, pad_token_id, plan_ahead: bool) -> EodGPTSteps:
+    return EodGPTSteps(
+        eod_token_id, registry, args.seq_length, args.micro_batch_size,
+        algo=args.context_parallel_algo, ulysses_degree=args.ulysses_degree,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        pad_token_id=pad_token_id, plan_ahead=plan_ahead,
+        eval_micro_batch_size=getattr(args, "eval_micro_batch_size", None),
+        one_row_evaluation=data.validates_one_row_at_a_time(args),
+        fused_tiles=getattr(args, "cp_fused_forward", False))
+
+
+
+def hybrid_groups(args) -> bool:
+    """For hybrid CP, hand parallel_state's hierarchical CP groups ([u, cp/u]: Ulysses over
+    consecutive ranks, Ring strided) to the attention. True when registered."""
+    if args.context_parallel_algo != "hybrid" or args.context_parallel_size == 1:
+        return False
+    ps = import_megatron("megatron.core.parallel_state")
+    inner, outer = ps.get_hierarchical_context_parallel_groups()
+    register_hybrid_groups(ps.get_context_parallel_group(), args.ulysses_degree, inner, outer)
+    return True
+
 
 
 SPIKY_LOSS_FACTOR = 10  # Megatron-LM's: a local loss 10x the usual is "spiky"
@@ -140,7 +203,7 @@ class EodProviders:
         args = self._training().get_args()
         eod_args_from_megatron(args)
         if not self._groups_registered:
-            wiring.hybrid_groups(args)  # parallel_state exists once a provider runs
+            hybrid_groups(args)  # parallel_state exists once a provider runs
             self._groups_registered = True
         return args
 
@@ -154,7 +217,7 @@ class EodProviders:
         if args.pipeline_model_parallel_size > 1:
             pack_stage_shapes(importlib.import_module("megatron.training.training"))
         te = getattr(args, "transformer_impl", "local") == "transformer_engine"
-        spec = wiring.block_spec(self.registry, config, args, te and has_transformer_engine(),
+        spec = block_spec(self.registry, config, args, te and has_transformer_engine(),
                                  vp_stage)
         gpt = import_megatron("megatron.core.models.gpt")
         # RoPE is applied inside the attention; learned positions by the embedding, both at
@@ -165,14 +228,14 @@ class EodProviders:
             post_process=post_process,
             fp16_lm_cross_entropy=getattr(args, "fp16_lm_cross_entropy", False),
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=wiring.gpt_position_embedding_type(args),
+            position_embedding_type=gpt_position_embedding_type(args),
             pg_collection=pg_collection, **({} if vp_stage is None else {"vp_stage": vp_stage}))
 
     def datasets_provider(self, train_val_test_num_samples, vp_stage=None):
         """The same datasets for every model chunk (`vp_stage`): each chunk reads every
         micro-batch, since each chunk's attention needs its plan."""
         args = self._args()
-        return wiring.megatron_lm_datasets(args, self._training().get_tokenizer(),
+        return data.megatron_lm_datasets(args, self._training().get_tokenizer(),
                                            train_val_test_num_samples)
 
     def forward_step(self, data_iterator, model, return_schedule_plan=False):
@@ -186,7 +249,7 @@ class EodProviders:
             args = self._args()
             tokenizer = self._training().get_tokenizer()
             # GPTDataset already turned pads into loss-masked zeros: no pad id here.
-            self._steps = wiring.steps(args, self.registry, tokenizer.eod, None,
+            self._steps = steps(args, self.registry, tokenizer.eod, None,
                                        plans_ahead(args))
         return self._steps
 

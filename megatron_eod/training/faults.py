@@ -1,0 +1,126 @@
+"""When a rank, a collective or the launcher fails, every rank ends, each with one line.
+
+One job, three cases:
+- `exit_with_parent()`: when torchrun's agent dies (kill -9, a lost node), its workers must not
+  train on as orphans writing checkpoints nobody reads; Linux sends this process SIGTERM when
+  its parent exits (prctl PR_SET_PDEATHSIG). run.py calls it when a launcher started us.
+- `exit_on_collective_fault(error, timeout_minutes)`: a RuntimeError from a collective that
+  waited past --distributed-timeout-minutes (a rank stopped answering) or that lost its peer
+  (gloo: "Connection closed by peer", "Connection reset by peer", "Read error"; the store at
+  start-up: a DistNetworkError, or a wait timeout where a rank never joined) or could not
+  reach one at all (gloo's "Connection refused", within seconds: not a timeout) becomes
+  `pretrain_gpt.py: error: rank R: ... in <the innermost megatron frame>: <the message>` and
+  exit status 1 on every rank that meets it. Any other error is left to the caller.
+- `our_errors_end_restarts(pretrain, restarts)`: under --inprocess-restart our flag, data and
+  checkpoint errors end nvidia-resiliency-ext's restarts instead of repeating.
+
+What it does not do: no detection of its own (NCCL's watchdog and gloo's timeouts decide), no
+retry; nothing on systems without prctl (macOS).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib
+import os
+import signal
+import traceback
+
+import torch.distributed as dist
+
+from megatron_eod.data.checks import DatasetError
+from megatron_eod.training.checkpoint_files import CheckpointError
+from megatron_eod.training.cp_flags import FlagError, say_error
+
+__all__ = ["exit_on_collective_fault", "exit_with_parent", "launched_by_torchrun",
+           "our_errors_end_restarts", "timeout_minutes"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+
+def exit_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Arrange `sig` for this process when its parent dies; True where that is in effect."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent or parent == 1:  # the parent died before the request
+        os.kill(os.getpid(), sig)
+    return True
+
+
+
+_LOST_PEER = ("closed by peer", "reset by peer", "read error")
+
+
+
+def _where(error) -> str:
+    """The innermost megatron/megatron_eod frame of an exception: which collective waited."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if "megatron" in f.filename]
+    return f"{frames[-1].name} ({os.path.basename(frames[-1].filename)})" if frames else "?"
+
+
+
+def exit_on_collective_fault(error: RuntimeError, timeout_minutes) -> None:
+    """SystemExit(1) after one line where `error` is a collective's timeout or lost peer;
+    returns (for the caller to re-raise) otherwise."""
+    said = str(error).lower()
+    if "connection refused" in said:  # before "timed out": gloo says "timed out connecting"
+        what = ("a peer rank could not be reached (nothing listens at its address: it stopped, "
+                "or it is not of this launch, e.g. after torchrun restarted the workers)")
+    elif "timed out" in said or "wait timeout" in said:  # the latter: the store at start-up
+        what = (f"a collective waited longer than --distributed-timeout-minutes "
+                f"{timeout_minutes} (a rank stopped answering or died: see its own error)")
+    elif any(words in said for words in _LOST_PEER) or isinstance(
+            error, getattr(dist, "DistNetworkError", ())):
+        what = "a peer rank closed its connection (it stopped: see its own error)"
+    else:
+        return
+    rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
+    message = " ".join(str(error).split())  # one line (gloo's carry newlines)
+    message = message if len(message) <= 600 else message[:600] + " ..."
+    say_error(f"pretrain_gpt.py: error: rank {rank}: {what} in {_where(error)}: {message}")
+    raise SystemExit(1) from None
+
+
+
+def timeout_minutes():
+    try:
+        return importlib.import_module("megatron.training").get_args(
+            ).distributed_timeout_minutes
+    except (AssertionError, AttributeError):  # before its args were parsed
+        return "?"
+
+
+
+def our_errors_end_restarts(pretrain, restarts):
+    """Under --inprocess-restart, nvidia-resiliency-ext's Wrapper runs pretrain() again after
+    any error, with no limit (Megatron-LM sets none): a flag, data or checkpoint error fails
+    the same way every time, so it is said and then raised as the Wrapper's terminal
+    RestartAbort. (Not run against the package here: it is not installed; the wiring is
+    tested with a stand-in.)"""
+
+    @functools.wraps(pretrain)
+    def pretrain_once(*args, **kwargs):
+        try:
+            return pretrain(*args, **kwargs)
+        except (FlagError, DatasetError, CheckpointError) as error:
+            if not restarts["on"]:
+                raise
+            exception = importlib.import_module("nvidia_resiliency_ext.inprocess.exception")
+            say_error(f"pretrain_gpt.py: error: {error}")
+            raise exception.RestartAbort(str(error)) from None
+
+    return pretrain_once
+

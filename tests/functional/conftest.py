@@ -1,0 +1,18 @@
+"""The reference runs several functional test files compare with, made once per session."""
+
+import pytest
+
+from tests.training.runs import train
+
+
+@pytest.fixture(scope="session")
+def baseline(short_docs_data, tmp_path_factory):
+    """The tiny GPT at CP=1 x DP=4, uninterrupted: (losses, log)."""
+    return train(tmp_path_factory.mktemp("cp1"), "cp1", short_docs_data)
+
+
+@pytest.fixture(scope="session")
+def learned_cp1(short_docs_data, tmp_path_factory):
+    """The same with Megatron-LM's default learned absolute positions and q/k layer norms."""
+    return train(tmp_path_factory.mktemp("learned"), "cp1", short_docs_data,
+                 "--position-embedding-type", "learned_absolute", "--qk-layernorm")
