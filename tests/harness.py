@@ -41,7 +41,8 @@ def _rank_main(fn, rank, world_size, store_path, conn, args, kwargs):
         try:
             result = fn(rank, world_size, *args, **kwargs)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # a test may have ended it to make its own
+                dist.destroy_process_group()
         message = ("ok", result)
     except BaseException:  # noqa: BLE001 - the parent re-raises with the rank named
         message = ("error", traceback.format_exc())

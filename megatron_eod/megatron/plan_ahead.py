@@ -13,9 +13,9 @@ pending batch by the stream number the source sent, so the train and validation 
 mix, and an exhausted iterator raises StopIteration on every TP rank at the same call instead
 of hanging the peers in a broadcast. Samples keep their order: the batch read ahead is the
 stream's next one. No worker thread is alive while a stream's first read runs: that read may
-be where a data loader forks its worker processes (Megatron-LM's
-loader workers, its cyclic iterators), and a fork while this thread runs numpy or torch code can leave a lock it held
-locked forever in the children. A stream is forgotten (its read-ahead batch dropped, on every
+be where a data loader forks its worker processes (Megatron-LM's loader workers), and a fork
+while this thread runs numpy or torch code can leave a lock it held locked forever in the
+children. A stream is forgotten (its read-ahead batch dropped, on every
 rank) only once its iterator no longer exists, so no live stream ever loses a sample. A read
 ahead that raises (a sampler past its dataset's end, a bad batch) fails only if that
 micro-batch is asked for, then on every TP rank: a run that ends exactly where its data ends

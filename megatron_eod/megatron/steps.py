@@ -103,7 +103,7 @@ class EodGPTSteps:
                           fused_tiles=fused_tiles)
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.plan_ahead = plan_ahead
-        self.pairs_seen = 0  # causal pairs a document mask needs, summed over micro-batches
+        self.last_plan = None  # the plan of the micro-batch get_batch returned last
         self._ahead: Optional[PlanAhead] = None
         self._waited_now = 0.0
 
@@ -203,7 +203,7 @@ class EodGPTSteps:
             self._waited_now += time.perf_counter() - start
         batch = local_batch(planned, data["tokens"], data["labels"], self.registry,
                             self._cp["group"], loss_mask=data["loss_mask"])
-        self.pairs_seen += batch.plan.pairs_needed()
+        self.last_plan = batch.plan
         # Middle pipeline stages use only the plan (via attention_mask) and never the labels;
         # they still got everything, so no stage lacks position ids or the plan.
         return batch

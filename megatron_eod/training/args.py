@@ -41,6 +41,7 @@ from megatron_eod.training.flag_rules import (check_backend_device,
                                               check_device_precision, check_global_batch,
                                               check_persistent_ckpt_worker, check_positive,
                                               check_profiler_device, check_rank_order,
+                                              check_world_size,
                                               check_split,
                                               keep_the_flags_attention_dropout,
                                               ramp_as_step_schedule)
@@ -145,7 +146,8 @@ def check_before_megatron(args) -> None:
     an interval)."""
     if getattr(args, "ulysses_degree", None) is None:
         resolve_cp_spellings(args)
-    tokenizer_from_data(args, sys.argv[1:])
+    check_world_size(args)
+    tokenizer_from_data(args)
     keep_the_flags_attention_dropout(args)
     check_split(args)
     check_positive(args, "log_interval")

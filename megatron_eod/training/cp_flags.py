@@ -229,6 +229,8 @@ def check_gpu_attention(args, cuda_available: bool) -> None:
              "on CUDA the attention's flash kernels take bfloat16 or float16: pass --bf16 or "
              "--fp16 (float32 attention runs on CPU only)")
     head_dim = getattr(args, "kv_channels", None)
+    if head_dim is None and getattr(args, "num_attention_heads", None):  # before validate_args
+        head_dim = args.hidden_size // args.num_attention_heads
     if cuda_available and head_dim is not None:
         _require(head_dim % 8 == 0 and head_dim <= 256,
                  f"the attention head dim (--kv-channels, default --hidden-size / "

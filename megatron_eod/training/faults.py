@@ -13,6 +13,15 @@ One job, three cases:
   exit status 1 on every rank that meets it. Any other error is left to the caller.
 - `our_errors_end_restarts(pretrain, restarts)`: under --inprocess-restart our flag, data and
   checkpoint errors end nvidia-resiliency-ext's restarts instead of repeating.
+- a result Megatron-LM validates (a NaN or Inf loss or gradient: --check-for-nan-in-loss-and-
+  grad, on by default; a spiky loss: --check-for-spiky-loss) that fails: under
+  --rerun-mode disabled, its RuntimeError ("Unexpected result") on every rank becomes one line
+  (`exit_on_failed_validation`, exit 1); under its default --rerun-mode validate_results, its
+  rerun machine reruns the iteration in place and, where the result reproduces, saves a
+  checkpoint and exits 16 for the job to resume on other GPUs, then 17 if the result fails
+  again there: each exit is said in one line (`say_rerun_exit`), and without --save, where it
+  stopped every rank with a TypeError in its save, it stops with one line and 17
+  (`no_save_stops_a_rerun`).
 
 What it does not do: no detection of its own (NCCL's watchdog and gloo's timeouts decide), no
 retry; nothing on systems without prctl (macOS).
@@ -33,16 +42,20 @@ from megatron_eod.data.checks import DatasetError
 from megatron_eod.training.checkpoint_files import CheckpointError
 from megatron_eod.training.cp_flags import FlagError, say_error
 
-__all__ = ["exit_on_collective_fault", "exit_with_parent", "launched_by_torchrun",
-           "our_errors_end_restarts", "timeout_minutes"]
+__all__ = ["exit_on_collective_fault", "exit_on_failed_validation", "exit_with_parent",
+           "launched_by_torchrun", "no_save_stops_a_rerun", "our_errors_end_restarts",
+           "say_rerun_exit", "timeout_minutes"]
+
+# Megatron-LM's rerun machine's exit codes (megatron/core/rerun_state_machine.py).
+RESUME_TO_DISAMBIGUATE, FAILED_ON_RESULT_VALIDATION = 16, 17
+_NAN_FLAGS = ("(Megatron-LM's --check-for-nan-in-loss-and-grad, on by default; "
+              "--no-check-for-nan-in-loss-and-grad trains on)")
 
 _PR_SET_PDEATHSIG = 1
 
 
-
 def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
-
 
 
 def exit_with_parent(sig: int = signal.SIGTERM) -> bool:
@@ -59,9 +72,7 @@ def exit_with_parent(sig: int = signal.SIGTERM) -> bool:
     return True
 
 
-
 _LOST_PEER = ("closed by peer", "reset by peer", "read error")
-
 
 
 def _where(error) -> str:
@@ -69,7 +80,6 @@ def _where(error) -> str:
     frames = [f for f in traceback.extract_tb(error.__traceback__)
               if "megatron" in f.filename]
     return f"{frames[-1].name} ({os.path.basename(frames[-1].filename)})" if frames else "?"
-
 
 
 def exit_on_collective_fault(error: RuntimeError, timeout_minutes) -> None:
@@ -94,14 +104,12 @@ def exit_on_collective_fault(error: RuntimeError, timeout_minutes) -> None:
     raise SystemExit(1) from None
 
 
-
 def timeout_minutes():
     try:
         return importlib.import_module("megatron.training").get_args(
             ).distributed_timeout_minutes
     except (AssertionError, AttributeError):  # before its args were parsed
         return "?"
-
 
 
 def our_errors_end_restarts(pretrain, restarts):
@@ -124,3 +132,59 @@ def our_errors_end_restarts(pretrain, restarts):
 
     return pretrain_once
 
+
+def _rank():
+    return dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
+
+
+def _iteration():
+    machine = importlib.import_module("megatron.core.rerun_state_machine")
+    return machine.get_rerun_state_machine().current_iteration
+
+
+def exit_on_failed_validation(error: RuntimeError) -> None:
+    """SystemExit(1) after one line where `error` is the rerun machine's failed validation
+    under --rerun-mode disabled ("Rank R, ..., iteration N: Unexpected result nan
+    (message='found NaN in ...')"); returns otherwise."""
+    if "Unexpected result" not in str(error):
+        return
+    say_error(f"pretrain_gpt.py: error: {' '.join(str(error).split())} {_NAN_FLAGS}")
+    raise SystemExit(1) from None
+
+
+def say_rerun_exit(code) -> None:
+    """One line for the rerun machine's exits (16, 17) from Megatron-LM's pretrain()."""
+    if code == RESUME_TO_DISAMBIGUATE:
+        say_error(f"pretrain_gpt.py: rank {_rank()}: iteration {_iteration()}: a result failed "
+                  f"validation and again when rerun in place {_NAN_FLAGS}; Megatron-LM's "
+                  f"--rerun-mode validate_results saved a checkpoint at --save and exits "
+                  f"{code}: resume the job from it, on other GPUs, to tell a faulty GPU "
+                  f"(it then trains on) from a diverged run (it then exits "
+                  f"{FAILED_ON_RESULT_VALIDATION})")
+    elif code == FAILED_ON_RESULT_VALIDATION:
+        say_error(f"pretrain_gpt.py: rank {_rank()}: iteration {_iteration()}: a result failed "
+                  f"validation again {_NAN_FLAGS}; Megatron-LM's --rerun-mode validate_results "
+                  f"exits {code}: the run diverged (lower --lr, or resume from an earlier "
+                  f"checkpoint), or the rerun's GPU is faulty too")
+
+
+def no_save_stops_a_rerun(training) -> None:
+    """Megatron-LM's rerun machine checkpoints for a rerun elsewhere whether or not --save is
+    given (the only save its loop does not guard by --save): without it, one line and exit
+    17 instead of a TypeError on every rank. Idempotent."""
+    original = training.save_checkpoint_and_time
+    if getattr(original, "_eod", False):
+        return
+
+    def save_checkpoint_and_time(*args, **kwargs):
+        if not importlib.import_module("megatron.training").get_args().save:
+            say_error(f"pretrain_gpt.py: error: rank {_rank()}: iteration {_iteration()}: a "
+                      f"result failed validation and again when rerun in place {_NAN_FLAGS}; "
+                      f"Megatron-LM's --rerun-mode validate_results saves a checkpoint for a "
+                      f"rerun on other GPUs, but no --save is given: stopping (pass --save to "
+                      f"tell a faulty GPU from a diverged run)")
+            raise SystemExit(FAILED_ON_RESULT_VALIDATION)
+        return original(*args, **kwargs)
+
+    save_checkpoint_and_time._eod = True
+    training.save_checkpoint_and_time = save_checkpoint_and_time

@@ -30,9 +30,10 @@ from megatron_eod.data.tokenizers import SENTENCEPIECE_TYPES
 from megatron_eod.training.cp_flags import FlagError
 
 __all__ = ["check_backend_device", "check_decoupled_lr_checkpoints", "check_device_precision",
-           "check_global_batch", "check_persistent_ckpt_worker", "keep_the_flags_attention_dropout",
-           "check_positive", "check_profiler_device", "check_rank_order", "check_split",
-           "check_tokenizer_files", "ramp_as_step_schedule", "rampup_as_step_schedule"]
+           "check_global_batch", "check_persistent_ckpt_worker", "check_positive",
+           "check_profiler_device", "check_rank_order", "check_split", "check_tokenizer_files",
+           "check_world_size", "keep_the_flags_attention_dropout", "ramp_as_step_schedule",
+           "rampup_as_step_schedule"]
 
 # What each --tokenizer-type reads (Megatron-LM's build_tokenizer asserts these bare).
 TOKENIZER_NEEDS = {"HuggingFaceTokenizer": ("tokenizer_model",),
@@ -63,6 +64,25 @@ def check_split(args) -> None:
         raise FlagError(f"--split {args.split} gives training no share of the data, and the "
                         f"run trains: give the first (train) share a value above 0, or pass "
                         f"--skip-train to evaluate only")
+
+
+def check_world_size(args) -> None:
+    """The ranks must split into whole model replicas: Megatron-LM asserted "world size (4) is
+    not divisible by total_model_size (3)", naming neither flag nor launcher."""
+    world = getattr(args, "world_size", None)
+    sizes = [(flag, getattr(args, dest, 1) or 1) for flag, dest in (
+        ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
+        ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
+        ("--context-parallel-size", "context_parallel_size"))]
+    model = 1
+    for _, size in sizes:
+        model *= size
+    if isinstance(world, int) and world % model:
+        given = " x ".join(f"{flag} {size}" for flag, size in sizes if size > 1) or \
+            sizes[-1][0] + " 1"
+        raise FlagError(f"{given} = {model} ranks a model replica, but the job has {world} "
+                        f"ranks (WORLD_SIZE: torchrun's --nproc-per-node x --nnodes), not a "
+                        f"multiple of {model}")
 
 
 def check_positive(args, *dests: str) -> None:

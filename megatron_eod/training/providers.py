@@ -29,6 +29,7 @@ import functools
 import importlib
 import inspect
 
+import numpy as np
 import torch
 
 from megatron_eod.attention.backends import has_transformer_engine
@@ -186,6 +187,13 @@ def checked_loss(loss_func, args):
     return checked
 
 
+def _core(model):
+    """The GPTModel inside Megatron-LM's wrappers (DDP, Float16Module)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 class EodProviders:
     """The three callables `megatron.training.pretrain` takes; one instance per process (the
     model and the step functions share its context registry)."""
@@ -194,6 +202,10 @@ class EodProviders:
         self.registry = EodContextRegistry()
         self._steps = None
         self._groups_registered = False
+        # The attention work of this rank's training micro-batches since `work` was reset
+        # (metrics.py resets it at each training forward-backward pass): the sum over their
+        # documents of length^2 (Megatron-LM's measure of causal attention), and their tokens.
+        self.work = [0, 0]
 
     @staticmethod
     def _training():
@@ -242,6 +254,12 @@ class EodProviders:
         if return_schedule_plan:
             raise ValueError("EoD attention does not support combined 1F1B schedule plans")
         output, loss_func = self.steps().forward_step(data_iterator, model)
+        if model.training and getattr(_core(model), "vp_stage", None) in (None, 0):
+            # Each micro-batch once, whatever the model chunks (each reads every one); the
+            # plan's offsets are on the host.
+            lengths = np.diff(self.steps().last_plan.cu_seqlens.numpy()).astype(np.int64)
+            self.work[0] += int((lengths * lengths).sum())
+            self.work[1] += int(lengths.sum())
         return output, checked_loss(loss_func, self._training().get_args())
 
     def steps(self) -> EodGPTSteps:

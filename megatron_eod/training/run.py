@@ -42,18 +42,21 @@ from megatron_eod.training.args import add_eod_args, check_before_megatron, eod_
 from megatron_eod.training.checkpoint_files import CheckpointError
 from megatron_eod.training.checkpoint_load import hook_load_checkpoint
 from megatron_eod.training.cp_flags import FlagError, exit_with_error
-from megatron_eod.training.faults import (exit_on_collective_fault, exit_with_parent,
-                                          launched_by_torchrun, our_errors_end_restarts,
-                                          timeout_minutes)
+from megatron_eod.training.faults import (exit_on_collective_fault, exit_on_failed_validation,
+                                          exit_with_parent, launched_by_torchrun,
+                                          no_save_stops_a_rerun, our_errors_end_restarts,
+                                          say_rerun_exit, timeout_minutes)
 from megatron_eod.training.flag_rules import check_global_batch
-from megatron_eod.training.metrics import MetricsFile
+from megatron_eod.training.metrics import EodFlops, MetricsFile
 from megatron_eod.training.providers import EodProviders
 from megatron_eod.training.startup_checks import flags_compared_before_groups
 
 __all__ = ["megatron_lm_assertion", "megatron_lm_available", "run"]
 
-# Megatron-LM's pretrain_gpt.py default, kept so a user's launch script means the same.
-ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
+# Megatron-LM's pretrain_gpt.py passes {"tokenizer_type": "GPT2BPETokenizer"}; args.py fills
+# it in before its validate_args, from the data where no tokenizer flag is given
+# (tokenizer_flags.py).
+ARGS_DEFAULTS = {}
 
 
 def megatron_lm_available() -> bool:
@@ -79,7 +82,9 @@ def run(argv=None):
     _use_prebuilt_dataset_helpers()
     _check_after_validate()
     hook_load_checkpoint(training)
+    no_save_stops_a_rerun(training)
     providers = EodProviders()
+    EodFlops(providers).install(training)
     MetricsFile(providers).install(training)
     model_type = importlib.import_module("megatron.core.enums").ModelType.encoder_or_decoder
     restart = importlib.import_module("megatron.training.inprocess_restart")
@@ -103,8 +108,12 @@ def run(argv=None):
                 pretrain(extra_args_provider=add_eod_args, args_defaults=ARGS_DEFAULTS, **kwargs)
     except (FlagError, DatasetError, CheckpointError) as error:  # raised on every rank
         exit_with_error(error, 2)
-    except RuntimeError as error:  # a collective that lost a rank: one line, else raised
-        exit_on_collective_fault(error, timeout_minutes())
+    except RuntimeError as error:  # a collective that lost a rank, a failed validation: one
+        exit_on_collective_fault(error, timeout_minutes())  # line, else raised
+        exit_on_failed_validation(error)
+        raise
+    except SystemExit as stop:  # the rerun machine's exits say why
+        say_rerun_exit(stop.code)
         raise
     finally:
         if providers._steps is not None:

@@ -1,8 +1,9 @@
 """The tokenizer flags of a run: from the data where the launch script gives none, and checked.
 
 One job, two steps around Megatron-LM's validate_args (args.py calls them):
-- `tokenizer_from_data(args, argv)`, before it: where no tokenizer flag is on the command line
-  (and no --use-checkpoint-args, --mock-data), the datasets' metadata files
+- `tokenizer_from_data(args)`, before it: where no tokenizer flag is on the command line
+  (and no --mock-data; --use-checkpoint-args takes the checkpoint's), the datasets' metadata
+  files
   (data/sidecar.py) say which tokenizer made the data. Data made with our byte-level tokenizer
   trains with Megatron-LM's NullTokenizer at the --vocab-size that gives it EoD 256 on this
   megatron-core (256 up to 0.17, 257 from 0.18: the user need not know), said on rank 0. Data
@@ -30,16 +31,14 @@ from megatron_eod.megatron.dataset import blend_prefixes
 from megatron_eod.training.cp_flags import FlagError
 from megatron_eod.training.flag_rules import check_tokenizer_files
 
-__all__ = ["check_tokenizer", "null_tokenizer_vocab_size", "tokenizer_from_data"]
+__all__ = ["MEGATRON_LM_DEFAULT", "check_tokenizer", "null_tokenizer_vocab_size",
+           "tokenizer_from_data"]
 
-# Flags that choose or configure the tokenizer: any of them given, the defaults stay out.
-_TOKENIZER_FLAGS = ("--tokenizer-type", "--vocab-size", "--vocab-file", "--merge-file",
-                    "--tokenizer-model", "--null-tokenizer-eod-id", "--tiktoken-pattern")
+# Set by the flags that configure a tokenizer (None where not given).
+_TOKENIZER_DESTS = ("vocab_size", "vocab_file", "merge_file", "tokenizer_model")
 _BYTE_LEVEL = ByteTokenizer().unique_identifiers["class"]
-
-
-def _given(argv, flags) -> bool:
-    return any(word.split("=", 1)[0] in flags for word in argv)
+# Megatron-LM's pretrain_gpt.py's default --tokenizer-type (its args_defaults).
+MEGATRON_LM_DEFAULT = "GPT2BPETokenizer"
 
 
 def null_tokenizer_vocab_size(eod: int) -> int:
@@ -49,11 +48,15 @@ def null_tokenizer_vocab_size(eod: int) -> int:
     return eod + (eod - null.NullTokenizer(eod).eod)
 
 
-def tokenizer_from_data(args, argv) -> None:
-    """Set --tokenizer-type / --vocab-size from the data where no tokenizer flag is given;
-    FlagError where the data does not say which (see the module docstring)."""
-    if _given(argv, _TOKENIZER_FLAGS) or getattr(args, "use_checkpoint_args", False) or \
-            getattr(args, "mock_data", False):
+def tokenizer_from_data(args) -> None:
+    """Set --tokenizer-type / --vocab-size from the data where no tokenizer flag is given
+    (`args` as parsed, before Megatron-LM's validate_args fills in its defaults); FlagError
+    where the data does not say which (see the module docstring)."""
+    if args.tokenizer_type is not None:
+        return
+    if getattr(args, "mock_data", False) or any(getattr(args, dest, None) is not None
+                                                for dest in _TOKENIZER_DESTS):
+        args.tokenizer_type = MEGATRON_LM_DEFAULT  # flags given, the type left to its default
         return
     from megatron_eod.training.data import blends  # Megatron-LM's own reading of the flags
 

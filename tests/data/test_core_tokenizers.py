@@ -78,24 +78,29 @@ def test_huggingface_eod_is_the_eos_its_config_names(tmp_path):
 
 
 def test_trainer_uses_the_sentencepiece_eos_as_eod(tmp_path):
-    """Preprocess with a SentencePiece model, train two iterations on it: the datasets find
-    documents at the model's eos id."""
+    """Preprocess with a SentencePiece model, train two iterations on it through Megatron-LM's
+    trainer and its GPTSentencePieceTokenizer (EoD = the model's eos at every version): the
+    start-up checks pass and the datasets find documents at the model's eos id."""
     from megatron_eod.data.preprocess import preprocess_jsonl
-    from tests.functional.tiny_gpt import train_rank
     from tests.harness import run_ranks
+    from tests.training.megatron_lm_checkout import import_megatron_lm
+    from tests.training.runs import flags, metrics_records, start
 
+    import_megatron_lm()
     path = _sentencepiece_model(tmp_path, eos_id=5, pad_id=3, unk_id=0, bos_id=1)
     tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=path)
     docs = tmp_path / "docs.jsonl"
     docs.write_text("\n".join(json.dumps({"text": TEXT[: 40 + 7 * i]}) for i in range(200)))
     preprocess_jsonl(str(docs), str(tmp_path / "sp"), tok, append_eod=True)
-    argv = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
-            "--seq-length", "64", "--micro-batch-size", "2", "--train-iters", "2", "--lr",
-            "1e-3", "--hidden-dropout", "0", "--tokenizer-type", "SentencePieceTokenizer",
-            "--tokenizer-model", path, "--data-path", str(tmp_path / "sp_text_document"),
-            "--split", "100,0,0", "--reset-attention-mask", "--reset-position-ids",
-            "--eod-mask-loss", "--eval-iters", "0", "--log-interval", "100"]
-    losses = run_ranks(train_rank, 1, argv, timeout=120, daemon=False)[0]
+    argv = flags(str(tmp_path / "sp_text_document"), tmp_path / "m.jsonl", "--train-iters", "2",
+                 "--split", "100,0,0", "--eval-iters", "0")
+    for flag in ("--tokenizer-type", "--vocab-size"):
+        at = argv.index(flag)
+        del argv[at:at + 2]
+    argv += ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", path]
+    (code, said), = run_ranks(start, 1, argv, timeout=120, daemon=False)
+    assert code == 0, said[-3000:]
+    losses = [r["lm_loss"] for r in metrics_records(tmp_path / "m.jsonl") if "kind" not in r]
     assert len(losses) == 2 and all(0 < x < 10 for x in losses)
 
 

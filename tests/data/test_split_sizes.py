@@ -58,11 +58,12 @@ def test_a_split_megatron_core_cannot_read_is_named(tmp_path, split):
 
 
 def test_the_trainer_stops_at_start_up_instead_of_spinning(tmp_path):
-    from tests.functional.tiny_gpt import tiny_flags
     from tests.harness import run_ranks
-    from tests.training.test_nan_stop import _train
+    from tests.training.megatron_lm_checkout import import_megatron_lm
+    from tests.training.runs import flags, start
 
+    import_megatron_lm()
     small = dataset(tmp_path, "small", 100)
-    (code, message, _), = run_ranks(_train, 1, tiny_flags(small, "--split", "969,30,1"),
-                                    timeout=60)
+    (code, message), = run_ranks(start, 1, flags(small, None, "--split", "969,30,1"),
+                                 timeout=120, daemon=False)
     assert code == 2 and "holds none of its 100 sequences" in message, message

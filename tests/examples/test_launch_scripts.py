@@ -1,6 +1,7 @@
 """The example launchers: every shell script parses (`bash -n`), and the GPU launchers' flags,
-printed with DRY_RUN=1, pass the trainer's own validation for the world size they launch
-(so a flag typo or an invalid CP layout in an example is caught without a GPU)."""
+printed with DRY_RUN=1, pass Megatron-LM's own parser and validation with our rules for the
+world size they launch, on CUDA (so a flag typo or an invalid CP layout in an example is
+caught without a GPU)."""
 
 import glob
 import os
@@ -10,7 +11,7 @@ import types
 
 import pytest
 
-from megatron_eod.training.args import parse_args
+from tests.training.test_run import validated_argv
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = sorted(glob.glob(os.path.join(REPO, "examples", "**", "*.sh"), recursive=True)
@@ -51,8 +52,9 @@ def test_gpu_launcher_flags_are_valid(script, env, world, algo, flash, monkeypat
         monkeypatch.setitem(sys.modules, "flash_attn", module)
     assert "torchrun" in launcher
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in launcher  # Megatron's TP/CP overlap needs it
-    assert flags[:2] == ["--trainer", "lean"]  # these are the lean trainer's flags
-    args = parse_args(flags, world_size=world, cuda_available=True)
+    assert flags[flags.index("--reset-attention-mask"):][:3] == [
+        "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]  # our lines last
+    args = validated_argv(monkeypatch, flags, world=world, cuda=True)
     assert args.context_parallel_size == world
     assert args.data_cache_path == env.get("DATA_CACHE")  # several nodes: a shared folder
     assert args.context_parallel_algo == algo

@@ -14,6 +14,7 @@ which dropping any EoD flag moves the losses 60-170x the tolerance
 import json
 import math
 import os
+import re
 
 import pytest
 
@@ -21,7 +22,8 @@ from megatron_eod.data.preprocess import preprocess_jsonl
 from megatron_eod.data.tokenizers import ByteTokenizer
 from tests.functional.tiny_gpt import ITERS as GOLDEN_ITERS
 from tests.functional.tiny_gpt import golden_flags
-from tests.training.megatron_lm_checkout import import_megatron_lm, megatron_lm_knows
+from tests.training.megatron_lm_checkout import (import_megatron_lm, megatron_lm_knows,
+                                                 null_tokenizer_vocab_size)
 from tests.training.runs import ITERS, flags, metrics_records, run_ranks, start, train
 
 pytestmark = pytest.mark.timeout(300)
@@ -76,8 +78,9 @@ def _quiet_rank(rank, world, argv):
     ["--context-parallel-size", "4", "--cp-comm-type", "a2a"],
     ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
      "--hierarchical-context-parallel-sizes", "2", "2"],
-    ["--context-parallel-size", "2", "--cp-ring-exchange", "batched-keep"],
-], ids=["ring4", "ulysses4", "hybrid2x2", "cp2xdp2-keep"])
+    ["--context-parallel-size", "2", "--cp-ring-exchange", "batched-keep",
+     "--deterministic-mode"],
+], ids=["ring4", "ulysses4", "hybrid2x2", "cp2xdp2-keep-deterministic"])
 def test_cp_matches_cp1(baseline, short_docs_data, tmp_path, extra):
     losses, _ = train(tmp_path, "cp", short_docs_data, *extra)
     assert_same(losses, baseline[0])
@@ -340,4 +343,32 @@ def test_a_data_error_is_one_line_on_every_rank(short_docs_data, tmp_path):
     assert [code for code, _ in results] == [2, 2], results
     for _, text in results:
         assert "pretrain_gpt.py: error: " in text and "EoD id 256" in text, text[-2000:]
-        assert "Traceback" not in text
+        assert "Traceback" not in text and "_text_document.json" in text
+    # It names the --vocab-size that gives NullTokenizer the data's EoD id (the flag's value up
+    # to megatron-core 0.17, the value - 1 from 0.18).
+    hint = re.search(r"train with --tokenizer-type NullTokenizer --vocab-size (\d+)$",
+                     results[0][1], re.M)
+    assert hint and int(hint.group(1)) == null_tokenizer_vocab_size(256), results[0][1]
+
+
+def test_the_overlapped_warmup_and_flush_train_as_the_default_schedule(short_docs_data,
+                                                                      tmp_path):
+    """--overlap-p2p-communication-warmup-flush (a Megatron-LM functional-test config: PP=4,
+    two chunks, groups of 5 of 10 micro-batches) on gloo: megatron-core frees the warmup's
+    last output twice while its send is pending, and drops the last forward send of a
+    forward-only pass unwaited. The CPU stand-ins freed the memory the send still read (NaN
+    losses, different each run) and let gloo cancel the dropped send (the next stage waited
+    forever at the first evaluation)."""
+    layout = ("--num-layers", "8", "--pipeline-model-parallel-size", "4",
+              "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "1",
+              "--global-batch-size", "10", "--microbatch-group-size-per-virtual-pipeline-stage",
+              "5", "--train-iters", "3", "--eval-interval", "2")
+    records = []
+    for name, extra in (("default", ()), ("flush", ("--overlap-p2p-communication-warmup-flush",))):
+        train(tmp_path, name, short_docs_data, *layout, *extra,
+              drop=("--num-layers", "--micro-batch-size", "--global-batch-size", "--train-iters",
+                    "--eval-interval"))
+        records.append([(r.get("kind"), r["iteration"], r["lm_loss"], r.get("grad_norm"))
+                        for r in metrics_records(tmp_path / f"{name}.jsonl")])
+    assert records[0] == records[1] and len(records[0]) == 3 + 3  # 2 validations and a test
+    assert all(math.isfinite(loss) for _, _, loss, _ in records[0])

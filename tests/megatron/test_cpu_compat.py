@@ -154,10 +154,8 @@ def test_megatron_lm_scope_is_applied_only_when_asked_and_fully_removed():
     """The "megatron-lm" rows (Megatron-LM's trainer modules) are added only by
     apply(megatron_lm=True); the "core" rows touch torch itself (Tensor.cuda, Parameter.type,
     for megatron-core's optimizers); remove() restores all."""
-    from tests.training.megatron_lm_checkout import HAVE_MEGATRON_LM, import_megatron_lm
+    from tests.training.megatron_lm_checkout import import_megatron_lm
 
-    if not HAVE_MEGATRON_LM:
-        pytest.skip("Megatron-LM checkout absent")
     import_megatron_lm()
     cuda, param_type = torch.Tensor.cuda, torch.nn.Parameter.type
     try:

@@ -1,16 +1,17 @@
-"""`megatron_eod.megatron.gloo_on_cuda`: the lean trainer's stand-ins for gloo on CUDA (the GPU
-tests' processes sharing one GPU). Their CUDA side runs in tests/functional/test_gpu_training.py;
-here, on CPU gloo, the stand-in for megatron-core's coalesced gradient reduction is forced on
-and must train exactly as the real one, with the attention's host staging on meanwhile."""
+"""`megatron_eod.megatron.gloo_on_cuda`: the stand-ins for gloo on CUDA (the GPU tests'
+processes sharing one GPU). Their CUDA side runs in tests/functional/test_gpu_training.py;
+here, on CPU gloo under Megatron-LM's trainer, the stand-in for megatron-core's coalesced
+gradient reduction is forced on and must train exactly as the real one, with the attention's
+host staging on meanwhile."""
 
 import pytest
 
 from megatron_eod.attention import comm
 from megatron_eod.megatron import gloo_on_cuda
 from megatron_eod.megatron.imports import import_megatron
-from megatron_eod.training.pretrain import pretrain
-from tests.functional.tiny_gpt import tiny_flags
 from tests.harness import run_ranks
+from tests.training.megatron_lm_checkout import import_megatron_lm
+from tests.training.runs import flags, metrics_records, start
 
 
 def _train(rank, world, argv, stand_in):
@@ -24,22 +25,24 @@ def _train(rank, world, argv, stand_in):
             staged.append(comm._STAGING[0])
             return gloo_on_cuda.uncoalesced(*args, **kwargs)
         buffers._coalescing_manager = counted
-    original = buffers._coalescing_manager
-    losses = pretrain(argv)
-    restored = buffers._coalescing_manager is not original and not comm._STAGING[0]
-    return losses, calls, staged, restored
+    code, _ = start(rank, world, argv)
+    return code, calls, staged
 
 
-@pytest.mark.parametrize("extra", [["--context-parallel-size", "2"],
-                                   ["--use-distributed-optimizer"]], ids=["cp2", "distopt"])
-def test_gradients_reduced_bucket_by_bucket_train_as_coalesced(tiny_data, extra):
-    argv = tiny_flags(tiny_data, *extra, "--train-iters", "4")
-    reference = [r[0] for r in run_ranks(_train, 2, argv, False)]
-    results = run_ranks(_train, 2, argv, True)
-    for (losses, calls, staged, restored), expected in zip(results, reference):
-        assert losses == pytest.approx(expected, rel=1e-6)
-        assert calls and not any(calls) and all(staged)  # used, synchronous, staging on
-        assert restored  # shutdown put megatron-core's manager back and staging off
+@pytest.mark.parametrize("extra", [["--context-parallel-size", "2"], []], ids=["cp2", "dp2"])
+def test_gradients_reduced_bucket_by_bucket_train_as_coalesced(short_docs_data, tmp_path, extra):
+    import_megatron_lm()
+    losses = []
+    for stand_in in (False, True):
+        metrics = tmp_path / f"{stand_in}.jsonl"
+        results = run_ranks(_train, 2, flags(short_docs_data, metrics, *extra, "--train-iters",
+                                             "2"), stand_in, timeout=240, daemon=False)
+        assert [code for code, _, _ in results] == [0, 0], results
+        losses.append([r["lm_loss"] for r in metrics_records(metrics) if "kind" not in r])
+        if stand_in:
+            for _, calls, staged in results:  # used, synchronous, staging on
+                assert calls and not any(calls) and all(staged)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6) and len(losses[0]) == 2
 
 
 def test_an_overlapped_reduction_is_refused():

@@ -21,7 +21,8 @@ import os
 from tests.harness import run_ranks
 from tests.training.megatron_lm_checkout import import_megatron_lm, null_tokenizer_vocab_size
 
-__all__ = ["ITERS", "flags", "metrics_records", "run_ranks", "start", "train", "train_rank"]
+__all__ = ["ITERS", "error_lines", "flags", "metrics_records", "run_ranks", "start", "start_each",
+           "train", "train_rank"]
 
 ITERS = 4
 
@@ -83,6 +84,17 @@ def start(rank, world, argv):
     except SystemExit as stop:
         return stop.code, err.getvalue()
     return 0, err.getvalue()
+
+
+def start_each(rank, world, argvs):
+    """`start` with each rank's own command line."""
+    return start(rank, world, argvs[rank])
+
+
+def error_lines(results):
+    """Each rank's `pretrain_gpt.py: error:` lines, from `start`'s results."""
+    return [[line for line in text.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+            for _, text in results]
 
 
 def metrics_records(path):

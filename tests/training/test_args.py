@@ -1,458 +1,547 @@
-"""`megatron_eod.training.args`: Megatron-style flags, derived fields and every FlagError rule.
+"""Megatron-LM's flags through its REAL parser and our `add_eod_args`, then
+`eod_args_from_megatron`: every flag we refuse raises a FlagError naming it (and, for
+Megatron-LM defaults we cannot run, the flag to add); the CP spellings map onto ours with
+no fact asked twice; per-token loss is on by default."""
 
-CPU only, no process groups: `world_size` and `cuda_available` are passed explicitly. The
-GPU-only rules (dtypes, head dim, --use-flash-attn, gloo on CUDA) are in test_args_gpu.py.
-"""
+import sys
 
 import pytest
-import torch
 
-from megatron_eod.training.args import (
-    CP_ALGO_ALIASES, FlagError, build_parser, parse_args, validate_args)
+from megatron_eod.training.cp_flags import CP_ALGO_ALIASES, FlagError
+from tests.training.megatron_lm_checkout import import_megatron_lm, megatron_lm_knows
 
-MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8",
-         "--seq-length", "128", "--train-iters", "10", "--lr", "1e-3"]
-
-
-def parse(*extra, world_size=1, cuda=False, data=("--mock-data",)):
-    """The tiny config plus `extra` (a later flag overrides the same flag in MODEL)."""
-    return parse_args(MODEL + list(data) + [str(x) for x in extra], world_size=world_size,
-                      cuda_available=cuda)
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "128", "--micro-batch-size", "2", "--data-path", "corpus",
+        "--transformer-impl", "local", "--attention-dropout", "0", "--eval-interval", "100",
+        "--distributed-backend", "gloo", "--no-gradient-accumulation-fusion"]
 
 
-def test_tiny_config_defaults():
-    args = parse()
-    assert args.world_size == 1 and args.data_parallel_size == 1
-    assert args.context_parallel_algo == "ring" and args.ulysses_degree == 1
-    assert args.params_dtype is torch.float32
-    assert args.num_query_groups == 8 and not args.group_query_attention
-    assert args.ffn_hidden_size == 256 and args.kv_channels == 8
-    assert args.max_position_embeddings == 128
-    assert args.global_batch_size == 1 and args.num_micro_batches == 1
-    assert args.lr_decay_iters == 10 and args.lr_decay_style == "linear"
-    assert args.attention_mask_type == "causal" and not args.reset_attention_mask
-    assert args.distributed_backend == "gloo"
-    assert args.tokenizer_type == "ByteTokenizer" and args.split == "969,30,1"
-    assert args.add_bias_linear and not args.disable_bias_linear and not args.sequence_parallel
-    assert args.recompute_method is None and args.recompute_num_layers is None
-    assert (args.attention_dropout, args.hidden_dropout, args.clip_grad) == (0.0, 0.1, 1.0)
-    assert (args.eval_interval, args.eval_iters, args.log_interval) == (1000, 100, 100)
-    assert args.num_workers == 0 and args.seed == 1234 and args.rotary_base == 10000
+def megatron_lm_args(*flags, base=BASE, world=4):
+    import_megatron_lm()
+    from megatron.training.arguments import parse_args
+
+    from megatron_eod.training.args import add_eod_args
+
+    saved = sys.argv
+    sys.argv = ["pretrain_gpt.py", *base, *flags]
+    try:
+        args = parse_args(add_eod_args)
+    finally:
+        sys.argv = saved
+    args.world_size = world
+    return args
 
 
-def test_megatron_dest_names():
-    args = parse("--disable-bias-linear", "--untie-embeddings-and-output-weights", "--swiglu",
-                 "--normalization", "RMSNorm", "--no-load-optim", "--no-load-rng",
-                 "--use-cpu-initialization", "--position-embedding-type", "none",
-                 "--make-vocab-size-divisible-by", "64", "--save", "ckpt", "--save-interval", 5)
-    assert args.add_bias_linear is False and args.disable_bias_linear is True
-    assert args.untie_embeddings_and_output_weights and args.swiglu
-    assert args.normalization == "RMSNorm" and args.position_embedding_type == "none"
-    assert args.no_load_optim and args.no_load_rng and args.use_cpu_initialization
-    assert args.make_vocab_size_divisible_by == 64
-    assert (args.save, args.save_interval) == ("ckpt", 5)
+def checked(*flags, **kwargs):
+    from megatron_eod.training.args import eod_args_from_megatron
+
+    args = megatron_lm_args(*flags, **kwargs)
+    eod_args_from_megatron(args)
+    return args
 
 
-def test_parallel_sizes_and_batches():
-    args = parse("--tensor-model-parallel-size", 2, "--context-parallel-size", 2,
-                 "--micro-batch-size", 2, world_size=8)
-    assert args.data_parallel_size == 2
-    assert args.global_batch_size == 4 and args.num_micro_batches == 1
-    args = parse("--tensor-model-parallel-size", 2, "--context-parallel-size", 2,
-                 "--micro-batch-size", 2, "--global-batch-size", 16, world_size=8)
-    assert args.num_micro_batches == 4
+REFUSALS = {
+    "moe": (["--num-experts", "4"], "--num-experts 4: MoE"),
+    "mla": (["--multi-latent-attention"], "--multi-latent-attention: MLA"),
+    "mtp": (["--mtp-num-layers", "1"], "--mtp-num-layers 1: multi-token prediction"),
+    "spec": (["--spec", "my.module", "my_spec"], "--spec"),
+    "heterogeneous": (["--heterogeneous-layers-config-path", "layers.json"],
+                      "--heterogeneous-layers-config-path"),
+    "legacy-models": (["--use-legacy-models"], "--use-legacy-models"),
+    "attention-variant": (["--experimental-attention-variant", "gated_delta_net"],
+                          "--experimental-attention-variant gated_delta_net"),
+    "qk-l2-norm": (["--qk-l2-norm"], "--qk-l2-norm"),
+    "kitchen-attention": (["--use-kitchen-attention"], "--use-kitchen-attention"),
+    "window": (["--window-size", "8,0"], "--window-size"),
+    "softmax": (["--softmax-type", "off-by-one"], "--softmax-type off-by-one"),
+    "dynamic-hybrid-cp": (["--hybrid-context-parallel"], "--hybrid-context-parallel"),
+    "sft": (["--sft"], "--sft"),
+    "fim": (["--fim-data"], "--fim-data"),
+    "position": (["--position-embedding-type", "mrope"], "--position-embedding-type mrope"),
+    "impl": (["--transformer-impl", "inference_optimized"],
+             "--transformer-impl inference_optimized"),
+    "all-gather": (["--context-parallel-size", "4", "--cp-comm-type", "all_gather"],
+                   "--cp-comm-type all_gather"),
+    "per-layer-comm": (["--context-parallel-size", "4", "--cp-comm-type", "p2p", "a2a"],
+                       "one type per layer"),
+    "algo-vs-comm": (["--context-parallel-size", "4", "--context-parallel-algo", "ulysses",
+                      "--cp-comm-type", "p2p"], "--context-parallel-algo ulysses contradicts"),
+    "sizes-without-hybrid": (["--context-parallel-size", "4", "--cp-comm-type", "p2p",
+                              "--hierarchical-context-parallel-sizes", "2", "2"],
+                             "only used by --cp-comm-type a2a\\+p2p"),
+    "degree-vs-sizes": (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                         "--hierarchical-context-parallel-sizes", "2", "2",
+                         "--ulysses-degree-in-cp", "4"], "--ulysses-degree-in-cp 4 contradicts"),
+    "no-data": (["--split", "90,8,2"], "no training data: pass --data-path .*--data-args-path, "
+                "--train-data-path/--valid-data-path/--test-data-path, "
+                "--per-split-data-args-path or --mock-data"),
+    "no-validation-split": (["--split", "100,0,0"], "no validation data \\(--split 100,0,0 "
+                            "gives none\\) but --eval-iters 100: .*pass --eval-iters 0"),
+    "no-validation-blend": (["--train-data-path", "corpus"], "no validation data \\(no "
+                            "--valid-data-path.*\\) but --eval-iters 100"),
+    "sequence-parallel-rows": (["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                "--micro-batch-size", "1", "--seq-length", "129"],
+                               "--sequence-parallel needs --micro-batch-size x --seq-length / "
+                               "--context-parallel-size = 129 tokens divisible by "
+                               "--tensor-model-parallel-size 2"),
+    "cuda-graph-layer": (["--cuda-graph-impl", "local"], "--cuda-graph-impl local: a CUDA "
+                         "graph would replay one micro-batch's CP plan"),
+    "cuda-graph-legacy": (["--enable-cuda-graph"], "--enable-cuda-graph: a CUDA graph"),
+    "seq-length-cp": (["--context-parallel-size", "4", "--seq-length", "126",
+                       "--max-position-embeddings", "128"],
+                      "--seq-length 126 must be divisible by --context-parallel-size 4"),
+    "zigzag": (["--context-parallel-algo", "zigzag"], "--context-parallel-algo 'zigzag' is not "
+               "supported; choose one of ring, ulysses, hybrid, megatron_cp_algo, "
+               "ulysses_cp_algo, hybrid_cp_algo"),
+    "ulysses-heads": (["--context-parallel-size", "4", "--cp-comm-type", "a2a",
+                       "--num-attention-heads", "2"],
+                      "--num-attention-heads 2 / --tensor-model-parallel-size 1 = 2 heads per "
+                      "rank must be divisible by --context-parallel-size 4"),
+    "hybrid-heads": (["--context-parallel-size", "8", "--cp-comm-type", "a2a+p2p",
+                      "--hierarchical-context-parallel-sizes", "4", "2",
+                      "--num-attention-heads", "6", "--hidden-size", "96"],
+                     "--num-attention-heads 6 / --tensor-model-parallel-size 1 = 6 heads per "
+                     "rank must be divisible by --ulysses-degree-in-cp 4"),
+    "degree-vs-ring": (["--context-parallel-size", "4", "--context-parallel-algo",
+                        "megatron_cp_algo", "--ulysses-degree-in-cp", "4"],
+                       "--ulysses-degree-in-cp 4 contradicts --context-parallel-algo ring"),
+    "degree-vs-ulysses": (["--context-parallel-size", "4", "--context-parallel-algo", "ulysses",
+                           "--ulysses-degree-in-cp", "2"],
+                          "--ulysses-degree-in-cp 2 contradicts --context-parallel-algo ulysses"),
+    "ulysses-degree-alone": (["--context-parallel-size", "4", "--ulysses-degree-in-cp", "2"],
+                             "--ulysses-degree-in-cp 2 asks for hybrid context parallelism, but "
+                             "--cp-comm-type p2p \\(the default\\) is ring"),
+    "hierarchical-outer-1": (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                              "--hierarchical-context-parallel-sizes", "4", "1"],
+                             "--hierarchical-context-parallel-sizes 4 1: hybrid needs two "
+                             "sizes > 1"),
+    "dataloader-external": (["--dataloader-type", "external"], "--dataloader-type external: "
+                            "an external data loader bypasses"),
+    "qk-clip": (["--qk-clip"], "--qk-clip: QK-clip reads the core attention's largest"),
+    "max-logit": (["--log-max-attention-logit"], "--log-max-attention-logit: the EoD"),
+    # Megatron-LM >= 0.18 / 0.19 only (skipped where the parser lacks the flag):
+    "eval-rows": (["--eval-micro-batch-size", "1", "--tensor-model-parallel-size", "2",
+                   "--sequence-parallel", "--seq-length", "129"],
+                  "--eval-micro-batch-size x --seq-length / --context-parallel-size = 129"),
+    "inter-document-masking": (["--dataloader-inter-document-masking"],
+                               "--dataloader-inter-document-masking: .*pass "
+                               "--reset-attention-mask"),
+    "distillation": (["--logits-load-dir", "teacher"], "--logits-load-dir teacher"),
+    "logits-save": (["--logits-save-dir", "out", "--logits-save-top-k", "4"],
+                    "--logits-save-dir out"),
+}
 
 
-@pytest.mark.parametrize("algo,given,stored,degree", [
-    ("ring", None, "ring", 1), ("ring", 1, "ring", 1),
-    ("ulysses", None, "ulysses", 4), ("ulysses", 4, "ulysses", 4),
-    ("hybrid", 2, "hybrid", 2),
-    ("megatron_cp_algo", None, "ring", 1), ("ulysses_cp_algo", None, "ulysses", 4),
-    ("hybrid_cp_algo", 2, "hybrid", 2),
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_refused_flags_are_named(name):
+    flags, message = REFUSALS[name]
+    base = [f for f in BASE if name not in ("no-data", "no-validation-blend")
+            or f not in ("--data-path", "corpus")]
+    if not megatron_lm_knows(flags[0]):
+        pytest.skip(f"this Megatron-LM has no {flags[0]}")
+    with pytest.raises(FlagError, match=message):
+        checked(*flags, base=base)
+
+
+@pytest.mark.parametrize("drop,message", [
+    (["--attention-dropout", "0"], "is 0.1\\).*pass --attention-dropout 0"),
+    (["--transformer-impl", "local"], "pass --transformer-impl local"),
+    (["--no-gradient-accumulation-fusion"], r"--gradient-accumulation-fusion \(Megatron-LM's "
+     r"default\) needs apex's CUDA extension fused_weight_gradient_mlp_cuda, which is not "
+     r"installed: pass --no-gradient-accumulation-fusion"),
+], ids=["attention-dropout", "transformer-engine", "gradient-accumulation-fusion"])
+def test_megatron_lm_defaults_we_cannot_run_say_what_to_add(drop, message):
+    base = [f for f in BASE if f not in drop]
+    with pytest.raises(FlagError, match=message):
+        checked(base=base)
+
+
+@pytest.mark.parametrize("dest,value,message", [
+    ("kitchen_config_file", "recipe.yaml", "--kitchen-config-file recipe.yaml"),
+    ("kitchen_recipe_number", 1, "--kitchen-recipe-number 1"),
+    ("yaml_cfg", "model.yaml", "--yaml-cfg model.yaml"),
 ])
-def test_context_parallel_algos(algo, given, stored, degree):
-    extra = ["--context-parallel-size", 4, "--context-parallel-algo", algo]
-    if given is not None:
-        extra += ["--ulysses-degree-in-cp", given]
-    args = parse(*extra, world_size=8)
-    assert args.context_parallel_algo == stored and args.ulysses_degree == degree
-    assert args.data_parallel_size == 2
+def test_flags_read_at_parse_time_are_named(dest, value, message):
+    """Megatron-LM adds the Kitchen flags only where NVIDIA Kitchen is installed, and reads
+    --yaml-cfg while parsing: set on the parsed args instead."""
+    from megatron_eod.training.args import eod_args_from_megatron
+
+    args = megatron_lm_args()
+    setattr(args, dest, value)
+    with pytest.raises(FlagError, match=message):
+        eod_args_from_megatron(args)
 
 
-@pytest.mark.parametrize("spelled,stored,degree", [
-    ((), "ring", 1), (("--cp-comm-type", "p2p"), "ring", 1),
-    (("--cp-comm-type", "a2a"), "ulysses", 4),
-    (("--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", 2, 2), "hybrid", 2),
-    (("--cp-comm-type", "a2a+p2p", "--ulysses-degree-in-cp", 2), "hybrid", 2),
-    (("--cp-comm-type", "a2a", "--context-parallel-algo", "ulysses"), "ulysses", 4),
+@pytest.mark.parametrize("flags,message", [
+    (["--train-iters", "4", "--lr-warmup-iters", "4"],
+     r"^--lr-warmup-iters 4 must be in \[0, --lr-decay-iters 4\) \(the warmup must end"),
+    (["--train-iters", "8", "--lr-decay-iters", "3", "--lr-warmup-iters", "5"],
+     r"^--lr-warmup-iters 5 must be in \[0, --lr-decay-iters 3\)"),
+    (["--train-iters", "8", "--lr-warmup-fraction", "1.0"],
+     r"^--lr-warmup-fraction must be in \[0, 1\), got 1.0"),
 ])
-def test_megatron_lms_cp_spellings_run_in_the_lean_trainer(spelled, stored, degree):
-    """A Megatron-LM launch script's CP flags (they were refused by name here; a helper's
-    sweep of Megatron-LM's example scripts ran into it)."""
-    args = parse("--context-parallel-size", 4, *spelled, world_size=8)
-    assert args.context_parallel_algo == stored and args.ulysses_degree == degree
+def test_a_warmup_past_the_decay_is_one_line(flags, message):
+    """megatron-core's scheduler asserted it bare on every rank, after the model was built."""
+    with pytest.raises(FlagError, match=message):
+        checked(*flags)
+    checked("--train-iters", "8", "--lr-warmup-iters", "4")
 
 
-@pytest.mark.parametrize("spelled,match", [
-    (("--cp-comm-type", "a2a", "--context-parallel-algo", "ring"),
-     r"--context-parallel-algo ring contradicts --cp-comm-type a2a \(ulysses\)"),
-    (("--cp-comm-type", "a2a+p2p"), r"--cp-comm-type a2a\+p2p needs "
-                                    r"--hierarchical-context-parallel-sizes U 4/U"),
-    (("--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", 3, 2),
-     r"product is --context-parallel-size 4"),
-    (("--cp-comm-type", "all_gather"), r"--cp-comm-type all_gather: EoD attention implements "
-                                       r"p2p \(ring\), a2a \(ulysses\) and a2a\+p2p"),
-    (("--cp-comm-type", "p2p", "a2a"), r"one type per layer is not supported"),
-])
-def test_megatron_lms_cp_spellings_are_checked_in_the_lean_trainer(spelled, match):
-    with pytest.raises(FlagError, match=match):
-        parse("--context-parallel-size", 4, *spelled, world_size=8)
+def test_per_token_loss_is_the_default_and_cannot_be_lost():
+    from megatron_eod.training.args import eod_args_from_megatron
+
+    assert checked().calculate_per_token_loss
+    args = megatron_lm_args()
+    args.calculate_per_token_loss = False
+    with pytest.raises(FlagError, match="--calculate-per-token-loss"):
+        eod_args_from_megatron(args)
 
 
-@pytest.mark.parametrize("sizes", [(), (1, 1)])
-def test_a_hybrid_script_at_cp_1_runs_as_cp_1(sizes):
-    """--cp-comm-type a2a+p2p at --context-parallel-size 1 (a script templated for hybrid):
-    nothing to exchange, plain attention; it was refused naming --context-parallel-algo."""
-    sized = ("--hierarchical-context-parallel-sizes", *sizes) if sizes else ()
-    args = parse("--context-parallel-size", 1, "--cp-comm-type", "a2a+p2p", *sized)
-    assert (args.context_parallel_algo, args.ulysses_degree) == ("ring", 1)
-    with pytest.raises(FlagError, match=r"--ulysses-degree-in-cp 2 needs "
-                                        r"--context-parallel-size > 2"):
-        parse("--context-parallel-size", 1, "--cp-comm-type", "a2a+p2p",
-              "--ulysses-degree-in-cp", 2)
-    with pytest.raises(FlagError, match=r"--hierarchical-context-parallel-sizes 1: hybrid "
-                                        r"takes two sizes"):
-        parse("--context-parallel-size", 1, "--cp-comm-type", "a2a+p2p",
-              "--hierarchical-context-parallel-sizes", 1)
-    for ring in ("ring", "megatron_cp_algo"):  # either spelling of ring agrees at CP=1
-        assert parse("--context-parallel-size", 1, "--cp-comm-type", "a2a+p2p",
-                     "--context-parallel-algo", ring).context_parallel_algo == "ring"
+@pytest.mark.parametrize("flags,algo,degree,sizes", [
+    ([], "ring", 1, None),
+    (["--cp-comm-type", "p2p"], "ring", 1, None),
+    (["--cp-comm-type", "a2a"], "ulysses", 4, None),
+    (["--context-parallel-algo", "ulysses"], "ulysses", 4, None),
+    (["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"],
+     "hybrid", 2, [2, 2]),
+    (["--context-parallel-algo", "hybrid", "--ulysses-degree-in-cp", "2"], "hybrid", 2, [2, 2]),
+    (["--context-parallel-algo", "hybrid_cp_algo", "--cp-comm-type", "a2a+p2p",
+      "--hierarchical-context-parallel-sizes", "2", "2", "--ulysses-degree-in-cp", "2"],
+     "hybrid", 2, [2, 2]),
+], ids=["default", "p2p", "a2a", "algo-ulysses", "a2a+p2p", "algo-hybrid", "both-agree"])
+def test_megatron_cp_spellings_map_onto_ours(flags, algo, degree, sizes):
+    args = checked("--context-parallel-size", "4", *flags)
+    assert (args.context_parallel_algo, args.ulysses_degree) == (algo, degree)
+    assert args.hierarchical_context_parallel_sizes == sizes
+    assert args.cp_comm_type == [{"ring": "p2p", "ulysses": "a2a", "hybrid": "a2a+p2p"}[algo]]
 
 
-def test_the_tp_pp_dp_rank_order_with_pipeline_stages_and_cp_is_refused():
-    """megatron-core asserts its expert data-parallel groups (CP left out) equal the
-    attention's under this order with PP > 1: a traceback on every rank (a review)."""
-    mapped = ("--use-tp-pp-dp-mapping", "--pipeline-model-parallel-size", 2)
-    assert parse(*mapped, world_size=4).use_tp_pp_dp_mapping
-    with pytest.raises(FlagError, match=r"--use-tp-pp-dp-mapping with "
-                                        r"--pipeline-model-parallel-size 2: megatron-core needs "
-                                        r"expert tensor x expert model parallel \(1 x 1\) = "
-                                        r"--tensor-model-parallel-size x --context-parallel-size "
-                                        r"\(1 x 2\)"):
-        parse(*mapped, "--context-parallel-size", 2, world_size=4)
+def test_eval_interval_has_a_default():
+    """core_v0.16.1's Megatron-LM has none and divides by it at start-up (a TypeError)."""
+    base = [f for f in BASE if f not in ("--eval-interval", "100")]
+    assert checked(base=base).eval_interval == 1000
+    assert checked("--eval-interval", "7", base=base).eval_interval == 7
 
 
-def test_a_save_interval_without_save_saves_nothing_as_in_megatron_lm():
-    """A launch script whose --save line is commented out (Megatron-LM runs it, saving
-    nothing; the lean trainer refused it)."""
-    args = parse("--save-interval", 100)
-    assert args.save is None and args.save_interval == 100
-
-
-def test_cp_ring_exchange():
-    assert parse("--context-parallel-size", 4, world_size=4).cp_ring_exchange == "batched"
+def test_cp_ring_exchange_is_ours_too():
+    assert checked("--context-parallel-size", "4").cp_ring_exchange == "batched"
     for exchange in ("steps", "batched-keep"):
-        args = parse("--context-parallel-size", 4, "--cp-ring-exchange", exchange, world_size=4)
+        args = checked("--context-parallel-size", "4", "--cp-ring-exchange", exchange)
         assert args.cp_ring_exchange == exchange
-    with pytest.raises(FlagError, match=r"--cp-ring-exchange"):
-        parse("--cp-ring-exchange", "ring")
-    with pytest.warns(UserWarning, match=r"--cp-ring-exchange steps has no effect"):
-        parse("--context-parallel-size", 4, "--context-parallel-algo", "ulysses",
-              "--cp-ring-exchange", "steps", world_size=4)
 
 
-def test_cp_concurrent_calls():
-    assert not parse("--context-parallel-size", 4, world_size=4).cp_concurrent_calls
-    for exchange in ("batched", "batched-keep"):
-        args = parse("--context-parallel-size", 4, "--cp-ring-exchange", exchange,
-                     "--cp-concurrent-calls", world_size=4)
-        assert args.cp_concurrent_calls
-    with pytest.raises(FlagError, match=r"--cp-concurrent-calls .*--cp-ring-exchange batched "
-                                        r"or batched-keep, not steps"):
-        parse("--context-parallel-size", 4, "--cp-ring-exchange", "steps",
-              "--cp-concurrent-calls", world_size=4)
-    with pytest.warns(UserWarning, match=r"--cp-concurrent-calls with .*only splits that call"):
-        parse("--context-parallel-size", 4, "--context-parallel-algo", "ulysses",
-              "--cp-concurrent-calls", world_size=4)
+def test_cp_concurrent_calls_is_ours_too():
+    assert not checked("--context-parallel-size", "4").cp_concurrent_calls
+    assert checked("--context-parallel-size", "4", "--cp-concurrent-calls").cp_concurrent_calls
+    with pytest.raises(FlagError, match=r"--cp-concurrent-calls .*not steps"):
+        checked("--context-parallel-size", "4", "--cp-ring-exchange", "steps",
+                "--cp-concurrent-calls")
 
 
-def test_cp_fused_forward(monkeypatch):
-    assert not parse("--context-parallel-size", 4, world_size=4).cp_fused_forward
-    for exchange in ("batched", "batched-keep"):
-        assert parse("--context-parallel-size", 4, "--cp-ring-exchange", exchange,
-                     "--cp-fused-forward", "--bf16", world_size=4, cuda=True).cp_fused_forward
-    with pytest.raises(FlagError, match=r"--cp-fused-forward .*--cp-ring-exchange batched "
-                                        r"or batched-keep, not steps"):
-        parse("--context-parallel-size", 4, "--cp-ring-exchange", "steps",
-              "--cp-fused-forward", "--bf16", world_size=4, cuda=True)
-    args = parse("--context-parallel-size", 4, "--cp-fused-forward", "--cp-fused-backward",
-                 "--bf16", world_size=4, cuda=True)
-    assert args.cp_fused_forward and args.cp_fused_backward
+def test_cp_fused_forward_is_ours_too(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the CPU's way to run it (tests)
+    assert not checked("--context-parallel-size", "4").cp_fused_forward
+    assert checked("--context-parallel-size", "4", "--cp-fused-forward").cp_fused_forward
+    assert checked("--context-parallel-size", "4", "--cp-fused-forward",
+                   "--cp-fused-backward").cp_fused_backward
     with pytest.raises(FlagError, match=r"--cp-fused-backward needs --cp-fused-forward"):
-        parse("--context-parallel-size", 4, "--cp-fused-backward", world_size=4)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(FlagError, match=r"--cp-fused-forward needs CUDA .*drop it on CPU"):
-        parse("--context-parallel-size", 4, "--cp-fused-forward", world_size=4)
-    monkeypatch.setattr("megatron_eod.training.cp_flags.device_problem",
-                        lambda head_dim, dtype, backward: f"too big at {head_dim} in {dtype}")
-    with pytest.raises(FlagError, match=r"--cp-fused-forward: too big at 8 in bf16"):
-        parse("--context-parallel-size", 4, "--cp-fused-forward", "--bf16", world_size=4,
-              cuda=True)
-    monkeypatch.setattr("megatron_eod.training.cp_flags.triton_problem", lambda: "not here")
-    with pytest.raises(FlagError, match=r"--cp-fused-forward needs Triton: not here"):
-        parse("--context-parallel-size", 4, "--cp-fused-forward", "--bf16", world_size=4, cuda=True)
+        checked("--context-parallel-size", "4", "--cp-fused-backward")
+    with pytest.raises(FlagError, match=r"--cp-fused-forward .*not steps"):
+        checked("--context-parallel-size", "4", "--cp-ring-exchange", "steps",
+                "--cp-fused-forward")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(FlagError, match=r"--cp-fused-forward needs CUDA"):
+        checked("--context-parallel-size", "4", "--cp-fused-forward")
+
+
+def test_honoured_model_flags_pass():
+    args = checked("--qk-layernorm", "--rotary-interleaved", "--use-rope-scaling",
+                   "--position-embedding-type", "rope", "--rotary-percent", "0.5",
+                   "--group-query-attention", "--num-query-groups", "2")
+    assert args.qk_layernorm and args.rotary_interleaved and args.use_rope_scaling
+    assert checked().position_embedding_type == "learned_absolute"  # Megatron-LM's default
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--num-layers-per-virtual-pipeline-stage", 1),
+    ("--num-virtual-stages-per-pipeline-rank", 2),
+    ("--pipeline-model-parallel-layout", "Et|t|t|tL"),
+], ids=["layers-per-stage", "stages-per-rank", "layout"])
+def test_virtual_pipeline_stages_pass(flag, value):
+    """Each way Megatron-LM spells virtual pipeline stages (its run under CP is in
+    test_megatron_lm_pretrain.py)."""
+    args = checked("--num-layers", "4", "--pipeline-model-parallel-size", "2", flag,
+                   str(value))
+    assert getattr(args, flag[2:].replace("-", "_")) == value
+
+
+def test_a_batch_ramp_this_megatron_lm_would_ignore_runs_as_its_step_schedule():
+    """Megatron-LM >= 0.18 accepts --rampup-batch-size and trains at the full batch (its
+    megatron-core dropped the ramp for --step-batch-size-schedule, which it reads in tokens):
+    the rules hand it the same ramp as that schedule; where the ramp is honoured (<= 0.17)
+    nothing changes. Beside a schedule, or with --decrease-batch-size-if-needed, refused."""
+    import_megatron_lm()
+    from megatron_eod.training.flag_rules import ramps_by_step_schedule
+
+    ramp = ["--rampup-batch-size", "8", "8", "64", "--global-batch-size", "32"]
+    args = checked(*ramp)
+    if not ramps_by_step_schedule():
+        assert args.rampup_batch_size == [8, 8, 64]
+        return
+    assert args.rampup_batch_size is None  # samples 0, 22, 43, 64 x --seq-length 128
+    assert args.step_batch_size_schedule == "0:8 2816:16 5504:24 8192:32"
+    with pytest.raises(FlagError, match="--rampup-batch-size 8 8 64 with "
+                                        "--decrease-batch-size-if-needed"):
+        checked(*ramp, "--decrease-batch-size-if-needed")
+
+
+def test_cuda_graphs_capture_only_what_holds_no_attention():
+    """Graphs of the MLP pass; a scope with attention is refused (the graph would replay one
+    micro-batch's plan)."""
+    scope = "--cuda-graph-modules" if megatron_lm_knows("--cuda-graph-modules") else \
+        "--cuda-graph-scope"  # Megatron-LM 0.19 renamed it
+    assert checked("--cuda-graph-impl", "local", scope, "mlp").cuda_graph_impl == "local"
+    with pytest.raises(FlagError, match="--cuda-graph-impl transformer_engine with scope "
+                                        "attn mlp: a CUDA graph would replay"):
+        checked("--cuda-graph-impl", "transformer_engine", scope, "attn", "mlp")
+
+
+def test_the_persistent_checkpoint_worker_needs_cuda():
+    """Megatron-LM's worker sets a CUDA device: on CPU it died at the first save and the run
+    waited for that save forever (a helper's sweep: 400 s, killed). Plain --async-save, which
+    Megatron-LM turns off without the worker, still passes."""
+    checked("--async-save", "--ckpt-format", "torch_dist")
+    with pytest.raises(FlagError, match=r"--use-persistent-ckpt-worker needs CUDA: "):
+        checked("--async-save", "--use-persistent-ckpt-worker", "--ckpt-format", "torch_dist")
+
+
+def test_what_needs_cuda_is_refused_at_start_up_on_cpu(monkeypatch):
+    """Megatron-LM's example scripts on a CPU (a helper's sweep): --bf16 built the model and
+    stopped at the first forward (ValueError in the CPU attention), --fp16 in the grad
+    scaler (AssertionError), --profile after --profile-step-start iterations (CUDA's
+    profiler); the lean trainer's lines, at start-up. The PyTorch profiler still runs.
+    Likewise --distributed-backend nccl (a helper's sweep of the CP functional configs)."""
+    for flag in ("--bf16", "--fp16"):
+        with pytest.raises(FlagError, match=f"{flag} needs CUDA: the CPU attention kernel "
+                                            f"takes float32/float64; drop {flag} on CPU"):
+            checked(flag)
+    with pytest.raises(FlagError, match=r"--profile needs CUDA \(Megatron-LM starts CUDA's "
+                                         r"profiler at --profile-step-start\); add "
+                                         r"--use-pytorch-profiler"):
+        checked("--profile")
+    assert checked("--profile", "--use-pytorch-profiler").profile
+    # Megatron-LM's default backend (a traceback in init_process_group on every rank).
+    base = [f for f in BASE if f not in ("--distributed-backend", "gloo")]
+    with pytest.raises(FlagError, match=r"--distributed-backend nccl \(Megatron-LM's default "
+                                        r"where none is given\) needs CUDA; pass "
+                                        r"--distributed-backend gloo on CPU"):
+        checked(base=base)
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--distributed-backend", "nccl"])
+    with pytest.raises(FlagError, match=r"^--distributed-backend nccl needs CUDA"):
+        checked("--distributed-backend", "nccl")  # given: not called Megatron-LM's default
+
+
+def test_a_huggingface_tokenizer_is_what_transformers_reads(tmp_path, monkeypatch):
+    """Megatron-LM's trainer reads HuggingFaceTokenizer with transformers' AutoTokenizer (a
+    docs walk: a tokenizer.json path, or no transformers, was a traceback on every rank)."""
+    import importlib.util
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("{}")
+    hf = ("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model")
+    with pytest.raises(FlagError, match=f"--tokenizer-model {folder}/tokenizer.json: .*takes "
+                                        f"its directory .*: pass --tokenizer-model {folder}$"):
+        checked(*hf, str(folder / "tokenizer.json"))
+    find_spec = importlib.util.find_spec
+
+    def transformers_is(found):
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: found if name ==
+                            "transformers" else find_spec(name, *a))
+
+    transformers_is(None)
+    with pytest.raises(FlagError, match=r"needs the transformers package: pip install "):
+        checked(*hf, str(folder))
+    transformers_is(object())
+    assert checked(*hf, str(folder)).tokenizer_model == str(folder)
+    assert checked(*hf, "meta-llama/Llama-3.1-8B").tokenizer_type == "HuggingFaceTokenizer"
+
+
+def test_the_tp_pp_dp_rank_order_follows_megatron_cores_rule():
+    """Megatron-LM's *_dp_last CP configs pair the order with an expert tensor size of
+    TP x CP; without one, PP x CP under it stopped in megatron-core's group assertion."""
+    mapped = ("--use-tp-pp-dp-mapping", "--pipeline-model-parallel-size", "2")
+    with pytest.raises(FlagError, match=r"--use-tp-pp-dp-mapping with "
+                                        r"--pipeline-model-parallel-size 2: .*\(1 x 1\)"):
+        checked(*mapped, "--context-parallel-size", "2", world=4)
+    assert checked(*mapped, "--context-parallel-size", "2", "--expert-tensor-parallel-size",
+                   "2", world=4).use_tp_pp_dp_mapping
+
+
+def test_decoupled_lr_checkpoints_that_megatron_core_cannot_load_are_refused(tmp_path):
+    """megatron-core 0.16.1's regular optimizer cannot load a --decoupled-lr run's own
+    checkpoint (its groups differ only in max_lr, which it does not compare; measured: a
+    ValueError at the resume, torch and torch_dist); the distributed optimizer resumes
+    (test_megatron_lm_pretrain.py::test_decoupled_lr_resumes_on_its_own_schedule)."""
+    from megatron.core.optimizer import optimizer
+
+    save = ("--save", str(tmp_path))
+    assert checked("--decoupled-lr", "2e-4").decoupled_lr == 2e-4  # saves nothing: nothing lost
+    for fresh in ("--no-load-optim", "--finetune"):  # loads no optimizer state, saves none
+        assert checked("--decoupled-lr", "2e-4", "--load", str(tmp_path), fresh).decoupled_lr
+    assert checked("--decoupled-lr", "2e-4", *save, "--use-distributed-optimizer").decoupled_lr
+    if "max_lr" in optimizer.param_group_identifier_keys:  # a megatron-core that compares it
+        assert checked("--decoupled-lr", "2e-4", *save).decoupled_lr
+        return
+    with pytest.raises(FlagError, match=r"--decoupled-lr 0.0002 without "
+                                        r"--use-distributed-optimizer: this megatron-core's"):
+        checked("--decoupled-lr", "2e-4", *save)
+
+
+@pytest.mark.parametrize("flag", ["--overlap-grad-reduce", "--overlap-param-gather"])
+def test_gloo_on_cuda_refuses_overlapped_gradient_collectives(monkeypatch, flag):
+    """gloo on CUDA reduces gradients bucket by bucket, synchronously (gloo_on_cuda): the
+    overlap flags are refused there, as in the lean trainer; nccl, and gloo on CPU, keep them."""
+    import torch
+
+    extra = [flag, "--use-distributed-optimizer"]
+    assert getattr(checked(*extra, "--distributed-backend", "gloo"), flag[2:].replace("-", "_"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert getattr(checked(*extra, "--bf16", "--distributed-backend", "nccl"),
+                   flag[2:].replace("-", "_"))
+    with pytest.raises(FlagError, match=flag + " needs --distributed-backend nccl on CUDA"):
+        checked(*extra, "--distributed-backend", "gloo", "--bf16")
+
+
+def test_use_flash_attn_needs_a_flash_attn_the_attention_can_use(monkeypatch):
+    """Megatron-LM's --use-flash-attn picks our flash-attn kernel: refused at start-up, as in
+    the lean trainer, without CUDA or without a usable flash-attn (attention/backends.py)."""
+    import sys
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(FlagError, match="--use-flash-attn needs CUDA"):
+        checked("--use-flash-attn")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    old = types.ModuleType("flash_attn")
+    old.__version__ = "2.5.9"
+    monkeypatch.setitem(sys.modules, "flash_attn", old)
+    with pytest.raises(FlagError, match=r"--use-flash-attn .*2\.5\.9 .*>= 2\.6"):
+        checked("--use-flash-attn", "--bf16")
+    old.__version__ = "2.7.4.post1"
+    assert checked("--use-flash-attn", "--bf16").use_flash_attn
+    with pytest.raises(FlagError, match=r"on CUDA .* pass --bf16 or --fp16"):
+        checked("--use-flash-attn")  # float32: no GPU kernel of ours takes it
+
+
+def test_full_validation_one_sequence_at_a_time():
+    """Megatron-LM >= 0.19 validates --full-validation one sequence a micro-batch: the steps
+    accept that row count, and a pipeline (shaped for --micro-batch-size) or a sequence
+    parallelism that cannot split one sequence are refused at start-up."""
+    import importlib
+
+    from megatron_eod.training.data import validates_one_row_at_a_time
+
+    import_megatron_lm()
+    samplers = importlib.import_module("megatron.training.datasets.data_samplers")
+    one_row = hasattr(samplers, "MegatronFullValidationSampler")
+    assert validates_one_row_at_a_time(checked("--full-validation")) == one_row
+    assert not validates_one_row_at_a_time(checked())
+    if not one_row:
+        assert checked("--full-validation", "--pipeline-model-parallel-size", "2")
+        pytest.skip("this Megatron-LM validates --full-validation in whole micro-batches")
+    with pytest.raises(FlagError, match="--full-validation with --pipeline-model-parallel-size "
+                                        "2: this Megatron-LM validates one sequence"):
+        checked("--full-validation", "--pipeline-model-parallel-size", "2")
+    with pytest.raises(FlagError, match="--full-validation with --sequence-parallel needs "
+                                        "--seq-length / --context-parallel-size = 33 tokens"):
+        checked("--full-validation", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                "--seq-length", "66", "--context-parallel-size", "2", "--micro-batch-size", "2")
+
+
+def test_xavier_init_that_this_megatron_lm_cannot_build_is_named():
+    """core_v0.16.1's core_transformer_config_from_args gives TransformerConfig a
+    `scaled_init_method` that megatron-core 0.16 lacks: a TypeError at model build."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import_megatron_lm()
+    if "scaled_init_method" in {f.name for f in dataclasses.fields(TransformerConfig)}:
+        assert checked("--init-method-xavier-uniform").init_method_xavier_uniform
+        return
+    with pytest.raises(FlagError, match="--init-method-xavier-uniform: this Megatron-LM passes "
+                                        "megatron-core a `scaled_init_method`"):
+        checked("--init-method-xavier-uniform")
+
+
+def test_a_checkpoint_the_rerun_machine_saved_for_examination_is_one_line(monkeypatch):
+    """After a possible transient error Megatron-LM's rerun machine saves a checkpoint and
+    exits (17); resumed, megatron-core 0.16 stopped every rank with a TypeError in its rerun
+    machine (a helper's sweep, Megatron-LM's reruns_transient config). Checked by hand: the
+    one line's remedy, --rerun-mode disabled, resumes from it. (A stand-in machine: the real
+    one is a process global that Megatron-LM's start-up in forked ranks must find unset.)"""
+    import argparse
+    import types
+
+    from megatron.core import rerun_state_machine as machine
+
+    from megatron_eod.training.checkpoint_files import CheckpointError
+    from megatron_eod.training.checkpoint_load import _check_rerun_state
+
+    loaded = types.SimpleNamespace(state=machine.RerunState.NOT_RUNNING_YET, saved_state=None,
+                                   current_iteration=2)
+    monkeypatch.setattr(machine, "get_rerun_state_machine", lambda: loaded)
+    args = argparse.Namespace(load="ckpt")
+    _check_rerun_state(args)  # a checkpoint of a normal run
+    loaded.state = machine.RerunState.RERUNNING_IN_PLACE
+    with pytest.raises(CheckpointError, match=r"--load ckpt: Megatron-LM's rerun machine saved "
+                                              r"this checkpoint after a possible transient "
+                                              r"error at iteration 2.* pass --rerun-mode "
+                                              r"disabled"):
+        _check_rerun_state(args)
 
 
 def test_algo_aliases_cover_the_plan_algorithms():
     from megatron_eod.plan.cp_plan import ALGORITHMS
+
     assert set(CP_ALGO_ALIASES.values()) == set(ALGORITHMS)
-
-
-def test_attention_mask_type():
-    assert parse("--reset-attention-mask").attention_mask_type == "general"
-    args = parse("--attention-mask-type", "general")
-    assert args.reset_attention_mask and args.attention_mask_type == "general"
-    args = parse("--attention-mask-type", "causal")
-    assert not args.reset_attention_mask and args.attention_mask_type == "causal"
-
-
-def test_query_groups():
-    args = parse("--group-query-attention", "--num-query-groups", 2)
-    assert args.num_query_groups == 2 and args.group_query_attention
-    args = parse()  # Megatron-LM: multi-head attention
-    assert args.num_query_groups == 8 and not args.group_query_attention
-    with pytest.raises(FlagError, match="--num-query-groups 2 without --group-query-attention: "
-                                        "Megatron-LM ignores it"):
-        parse("--num-query-groups", 2)
-    assert parse("--num-query-groups", 8).num_query_groups == 8  # MHA either way
-    args = parse("--group-query-attention")  # Megatron: the flag alone means one group
-    assert args.num_query_groups == 1 and args.group_query_attention
-    args = parse("--group-query-attention", "--num-query-groups", 8)
-    assert args.num_query_groups == 8 and not args.group_query_attention
-
-
-def test_explicit_model_sizes():
-    args = parse("--hidden-size", 60, "--kv-channels", 16, "--ffn-hidden-size", 100,
-                 "--max-position-embeddings", 512)
-    assert (args.kv_channels, args.ffn_hidden_size, args.max_position_embeddings) == (16, 100,
-                                                                                     512)
-
-
-def test_recompute_defaults():
-    args = parse("--recompute-granularity", "full")
-    assert (args.recompute_method, args.recompute_num_layers) == ("uniform", 1)
-    args = parse("--recompute-granularity", "full", "--recompute-method", "block",
-                 "--recompute-num-layers", 2, "--pipeline-model-parallel-size", 2, world_size=2)
-    assert (args.recompute_method, args.recompute_num_layers) == ("block", 2)
-    assert parse("--recompute-granularity", "selective").recompute_method is None
-
-
-def test_sequence_parallel():
-    assert not parse("--sequence-parallel").sequence_parallel  # TP 1: off, as Megatron
-    args = parse("--sequence-parallel", "--tensor-model-parallel-size", 2, world_size=2)
-    assert args.sequence_parallel
-
-
-def test_world_size_and_cuda_defaults(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    args = parse_args(MODEL + ["--mock-data", "--context-parallel-size", "2"])
-    assert (args.world_size, args.data_parallel_size, args.distributed_backend) == (4, 2, "gloo")
-    monkeypatch.setenv("WORLD_SIZE", "four")
-    with pytest.raises(FlagError, match="WORLD_SIZE must be an integer"):
-        parse_args(MODEL + ["--mock-data"])
-
-
-def test_validate_args_is_idempotent():
-    args = parse("--context-parallel-size", 4, "--context-parallel-algo", "hybrid_cp_algo",
-                 "--ulysses-degree-in-cp", 2, "--reset-attention-mask",
-                 "--recompute-granularity", "full", world_size=8)
-    before = dict(vars(args))
-    assert vars(validate_args(args, 8, False)) == before
-
-
-def test_build_parser_help_lists_flags():
-    text = build_parser().format_help()
-    for flag in ("--context-parallel-algo", "--ulysses-degree-in-cp", "--attention-mask-type",
-                 "--tokenizer-type", "--metrics-file"):
-        assert flag in text
-
-
-@pytest.mark.parametrize("argv,match", [
-    (["--foo"], r"unrecognized flag --foo \(.*--trainer megatron-lm"),
-    (["--foo", "3", "--bar=x"], r"unrecognized flag --foo .*\[and 1 more unrecognized flag: "
-                                r"--bar\]"),
-    (["--normalization", "BatchNorm"], r"--normalization"),
-    (["--tokenizer-type", "SentencePiece"], r"--tokenizer-type"),
-    (["--num-layers", "four"], r"--num-layers"),
-    (["--seq"], r"unrecognized flag --seq"),  # no abbreviations, as Megatron
-])
-def test_parser_errors_are_flag_errors(argv, match):
-    with pytest.raises(FlagError, match=match):
-        parse(*argv)
-
-
-def test_missing_required_flag():
-    with pytest.raises(FlagError, match=r"--num-layers"):
-        parse_args(MODEL[2:] + ["--mock-data"], world_size=1, cuda_available=False)
-
-
-@pytest.mark.parametrize("flag", [
-    "--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups",
-    "--ffn-hidden-size", "--kv-channels", "--seq-length", "--max-position-embeddings",
-    "--micro-batch-size", "--global-batch-size", "--train-iters", "--lr", "--lr-decay-iters",
-    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
-    "--make-vocab-size-divisible-by", "--save-interval", "--eval-interval", "--log-interval",
-    "--exit-interval", "--vocab-size",
-])
-@pytest.mark.parametrize("value", [0, -2])
-def test_sizes_must_be_positive(flag, value):
-    with pytest.raises(FlagError, match=rf"{flag} must be positive, got {value}"):
-        parse(flag, value, "--save", "ckpt")
-
-
-def test_world_size_must_be_positive():
-    args = build_parser().parse_args(MODEL + ["--mock-data"])
-    with pytest.raises(FlagError, match="WORLD_SIZE must be a positive integer"):
-        validate_args(args, 0, False)
-
-
-CP4 = ["--context-parallel-size", 4]
-
-BAD = [
-    # world size and model shape
-    (["--tensor-model-parallel-size", 2, "--context-parallel-size", 2], 6, False,
-     r"WORLD_SIZE 6 is not divisible by --tensor-model-parallel-size x "
-     r"--pipeline-model-parallel-size x --context-parallel-size = 2 x 1 x 2 = 4"),
-    (["--group-query-attention", "--num-query-groups", 3], 1, False,
-     r"--num-attention-heads 8 must be divisible by --num-query-groups 3"),
-    (["--group-query-attention", "--num-query-groups", 16], 1, False,
-     r"--num-attention-heads 8 must be divisible by --num-query-groups 16"),
-    (["--tensor-model-parallel-size", 3], 3, False,
-     r"--num-attention-heads 8 must be divisible by --tensor-model-parallel-size 3"),
-    (["--group-query-attention", "--num-query-groups", 2, "--tensor-model-parallel-size", 4], 4,
-     False,
-     r"--num-query-groups 2 must be divisible by --tensor-model-parallel-size 4"),
-    (["--swiglu", "--hidden-size", 16], 1, False,
-     r"--swiglu with --hidden-size 16: the default --ffn-hidden-size \(2/3 of 4 x hidden, "
-     r"rounded down to a multiple of 64, as Megatron-LM\) is 0; pass --ffn-hidden-size"),
-    (["--hidden-size", 60], 1, False,
-     r"--hidden-size 60 must be divisible by --num-attention-heads 8"),
-    (["--max-position-embeddings", 64], 1, False,
-     r"--seq-length 128 must be <= --max-position-embeddings 64"),
-    (["--pipeline-model-parallel-size", 3], 3, False,
-     r"--num-layers 4 must be divisible by --pipeline-model-parallel-size 3"),
-    (["--attention-dropout", 0.1], 1, False,
-     r"--attention-dropout 0.1: our varlen attention kernels apply no dropout"),
-    (["--hidden-dropout", 1.0], 1, False, r"--hidden-dropout must be in \[0, 1\)"),
-    (["--rotary-percent", 0], 1, False, r"--rotary-percent must be in \(0, 1\]"),
-    (["--rope-scaling-factor", 0], 1, False, "--rope-scaling-factor must be positive"),
-    (["--rotary-seq-len-interpolation-factor", -2], 1, False,
-     "--rotary-seq-len-interpolation-factor must be positive"),
-    # context parallelism
-    (["--seq-length", 126] + CP4, 4, False,
-     r"--seq-length 126 must be divisible by --context-parallel-size 4"),
-    (["--context-parallel-algo", "zigzag"], 1, False,
-     r"--context-parallel-algo 'zigzag' is not supported; choose one of ring, ulysses, "
-     r"hybrid, megatron_cp_algo, ulysses_cp_algo, hybrid_cp_algo"),
-    (["--seq-length", 96, "--context-parallel-size", 3, "--context-parallel-algo", "ulysses",
-      "--tensor-model-parallel-size", 2], 6, False,
-     r"--num-attention-heads 8 / --tensor-model-parallel-size 2 = 4 heads per rank must be "
-     r"divisible by --context-parallel-size 3"),
-    (CP4 + ["--context-parallel-algo", "hybrid"], 4, False,
-     r"--context-parallel-algo hybrid needs --ulysses-degree-in-cp"),
-    (CP4 + ["--context-parallel-algo", "hybrid", "--ulysses-degree-in-cp", 1], 4, False,
-     r"--ulysses-degree-in-cp 1 must be > 1 and < --context-parallel-size 4"),
-    (CP4 + ["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", 4], 4, False,
-     r"--ulysses-degree-in-cp 4 must be > 1 and < --context-parallel-size 4"),
-    (CP4 + ["--context-parallel-algo", "hybrid", "--ulysses-degree-in-cp", 3], 4, False,
-     r"--ulysses-degree-in-cp 3 must divide --context-parallel-size 4"),
-    (["--hidden-size", 96, "--num-attention-heads", 6, "--context-parallel-size", 8,
-      "--context-parallel-algo", "hybrid", "--ulysses-degree-in-cp", 4], 8, False,
-     r"--num-attention-heads 6 / --tensor-model-parallel-size 1 = 6 heads per rank must be "
-     r"divisible by --ulysses-degree-in-cp 4"),
-    (CP4 + ["--ulysses-degree-in-cp", 2], 4, False,
-     r"--ulysses-degree-in-cp 2 asks for hybrid context parallelism, but --cp-comm-type p2p "
-     r"\(the default\) is ring: pass --cp-comm-type a2a\+p2p \(or --context-parallel-algo "
-     r"hybrid\)"),
-    (CP4 + ["--context-parallel-algo", "megatron_cp_algo", "--ulysses-degree-in-cp", 4], 4,
-     False, r"--ulysses-degree-in-cp 4 contradicts --context-parallel-algo ring"),
-    (CP4 + ["--context-parallel-algo", "ulysses", "--ulysses-degree-in-cp", 2], 4, False,
-     r"--ulysses-degree-in-cp 2 contradicts --context-parallel-algo ulysses"),
-    (["--sequence-parallel", "--tensor-model-parallel-size", 2, "--seq-length", 127], 2, False,
-     r"--sequence-parallel needs --micro-batch-size x --seq-length / --context-parallel-size "
-     r"= 127 tokens divisible by --tensor-model-parallel-size 2"),
-    # batches, learning rate, optimizer
-    (["--micro-batch-size", 2, "--global-batch-size", 3], 1, False,
-     r"--global-batch-size 3 must be a multiple of --micro-batch-size 2"),
-    (["--global-batch-size", 4], 8, False,
-     r"--global-batch-size 4 must be a multiple of --micro-batch-size 1 x data-parallel size 8"),
-    (["--min-lr", 2e-3], 1, False, r"--min-lr 0.002 must be in \[0, --lr 0.001\]"),
-    (["--min-lr", -1e-4], 1, False, r"--min-lr -0.0001 must be in \[0, --lr 0.001\]"),
-    (["--lr-warmup-iters", 20], 1, False,
-     r"--lr-warmup-iters 20 must be in \[0, --lr-decay-iters 10\)"),
-    (["--lr-warmup-iters", 10], 1, False,
-     r"--lr-warmup-iters 10 must be in \[0, --lr-decay-iters 10\) \(the warmup must end"),
-    (["--lr-warmup-fraction", 1.0], 1, False, r"--lr-warmup-fraction must be in \[0, 1\)"),
-    (["--start-weight-decay", 0.1, "--end-weight-decay", 0.01, "--weight-decay-incr-style",
-      "linear"], 1, False, r"--end-weight-decay 0.01 must be >= --start-weight-decay 0.1"),
-    (["--lr-warmup-iters", 5, "--lr-decay-iters", 4], 1, False,
-     r"--lr-warmup-iters 5 must be in \[0, --lr-decay-iters 4\)"),
-    (["--lr-warmup-iters", -1], 1, False, r"--lr-warmup-iters -1 must be in"),
-    (["--weight-decay", -0.1], 1, False, r"--weight-decay must be >= 0"),
-    (["--clip-grad", -1], 1, False, r"--clip-grad must be >= 0"),
-    (["--adam-beta2", 1.0], 1, False, r"--adam-beta2 must be in \[0, 1\)"),
-    (["--adam-eps", 0], 1, False, r"--adam-eps must be positive"),
-    # recompute
-    (["--recompute-method", "uniform"], 1, False,
-     r"--recompute-method needs --recompute-granularity full"),
-    (["--recompute-num-layers", 1], 1, False,
-     r"--recompute-num-layers needs --recompute-granularity full"),
-    (["--recompute-granularity", "selective", "--recompute-method", "block"], 1, False,
-     r"--recompute-method needs --recompute-granularity full"),
-    (["--recompute-granularity", "full", "--recompute-num-layers", 5], 1, False,
-     r"--recompute-num-layers 5 must be in \[1, --num-layers / "
-     r"--pipeline-model-parallel-size = 4\]"),
-    (["--recompute-granularity", "full", "--recompute-num-layers", 3,
-      "--pipeline-model-parallel-size", 2], 2, False,
-     r"--recompute-num-layers 3 must be in \[1, --num-layers / "
-     r"--pipeline-model-parallel-size = 2\]"),
-    (["--recompute-granularity", "full", "--recompute-num-layers", 0], 1, False,
-     r"--recompute-num-layers 0 must be in \[1"),
-    # device flags
-    (["--bf16", "--fp16"], 1, True, r"--bf16 and --fp16 are exclusive"),
-    (["--bf16"], 1, False,
-     r"--bf16 needs CUDA: the CPU attention kernel takes float32/float64; drop --bf16 on CPU"),
-    (["--fp16"], 1, False, r"--fp16 needs CUDA: .*drop --fp16 on CPU"),
-    (["--use-flash-attn"], 1, False, r"--use-flash-attn needs CUDA"),
-    (["--distributed-backend", "nccl"], 1, False, r"--distributed-backend nccl needs CUDA"),
-    # tokenizer
-    (["--tokenizer-type", "HuggingFaceTokenizer"], 1, False,
-     r"--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model"),
-    (["--tokenizer-type", "GPT2BPETokenizer"], 1, False,
-     r"--tokenizer-type GPT2BPETokenizer needs --vocab-file"),
-    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json"], 1, False,
-     r"--tokenizer-type GPT2BPETokenizer needs --merge-file"),
-    (["--tokenizer-type", "NullTokenizer"], 1, False,
-     r"--tokenizer-type NullTokenizer needs --vocab-size"),
-    (["--num-workers", -1], 1, False, r"--num-workers must be >= 0"),
-    (["--tokenizer-type", "TikTokenizer", "--tokenizer-model", "v.json"], 1, False,
-     r"--tokenizer-type TikTokenizer needs --tiktoken-pattern"),
-    (["--tokenizer-type", "Llama2Tokenizer"], 1, False,
-     r"--tokenizer-type Llama2Tokenizer needs --tokenizer-model"),
-    # EoD, logging, checkpoints
-    (["--reset-attention-mask", "--attention-mask-type", "causal"], 1, False,
-     r"--attention-mask-type causal contradicts --reset-attention-mask"),
-    (["--eval-iters", -1], 1, False, r"--eval-iters must be >= 0"),
-]
-
-
-@pytest.mark.parametrize("extra,world_size,cuda,match", BAD)
-def test_invalid_combinations(extra, world_size, cuda, match):
-    with pytest.raises(FlagError, match=match):
-        parse(*extra, world_size=world_size, cuda=cuda)
-
 
 
 def test_flag_error_is_a_value_error():
     assert issubclass(FlagError, ValueError)
+
+
+@pytest.mark.parametrize("hidden,heads,kv_channels,ok", [
+    (96, 4, None, True),   # head dim 24
+    (60, 6, None, False),  # 10
+    (96, 4, 12, False),
+    (96, 4, 264, False),
+    (96, 4, 256, True)])
+def test_gpu_head_dim_is_one_the_flash_kernels_take(monkeypatch, hidden, heads, kv_channels, ok):
+    """On CUDA in half precision the head dim, however it comes, must be a multiple of 8 and
+    at most 256 (FlashAttention-2, called below the wrappers that would pad); on CPU the
+    exact kernel takes any."""
+    import torch
+
+    flags = ["--hidden-size", str(hidden), "--num-attention-heads", str(heads)]
+    if kv_channels is not None:
+        flags += ["--kv-channels", str(kv_channels)]
+    checked(*flags)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if ok:
+        checked(*flags, "--bf16")
+        return
+    with pytest.raises(FlagError, match=r"head dim \(--kv-channels.*multiple of 8, at most 256"):
+        checked(*flags, "--bf16")
+
+
+def test_flash_attn_missing(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # makes `import flash_attn` fail
+    with pytest.raises(FlagError, match=r"--use-flash-attn .*pip install flash-attn"):
+        checked("--use-flash-attn", "--bf16")

@@ -1,7 +1,7 @@
 """Before a checkpoint is read (training/checkpoint_preflight.py): the checkpoint --load names,
 the same on every rank and whole, or one line naming the flag, the file and the rule, on
-every rank (exit 2), where both trainers failed with tracebacks, hangs, silent fresh starts,
-or (Megatron-LM's trainer) exit status 0."""
+every rank (exit 2), where Megatron-LM's trainer failed with tracebacks, hangs, silent fresh
+starts, or exit status 0. The checkpoints are Megatron-LM's own, saved by its trainer."""
 
 import argparse
 import os
@@ -12,24 +12,35 @@ import pytest
 
 from megatron_eod.training.checkpoint_preflight import find_checkpoint
 from megatron_eod.training.checkpoint_files import TRACKER, CheckpointError
-from tests.functional.tiny_gpt import tiny_flags
 from tests.harness import run_ranks
-from tests.training.test_checkpoint_formats import refused
-from tests.training.test_nan_stop import _train
+from tests.training.megatron_lm_checkout import import_megatron_lm
+from tests.training.runs import error_lines, flags, start
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _saved(rank, world, argv):
-    return _train(rank, world, argv)[0]
+def _save(data, world, *extra):
+    """Train the tiny GPT on `world` ranks with `extra` flags; every rank must exit 0."""
+    import_megatron_lm()
+    results = run_ranks(start, world, flags(data, None, *extra), timeout=240, daemon=False)
+    assert [code for code, _ in results] == [0] * world, results
+
+
+def refused(data, world, *extra):
+    """The first rank's one error line of a run every rank of which must stop with exit 2."""
+    import_megatron_lm()
+    results = run_ranks(start, world, flags(data, None, *extra), timeout=240, daemon=False)
+    assert [code for code, _ in results] == [2] * world, results
+    lines = error_lines(results)
+    assert all(len(said) == 1 for said in lines) and "Traceback" not in results[0][1], results
+    return lines[0][0]
 
 
 @pytest.fixture(scope="module")
-def saved(tiny_data, tmp_path_factory):
+def saved(short_docs_data, tmp_path_factory):
     """A torch_dist checkpoint of the tiny GPT at iterations 2 and 4 (one rank)."""
     root = str(tmp_path_factory.mktemp("saved") / "ckpt")
-    assert run_ranks(_saved, 1, tiny_flags(tiny_data, "--train-iters", "4", "--save", root,
-                                           "--save-interval", "2"), daemon=False) == [0]
+    _save(short_docs_data, 1, "--save", root, "--save-interval", "2")
     return root
 
 
@@ -93,7 +104,7 @@ def test_checkpoints_without_their_tracker_are_not_overwritten(ckpt):
     assert find_checkpoint(_args(load=ckpt)) is None
 
 
-def test_a_first_save_killed_early_starts_fresh(tiny_data, tmp_path):
+def test_a_first_save_killed_early_starts_fresh(tmp_path):
     """A torch-format save killed before its files were written leaves mp_rank_* folders
     without them (or with a `.tmp`): not a checkpoint to protect, a fresh start (as before,
     and as Megatron-LM)."""
@@ -107,9 +118,9 @@ def test_a_first_save_killed_early_starts_fresh(tiny_data, tmp_path):
 def test_a_torch_format_save_killed_midway_starts_fresh(tmp_path, capsys):
     """A soak's kill -9 of one rank in the first save (torch format, distributed optimizer)
     left a model file without the optimizer's and no tracker: every relaunch was refused, and
-    the advice (write 3 into the tracker) led to a refusal naming the missing file. Both
-    trainers now write the optimizer's file first (`_saves_the_optimizer_first` below): a
-    folder is whole with every mp_rank_* folder's model file and the optimizer's in all or
+    the advice (write 3 into the tracker) led to a refusal naming the missing file.
+    Megatron-LM writes the optimizer's file first (`test_megatron_lm_saves_the_optimizer_first`
+    below): a folder is whole with every mp_rank_* folder's model file and the optimizer's in all or
     none (none: a save with --no-save-optim, which a fresh start must not overwrite)."""
     root = tmp_path / "ckpt"
     ranks = [root / "iter_0000003" / name for name in ("mp_rank_00", "mp_rank_01")]
@@ -145,15 +156,18 @@ def _saves_the_optimizer_first(rank, world, argv):
 
     DistributedOptimizer.save_parameter_state = save_parameter_state
     try:
-        return _train(rank, world, argv)[0], seen
+        return start(rank, world, argv)[0], seen
     finally:
         DistributedOptimizer.save_parameter_state = original
 
 
-def test_the_lean_trainer_saves_the_optimizer_first(tiny_data, tmp_path):
-    argv = tiny_flags(tiny_data, "--ckpt-format", "torch", "--use-distributed-optimizer",
-                      "--train-iters", "3", "--save", str(tmp_path / "ckpt"))
-    assert run_ranks(_saves_the_optimizer_first, 1, argv, daemon=False) == [(0, [False])]
+def test_megatron_lm_saves_the_optimizer_first(short_docs_data, tmp_path):
+    """What `is_whole` reads a torch-format folder by: its model file written last."""
+    import_megatron_lm()
+    argv = flags(short_docs_data, None, "--ckpt-format", "torch", "--train-iters", "2",
+                 "--save", str(tmp_path / "ckpt"))
+    assert run_ranks(_saves_the_optimizer_first, 1, argv, timeout=240,
+                     daemon=False) == [(0, [False])]
 
 
 def test_megatron_lm_ckpt_step_names_the_iteration(ckpt):
@@ -174,11 +188,9 @@ def test_a_link_to_nowhere_and_a_torch_dist_folder_without_its_metadata(ckpt, tm
     folder = os.path.join(ckpt, "iter_0000004")
     os.remove(os.path.join(folder, "metadata.json"))
     if os.path.exists(os.path.join(folder, "common.pt")):  # megatron-core <= 0.16's layout
-        said = rf"{folder} is a torch_dist checkpoint without its metadata.json"
-    else:
-        said = (rf"{folder} holds .metadata without metadata.json: a checkpoint of another "
-                rf"format \(torch_dcp or fsdp_dtensor")
-    _refused(said, load=ckpt)
+        _refused(rf"{folder} is a torch_dist checkpoint without its metadata.json", load=ckpt)
+    else:  # .metadata alone: another format's (torch_dcp, fsdp_dtensor), Megatron-LM's to read
+        assert find_checkpoint(_args(load=ckpt)).format == "other"
 
 
 def test_an_iteration_without_a_checkpoint_names_the_complete_ones(ckpt):
@@ -223,10 +235,10 @@ def test_a_damaged_torch_dist_checkpoint_is_named(ckpt, damage, said):
     _refused(rf"^--load {ckpt}: {folder}.*{said}", load=ckpt)
 
 
-def test_a_checkpoint_without_its_optimizer_state_resumes_only_when_asked(tiny_data, tmp_path):
+def test_a_checkpoint_without_its_optimizer_state_resumes_only_when_asked(short_docs_data,
+                                                                          tmp_path):
     root = str(tmp_path / "ckpt")
-    assert run_ranks(_saved, 1, tiny_flags(tiny_data, "--train-iters", "3", "--save", root,
-                                           "--no-save-optim"), daemon=False) == [0]
+    _save(short_docs_data, 1, "--train-iters", "3", "--save", root, "--no-save-optim")
     _refused(r"iteration 3 was saved without its optimizer state \(--no-save-optim\)",
              load=root)
     for asked in ({"no_load_optim": True}, {"finetune": True}):
@@ -242,8 +254,8 @@ def _find(rank, world, roots):
 
 
 def test_ranks_reading_different_checkpoints_stop_every_rank(ckpt, tmp_path):
-    """Node-local copies, one stale: the lean trainer resumed rank 0 at iteration 4 and rank 1
-    at 2, trained both on, then stopped at a collective mismatch."""
+    """Node-local copies, one stale: rank 0 resumed at iteration 4 and rank 1 at 2, both
+    trained on, then stopped at a collective mismatch."""
     stale = shutil.copytree(ckpt, str(tmp_path / "stale"))
     with open(os.path.join(stale, TRACKER), "w") as f:
         f.write("2")
@@ -262,94 +274,80 @@ def test_ranks_reading_different_checkpoints_stop_every_rank(ckpt, tmp_path):
         f"rank 1 ({host}): --load {stale}: {stale}/{TRACKER} holds 'x'")
 
 
-def test_the_lean_trainer_stops_every_rank_with_one_line(tiny_data, ckpt):
+def test_a_cut_shard_stops_every_rank_with_one_line(short_docs_data, ckpt):
     folder = os.path.join(ckpt, "iter_0000004")
     shard = os.path.join(folder, min(n for n in os.listdir(folder) if n.endswith(".distcp")))
     os.truncate(shard, 100)
-    line = refused(2, tiny_data, "--context-parallel-size", "2", "--train-iters", "6",
+    line = refused(short_docs_data, 2, "--context-parallel-size", "2", "--train-iters", "6",
                    "--load", ckpt)
     assert line.startswith(f"pretrain_gpt.py: error: --load {ckpt}: {shard} is cut short: "
                            f"100 bytes")  # every rank, no rank named: rank 0 read the index
 
 
-def test_one_ranks_damaged_torch_format_file_stops_every_rank(tiny_data, tmp_path):
+def test_one_ranks_damaged_torch_format_file_stops_every_rank(short_docs_data, tmp_path):
     """TP=2, --ckpt-format torch: rank 1's file cut short was a traceback there while rank 0
     waited in the load's barrier (under NCCL until --distributed-timeout-minutes)."""
     root = str(tmp_path / "ckpt")
-    tp2 = ("--tensor-model-parallel-size", "2", "--ckpt-format", "torch")
-    assert run_ranks(_saved, 2, tiny_flags(tiny_data, *tp2, "--train-iters", "3", "--save",
-                                           root), daemon=False) == [0, 0]
-    path = os.path.join(root, "iter_0000003", "mp_rank_01", "model_optim_rng.pt")
+    tp2 = ("--tensor-model-parallel-size", "2", "--ckpt-format", "torch",
+           "--make-vocab-size-divisible-by", "64")
+    _save(short_docs_data, 2, *tp2, "--train-iters", "2", "--save", root)
+    path = os.path.join(root, "iter_0000002", "mp_rank_01", "model_optim_rng.pt")
     os.truncate(path, os.path.getsize(path) - 100)
-    results = run_ranks(_train, 2, tiny_flags(tiny_data, *tp2, "--train-iters", "5", "--load",
-                                              root), daemon=False)
-    assert [code for code, _, _ in results] == [2, 2]
-    for _, text, _ in results:
-        assert f"pretrain_gpt.py: error: rank 1 ({socket.gethostname()}): --load {root}: {path} " \
-               f"is damaged or cut short (this rank's part of the checkpoint: " in text, text
-        assert "Traceback" not in text
+    line = refused(short_docs_data, 2, *tp2, "--train-iters", "4", "--load", root)
+    assert line.startswith(f"pretrain_gpt.py: error: rank 1 ({socket.gethostname()}): --load "
+                           f"{root}: {path} is damaged or cut short (this rank's part of the "
+                           f"checkpoint: "), line
 
 
-def _start_megatron_lm(rank, world, argv):
-    from tests.training.test_megatron_lm_pretrain import _start
-
-    return _start(rank, world, argv)
-
-
-def test_megatron_lm_trainer_stops_with_the_same_lines(short_docs_data, ckpt, tmp_path):
-    """Its load exited 0 after `ERROR: Invalid metadata file` (a job scheduler reads success)
-    and gave tracebacks for damaged files; the lean trainer's lines now, exit 2."""
-    from tests.training.megatron_lm_checkout import import_megatron_lm
-    from tests.training.test_megatron_lm_pretrain import flags
-
-    import_megatron_lm()
-    argv = flags(short_docs_data, str(tmp_path / "m.jsonl")) + ["--load", ckpt]
+def test_a_damaged_tracker_or_index_stops_every_rank(short_docs_data, ckpt, tmp_path):
+    """Megatron-LM's load exited 0 after `ERROR: Invalid metadata file` (a job scheduler reads
+    success) and gave tracebacks for damaged files; one line now, exit 2."""
     tracker = os.path.join(ckpt, TRACKER)
     with open(tracker, "w") as f:
         f.write("abc")
-    results = run_ranks(_start_megatron_lm, 2, argv, timeout=240, daemon=False)
-    assert [code for code, _ in results] == [2, 2], results
-    for _, text in results:
-        assert f"pretrain_gpt.py: error: --load {ckpt}: {tracker} holds 'abc', not an " \
-               f"iteration" in text and "Traceback" not in text, text[-2000:]
+    line = refused(short_docs_data, 2, "--load", ckpt)
+    assert line.startswith(f"pretrain_gpt.py: error: --load {ckpt}: {tracker} holds 'abc', not "
+                           f"an iteration"), line
     with open(tracker, "w") as f:
         f.write("4")
     os.remove(os.path.join(ckpt, "iter_0000004", ".metadata"))
-    results = run_ranks(_start_megatron_lm, 2, argv, timeout=240, daemon=False)
-    assert [code for code, _ in results] == [2, 2], results
-    assert "(the index of the checkpoint's shards) is missing or damaged" in results[0][1]
+    line = refused(short_docs_data, 2, "--load", ckpt)
+    assert "(the index of the checkpoint's shards) is missing or damaged" in line, line
 
 
-def test_megatron_lm_trainer_exiting_in_its_load_exits_2(short_docs_data, tiny_data, tmp_path):
+def test_megatron_lm_exiting_in_its_load_exits_2(short_docs_data, tmp_path):
     """A torch-format file missing: Megatron-LM's load prints `could not load the checkpoint`
     and calls sys.exit() (status 0); a line and status 2 now."""
-    from tests.training.megatron_lm_checkout import import_megatron_lm
-    from tests.training.test_megatron_lm_pretrain import flags
-
-    import_megatron_lm()
     root = str(tmp_path / "ckpt")
-    assert run_ranks(_saved, 1, tiny_flags(tiny_data, "--ckpt-format", "torch", "--train-iters",
-                                           "3", "--save", root), daemon=False) == [0]
-    os.remove(os.path.join(root, "iter_0000003", "mp_rank_00", "model_optim_rng.pt"))
-    argv = flags(short_docs_data, str(tmp_path / "m.jsonl")) + ["--load", root]
-    results = run_ranks(_start_megatron_lm, 2, argv, timeout=240, daemon=False)
-    assert [code for code, _ in results] == [2, 2], results
-    assert f"pretrain_gpt.py: error: --load {root}: Megatron-LM's load_checkpoint stopped the " \
-           f"run (its message above says why" in results[0][1]
+    _save(short_docs_data, 1, "--ckpt-format", "torch", "--train-iters", "2", "--save", root)
+    os.remove(os.path.join(root, "iter_0000002", "mp_rank_00", "model_optim_rng.pt"))
+    line = refused(short_docs_data, 2, "--load", root)
+    assert line.startswith(f"pretrain_gpt.py: error: --load {root}: Megatron-LM's "
+                           f"load_checkpoint stopped the run (its message above says why"), line
 
 
-def test_a_damaged_optimizer_file_blocks_only_the_loads_that_read_it(tiny_data, tmp_path):
+def test_a_damaged_optimizer_file_blocks_only_the_loads_that_read_it(short_docs_data, tmp_path):
     """--no-load-optim and --finetune salvage the weights of a checkpoint whose distributed
     optimizer file was cut short; a resume that reads it is refused by name."""
     root = str(tmp_path / "ckpt")
-    flags = ("--ckpt-format", "torch", "--use-distributed-optimizer")
-    assert run_ranks(_saved, 1, tiny_flags(tiny_data, *flags, "--train-iters", "3", "--save",
-                                           root), daemon=False) == [0]
-    path = os.path.join(root, "iter_0000003", "mp_rank_00", "distrib_optim.pt")
+    torch_format = ("--ckpt-format", "torch")
+    _save(short_docs_data, 1, *torch_format, "--train-iters", "2", "--save", root)
+    path = os.path.join(root, "iter_0000002", "mp_rank_00", "distrib_optim.pt")
     os.truncate(path, os.path.getsize(path) // 2)
-    line = refused(1, tiny_data, *flags, "--train-iters", "5", "--load", root)
+    line = refused(short_docs_data, 1, *torch_format, "--load", root)
     assert f"--load {root}: {path} is damaged or cut short (the distributed optimizer's " \
-           f"state: " in line
+           f"state: " in line, line
     for salvage in ("--no-load-optim", "--finetune"):
-        assert run_ranks(_saved, 1, tiny_flags(tiny_data, *flags, "--train-iters", "5",
-                                               "--load", root, salvage), daemon=False) == [0]
+        _save(short_docs_data, 1, *torch_format, "--load", root, salvage)
+
+
+def test_exit_on_missing_checkpoint_stops_instead_of_training_from_scratch(short_docs_data,
+                                                                           tmp_path):
+    """Megatron-LM's own --exit-on-missing-checkpoint printed a line and exited 0, which a job
+    scheduler reads as success; one line and exit 2 now."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = refused(short_docs_data, 2, "--load", str(empty), "--exit-on-missing-checkpoint")
+    assert line == (f"pretrain_gpt.py: error: --load {empty} holds no checkpoint (no {TRACKER}) "
+                    f"and --exit-on-missing-checkpoint is set: stopping instead of training "
+                    f"from scratch")

@@ -11,9 +11,9 @@ import torch
 
 from megatron_eod.training.cp_flags import FlagError
 from megatron_eod.training.same_flags import check_same_flags, comparable_values, difference
-from tests.functional.tiny_gpt import tiny_flags
 from tests.harness import run_ranks
-from tests.training.test_nan_stop import _train
+from tests.training.megatron_lm_checkout import import_megatron_lm
+from tests.training.runs import flags, start_each
 
 
 def _args(**values):
@@ -103,39 +103,16 @@ def test_every_rank_raises_the_first_difference():
         f"node")
 
 
-def _train_with_argv_per_rank(rank, world, argvs):
-    return _train(rank, world, argvs[rank])
-
-
-@pytest.mark.parametrize("flag", [("--lr", "1e-3"), ("--context-parallel-size", "1")])
-def test_the_lean_trainer_stops_every_rank(tiny_data, flag):
-    """Another --lr on a rank trained on silently (its replica drifting); another CP size
-    left the ranks waiting in megatron-core's group creation until the timeout."""
-    argv = tiny_flags(tiny_data, "--context-parallel-size", "2")
-    results = run_ranks(_train_with_argv_per_rank, 2, [argv, argv + list(flag)])
-    assert [code for code, _, _ in results] == [2, 2]
-    for _, text, _ in results:
-        assert "pretrain_gpt.py: error: the ranks were launched with different flags: rank 1 " \
-            in text and f"has {flag[0]} " in text, text[-2000:]
-
-
-def _start_megatron_lm(rank, world, argvs):
-    from tests.training.test_megatron_lm_pretrain import _start
-
-    return _start(rank, world, argvs[rank])
-
-
-def test_megatron_lm_trainer_stops_every_rank(short_docs_data, tmp_path):
-    """Under Megatron-LM's pretrain() the check runs right before its groups are made."""
-    from tests.training.megatron_lm_checkout import import_megatron_lm
-    from tests.training.test_megatron_lm_pretrain import flags
-
+@pytest.mark.parametrize("flag", [("--seed", "7"), ("--context-parallel-size", "1")])
+def test_megatron_lm_trainer_stops_every_rank(short_docs_data, tmp_path, flag):
+    """Checked right before Megatron-LM makes its groups: another --seed (or --lr) on a rank
+    trained on silently (its replica drifting); another CP size left the ranks waiting in
+    megatron-core's group creation until the timeout."""
     import_megatron_lm()
-    argv = flags(short_docs_data, str(tmp_path / "m.jsonl"))
-    results = run_ranks(_start_megatron_lm, 2, [argv, argv + ["--seed", "7"]], timeout=240,
-                        daemon=False)
+    argv = flags(short_docs_data, None, "--context-parallel-size", "2")
+    results = run_ranks(start_each, 2, [argv, argv + list(flag)], timeout=240, daemon=False)
     assert [code for code, _ in results] == [2, 2], results
     for _, text in results:
         assert "pretrain_gpt.py: error: the ranks were launched with different flags: rank 1 " \
-            f"({socket.gethostname()}) has --seed 7 where rank 0" in text, text[-2000:]
+            f"({socket.gethostname()}) has {flag[0]} {flag[1]} where rank 0" in text, text[-2000:]
         assert "Traceback" not in text

@@ -16,9 +16,7 @@ import pytest
 
 from megatron_eod.training import save_lock
 from megatron_eod.training.save_lock import LOCK
-from tests.functional.tiny_gpt import tiny_flags
 from tests.harness import run_ranks
-from tests.training.test_nan_stop import _train
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -125,37 +123,21 @@ def test_a_job_on_another_host_is_alive_while_its_lock_changes(tmp_path, quick_b
     save_lock.release_save_folder()
 
 
-def test_the_lean_trainer_stops_every_rank_and_cleans_up_after_itself(tiny_data, tmp_path):
-    folder = str(tmp_path / "ckpt")
-    _lock(folder)  # this test's process: alive, on this host
-    results = run_ranks(_train, 2, tiny_flags(tiny_data, "--train-iters", "3", "--save", folder,
-                                              "--save-interval", "3"), daemon=False)
-    assert [code for code, *_ in results] == [2, 2], results
-    for _, text, _ in results:
-        assert f"pretrain_gpt.py: error: --save {folder} is in use by another job" in text
-    os.remove(os.path.join(folder, LOCK))
-    results = run_ranks(_train, 2, tiny_flags(tiny_data, "--train-iters", "3", "--save", folder,
-                                              "--save-interval", "3"), daemon=False)
-    assert [code for code, *_ in results] == [0, 0], results
-    assert LOCK not in os.listdir(folder)
-
-
-def test_megatron_lm_trainer_stops_every_rank_too(short_docs_data, tmp_path):
+def test_another_job_in_the_folder_stops_every_rank(short_docs_data, tmp_path):
     from tests.training.megatron_lm_checkout import import_megatron_lm
-    from tests.training.test_megatron_lm_pretrain import _start, flags
+    from tests.training.runs import flags, start
 
     import_megatron_lm()
     folder = str(tmp_path / "ckpt")
-    _lock(folder)
-    argv = flags(short_docs_data, str(tmp_path / "m.jsonl")) + ["--save", folder,
-                                                                 "--save-interval", "5"]
-    results = run_ranks(_start, 2, argv, timeout=240, daemon=False)
+    _lock(folder)  # this test's process: alive, on this host
+    argv = flags(short_docs_data, None, "--save", folder, "--save-interval", "5")
+    results = run_ranks(start, 2, argv, timeout=240, daemon=False)
     assert [code for code, _ in results] == [2, 2], results
     for _, text in results:
         assert f"pretrain_gpt.py: error: --save {folder} is in use by another job" in text \
             and "Traceback" not in text, text[-2000:]
     os.remove(os.path.join(folder, LOCK))  # that job gone: this one runs, and cleans up
-    results = run_ranks(_start, 2, argv, timeout=240, daemon=False)
+    results = run_ranks(start, 2, argv, timeout=240, daemon=False)
     assert [code for code, _ in results] == [0, 0], results
     assert LOCK not in os.listdir(folder) and "latest_checkpointed_iteration.txt" in \
         os.listdir(folder)

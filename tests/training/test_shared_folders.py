@@ -12,9 +12,9 @@ import pytest
 
 from megatron_eod.training.cp_flags import FlagError
 from megatron_eod.training.shared_folders import check_shared_folders, save_folder
-from tests.functional.tiny_gpt import tiny_flags
 from tests.harness import run_ranks
-from tests.training.test_nan_stop import _train
+from tests.training.megatron_lm_checkout import import_megatron_lm
+from tests.training.runs import flags, start
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -52,66 +52,44 @@ def test_a_save_folder_only_some_nodes_see_stops_every_rank(tmp_path):
     assert os.listdir(os.path.join(shared, "ckpt")) == []
 
 
-def _train_on_node(rank, world, nodes, folders, argv):
+def _start_on_node(rank, world, nodes, folders, argv):
     _on_node(rank, nodes, folders)
-    return _train(rank, world, argv)
+    return start(rank, world, argv)
 
 
-def test_node_local_data_needs_a_shared_index_cache(tiny_data, tmp_path):
+def test_node_local_data_needs_a_shared_index_cache(short_docs_data, tmp_path):
     """Each node with its own copy of the data (the copies check passes: the same bytes) and
     the default cache beside it: the other node's ranks found no indices (FileNotFoundError)."""
+    import_megatron_lm()
     folders = []
     for node in ("node0", "node1"):
         folder = tmp_path / node / "data"
         folder.mkdir(parents=True)
         for ext in (".bin", ".idx", ".json"):
-            if os.path.exists(tiny_data + ext):
-                shutil.copy(tiny_data + ext, folder / ("d" + ext))
+            if os.path.exists(short_docs_data + ext):
+                shutil.copy(short_docs_data + ext, folder / ("d" + ext))
         folders.append(str(tmp_path / node))
-    argv = tiny_flags("data/d", "--context-parallel-size", "2", "--train-iters", "3")
-    results = run_ranks(_train_on_node, 2, [0, 1], folders, argv, daemon=False)
-    assert [code for code, _, _ in results] == [2, 2], results
-    for _, text, _ in results:
+    argv = flags("data/d", None, "--context-parallel-size", "2", "--train-iters", "2")
+    results = run_ranks(_start_on_node, 2, [0, 1], folders, argv, timeout=240, daemon=False)
+    assert [code for code, _ in results] == [2, 2], results
+    for _, text in results:
         assert "pretrain_gpt.py: error: the sample-index cache data/d/cache/GPTDataset_indices " \
                "(beside the dataset: no --data-cache-path; megatron-core builds the indices on " \
                "rank 0 and the other ranks read them there) is not shared between the nodes: " \
                "rank 1 (node1) does not see" in text, text[-2000:]
     shared = str(tmp_path / "cache")  # a shared --data-cache-path: it trains
-    results = run_ranks(_train_on_node, 2, [0, 1], folders,
-                        argv + ["--data-cache-path", shared], daemon=False)
-    assert [code for code, _, _ in results] == [0, 0], results
+    results = run_ranks(_start_on_node, 2, [0, 1], folders,
+                        argv + ["--data-cache-path", shared], timeout=240, daemon=False)
+    assert [code for code, _ in results] == [0, 0], results
 
 
-def test_the_lean_trainer_refuses_a_node_local_save(tiny_data, tmp_path):
-    folders = [str(tmp_path / node) for node in ("node0", "node1")]
-    for folder in folders:
-        os.makedirs(folder)
-    argv = tiny_flags(tiny_data, "--context-parallel-size", "2", "--save", "ckpt")
-    results = run_ranks(_train_on_node, 2, [0, 1], folders, argv, daemon=False)
-    assert [code for code, _, _ in results] == [2, 2], results
-    assert "pretrain_gpt.py: error: --save ckpt (every rank writes its part of each checkpoint " \
-           "there, rank 0 the tracker) is not shared between the nodes: rank 1 (node1)" in \
-        results[0][1]
-
-
-def _megatron_lm_on_node(rank, world, nodes, folders, argv):
-    from tests.training.test_megatron_lm_pretrain import _start
-
-    _on_node(rank, nodes, folders)
-    return _start(rank, world, argv)
-
-
-def test_megatron_lm_trainer_refuses_a_node_local_save(short_docs_data, tmp_path):
-    from tests.training.megatron_lm_checkout import import_megatron_lm
-    from tests.training.test_megatron_lm_pretrain import flags
-
+def test_a_node_local_save_is_refused(short_docs_data, tmp_path):
     import_megatron_lm()
     folders = [str(tmp_path / node) for node in ("node0", "node1")]
     for folder in folders:
         os.makedirs(folder)
-    argv = flags(short_docs_data, str(tmp_path / "m.jsonl")) + ["--save", "ckpt"]
-    results = run_ranks(_megatron_lm_on_node, 2, [0, 1], folders, argv, timeout=200,
-                        daemon=False)
+    argv = flags(short_docs_data, None, "--save", "ckpt")
+    results = run_ranks(_start_on_node, 2, [0, 1], folders, argv, timeout=200, daemon=False)
     assert [code for code, _ in results] == [2, 2], results
     assert "pretrain_gpt.py: error: --save ckpt (every rank writes its part of each checkpoint " \
            "there, rank 0 the tracker) is not shared between the nodes: rank 1 (node1)" in \

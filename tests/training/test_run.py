@@ -1,46 +1,58 @@
-"""Megatron-LM's REAL validate_args (core_v0.16.1) with the hooks training/megatron_lm_run.py
-puts around it: our CP spellings resolved and checked before it (its own assertions on them
-carry no message), our rules after it; and the same flags build the same model in Megatron-LM's
-trainer and in the lean one (`--trainer auto` picks either)."""
+"""training/run.py: pretrain_gpt.py's call into Megatron-LM's `pretrain()`.
 
+Megatron-LM's REAL validate_args with the hooks run.py puts around it: our CP spellings and
+the tokenizer from the data resolved and checked before it (its own assertions on them carry
+no message), our rules after it, its own assertions as one line. The >= 0.18 signature (a
+config container first, parse_and_validate_args before) and in-process restarts, with the
+functions they call stood in for, in a forked rank (run() patches them).
+"""
+
+import inspect
 import re
 
 import pytest
 
-from megatron_eod.training.args import FlagError
-from tests.training.megatron_lm_checkout import import_megatron_lm, needs_megatron_lm
-from tests.training.test_megatron_lm_args import BASE, megatron_lm_args
-
-pytestmark = needs_megatron_lm
+import pretrain_gpt
+from megatron_eod.training import run
+from megatron_eod.training.cp_flags import FlagError
+from tests.harness import run_ranks
+from tests.training.megatron_lm_checkout import import_megatron_lm
+from tests.training.test_args import BASE, megatron_lm_args
 
 
 def validated(monkeypatch, *flags, base=BASE, mock=True):
-    """Megatron-LM's parse_args and its REAL validate_args, with the hooks
-    training/megatron_lm_run.py installs around it (restored after the test), at world 4;
-    on --mock-data, or (mock=False) on the --data-path of `base`."""
-    import_megatron_lm()
-    from megatron.training import arguments, initialize
+    """Megatron-LM's parse_args and its REAL validate_args, with the hooks training/run.py
+    installs around it (restored after the test), at world 4; on --mock-data, or (mock=False)
+    on the --data-path of `base`."""
+    return validated_argv(monkeypatch, [
+        *[f for f in base if not mock or f not in ("--data-path", "corpus")], "--lr", "1e-3",
+        "--train-iters", "2", *(["--mock-data"] if mock else []), "--tokenizer-type",
+        "NullTokenizer", "--vocab-size", "256", "--max-position-embeddings", "128", *flags])
 
-    from megatron_eod.training import megatron_lm_run
+
+def validated_argv(monkeypatch, argv, world=4, cuda=False):
+    """`argv` through Megatron-LM's parse_args and validate_args with run.py's hooks, as on
+    `world` ranks of a machine with CUDA or without."""
+    import_megatron_lm()
+    import torch
+    from megatron.training import arguments, initialize
 
     for module in (arguments, initialize):  # restored after the test (>= 0.18: arguments)
         if hasattr(module, "validate_args"):
             monkeypatch.setattr(module, "validate_args", module.validate_args)
-    monkeypatch.setattr(megatron_lm_run.gloo_on_cuda, "wanted", lambda *a: False)
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # as megatron_lm_run.run sets it
-    args = megatron_lm_args("--lr", "1e-3", "--train-iters", "2",
-                            *(["--mock-data"] if mock else []),
-                            "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
-                            "--max-position-embeddings", "128", *flags,
-                            base=[f for f in base if not mock or f not in ("--data-path",
-                                                                           "corpus")])
-    megatron_lm_run._check_after_validate()
+    monkeypatch.setattr(run.gloo_on_cuda, "wanted", lambda *a: False)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # as run.run sets it
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *argv])
+    args = arguments.parse_args(extra_args_provider=run.add_eod_args)
+    run._check_after_validate()
     from megatron_eod.megatron import cpu_compat
 
-    cpu_compat.apply(force=True, megatron_lm=True)  # as megatron_lm_run.run does on CPU
+    cpu_compat.apply(force=True, megatron_lm=True)  # as run.run does on CPU
     try:
-        arguments.validate_args(args)
+        with monkeypatch.context() as device:
+            device.setattr(torch.cuda, "is_available", lambda: cuda)
+            arguments.validate_args(args)
     finally:
         cpu_compat.remove()
     return args
@@ -105,42 +117,6 @@ def test_a_hybrid_script_at_cp_1_runs_as_cp_1(monkeypatch):
                   "--hierarchical-context-parallel-sizes", "2", "2")
 
 
-# What shapes the model (the weights and what they compute), read from either trainer's args.
-MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                "kv_channels", "seq_length", "position_embedding_type", "swiglu",
-                "normalization", "untie_embeddings_and_output_weights", "add_bias_linear",
-                "qk_layernorm", "rotary_base", "rotary_percent", "rotary_interleaved",
-                "init_method_std", "make_vocab_size_divisible_by", "hidden_dropout")
-
-
-def _model_of(args):
-    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
-    return {**{field: getattr(args, field) for field in MODEL_FIELDS}, "key/value heads": groups}
-
-
-@pytest.mark.parametrize("flags", [
-    [], ["--swiglu"], ["--swiglu", "--hidden-size", "256", "--num-attention-heads", "8"],
-    ["--group-query-attention"], ["--group-query-attention", "--num-query-groups", "2"],
-    ["--num-query-groups", "4"], ["--normalization", "RMSNorm", "--disable-bias-linear"],
-    ["--position-embedding-type", "rope", "--rotary-percent", "0.5"],
-], ids=["defaults", "swiglu", "swiglu-256", "gqa-alone", "gqa-2", "groups-equal-heads",
-        "rmsnorm", "rope"])
-def test_the_same_flags_build_the_same_model_in_both_trainers(monkeypatch, flags):
-    """`--trainer auto` picks Megatron-LM's trainer where it imports and the lean one
-    elsewhere: one launch script must mean one model (the lean trainer's defaults were RoPE,
-    GQA from --num-query-groups alone and 4 x hidden under --swiglu)."""
-    from megatron_eod.training.args import parse_args as lean_parse_args
-
-    common = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-              "--seq-length", "128", "--micro-batch-size", "2", "--attention-dropout", "0",
-              "--transformer-impl", "local", "--eval-interval", "100",
-              "--distributed-backend", "gloo", "--no-gradient-accumulation-fusion"]
-    theirs = validated(monkeypatch, *flags, base=common)
-    ours = lean_parse_args([*common, "--lr", "1e-3", "--train-iters", "2", "--mock-data",
-                            *flags], world_size=4)
-    assert _model_of(ours) == _model_of(theirs)
-
-
 @pytest.mark.parametrize("groups", ["2", "1"])  # 1: MQA meant, its parser's default too
 def test_query_groups_megatron_lm_would_ignore_are_refused(monkeypatch, groups):
     with pytest.raises(FlagError, match=f"--num-query-groups {groups} without "
@@ -166,32 +142,21 @@ def test_query_groups_left_to_megatron_lm_are_plain_ints(monkeypatch):
     (["--split", "0,50,50"], "--split 0,50,50 gives training no share of the data"),
     (["--global-batch-size", "6"], "--global-batch-size 6 must be a multiple of "
                                    "--micro-batch-size 2 x data-parallel size 4"),
-    (["--tokenizer-type", "GPT2BPETokenizer"], "--tokenizer-type GPT2BPETokenizer (Megatron-LM's "
-                                               "default where none is given; byte-level data, the "
-                                               "lean trainer's default: --tokenizer-type "
-                                               "NullTokenizer --vocab-size 256) needs --vocab-file"),
+    (["--tokenizer-type", "GPT2BPETokenizer"], "--tokenizer-type GPT2BPETokenizer needs "
+                                               "--vocab-file"),
     (["--tokenizer-type", "HuggingFaceTokenizer"], "--tokenizer-type HuggingFaceTokenizer needs "
                                                    "--tokenizer-model"),
 ], ids=["log-interval", "eval-interval", "save-interval", "split-four", "split-zero",
         "split-no-train", "global-batch", "gpt2-files", "hf-model"])
-def test_flags_the_lean_trainer_refuses_by_name_are_refused_so_here(monkeypatch, flags, message):
+def test_megatron_lm_failures_are_refused_by_name(monkeypatch, flags, message):
     """Each was a bare AssertionError, a ZeroDivisionError after the first iteration, or a
-    traceback in our own split check, under Megatron-LM's trainer; the lean trainer refuses
-    the same flags with the same line."""
-    from megatron_eod.training.args import parse_args as lean_parse_args
-
+    traceback in our own split check, under Megatron-LM's trainer."""
     if flags == ["--tokenizer-type", "GPT2BPETokenizer"] and _fetches_gpt2():
         pytest.skip("this Megatron-LM (>= 0.17) fetches GPT-2's vocabulary itself")
     # Megatron-LM >= 0.18 asserts the global batch in validate_args itself, as the evaluation
     # batch's (eval_global_batch_size ... data_parallel_size, neither a flag given): ours.
     with pytest.raises(FlagError, match=re.escape(message)):
         validated(monkeypatch, *flags, mock=False)
-    lean = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-            "--seq-length", "128", "--micro-batch-size", "2", "--lr", "1e-3",
-            "--train-iters", "2", "--data-path", "corpus", *flags]
-    ours = re.sub(r" \(Megatron-LM's default where none is given.*\)", "", message)  # Byte...
-    with pytest.raises(FlagError, match=re.escape(ours)):
-        lean_parse_args(lean, world_size=4)
 
 
 def test_megatron_lm_0_19s_global_batch_assertion_becomes_ours():
@@ -202,7 +167,7 @@ def test_megatron_lm_0_19s_global_batch_assertion_becomes_ours():
     at --micro-batch-size 0, a TypeError without it)."""
     import argparse
 
-    from megatron_eod.training.megatron_lm_run import _global_batch_as_ours
+    from megatron_eod.training.run import _global_batch_as_ours
 
     theirs = AssertionError("eval_global_batch_size (10) must be divisible by "
                             "eval_micro_batch_size (2) * data_parallel_size (4)")
@@ -218,7 +183,7 @@ def test_megatron_lm_0_19s_global_batch_assertion_becomes_ours():
 
 
 def _fetches_gpt2():
-    from megatron_eod.training.megatron_lm_args import _fetched_vocabularies
+    from megatron_eod.training.tokenizer_flags import _fetched_vocabularies
 
     import_megatron_lm()
     return "GPT2BPETokenizer" in _fetched_vocabularies(object())  # no --legacy-tokenizer
@@ -240,9 +205,9 @@ def test_megatron_lm_assertions_are_one_line_naming_the_flags(monkeypatch, flags
 
 
 def test_save_without_an_interval_saves_at_the_end(monkeypatch):
-    """As in the lean trainer (Megatron-LM asserts an interval): no iteration reaches it, and
-    its loop saves the last iteration whenever the interval does not divide it."""
-    from megatron_eod.training.megatron_lm_args import SAVE_AT_THE_END
+    """Megatron-LM asserts an interval: none given, no iteration reaches ours, and its loop
+    saves the last iteration whenever the interval does not divide it."""
+    from megatron_eod.training.args import SAVE_AT_THE_END
 
     assert validated(monkeypatch, "--save", "ckpt").save_interval == SAVE_AT_THE_END
     assert validated(monkeypatch, "--save", "ckpt", "--save-interval", "5").save_interval == 5
@@ -273,3 +238,134 @@ def test_megatron_lm_assertions_show_the_whole_statement(monkeypatch, tmp_path):
     with pytest.raises(FlagError) as refused:
         validated(monkeypatch, "--train-data-path", "a", "--per-split-data-args-path", str(spec))
     assert "--train-data-path" in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("world,extra,named", [
+    (4, ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid",
+         "--ulysses-degree-in-cp", "3"], ["--ulysses-degree-in-cp", "--context-parallel-size"]),
+    (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--num-attention-heads", "2"],
+     ["--num-attention-heads", "--context-parallel-size"]),
+    (4, ["--context-parallel-size", "4", "--seq-length", "130", "--max-position-embeddings",
+         "130"], ["--seq-length", "--context-parallel-size"]),
+    (2, ["--context-parallel-size", "2", "--context-parallel-algo", "zigzag"],
+     ["--context-parallel-algo"]),
+    (4, ["--context-parallel-size", "3"], ["--context-parallel-size 3", "WORLD_SIZE",
+                                           "--nproc-per-node"]),
+], ids=["ulysses-degree", "heads", "seq-length", "unknown-algo", "world-size"])
+def test_bad_flags_stop_every_rank_at_start_up(short_docs_data, world, extra, named):
+    """Exit status 2 and one line on every rank naming the flags, before any model or data is
+    built (not rank 0 alone: torchrun ends every rank once the first exits, so a line left to
+    rank 0 was lost whenever it started later than the others). The world size: Megatron-LM
+    asserted "world size (4) is not divisible by total_model_size", naming no flag."""
+    from tests.training.runs import error_lines, flags, start
+
+    import_megatron_lm()
+    results = run_ranks(start, world, flags(short_docs_data, None, *extra), timeout=120,
+                        daemon=False)
+    assert [code for code, _ in results] == [2] * world, results
+    for lines in error_lines(results):
+        assert len(lines) == 1 and all(flag in lines[0] for flag in named), results
+    assert "Traceback" not in results[-1][1]
+
+
+def test_without_megatron_lm_it_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setattr(run, "megatron_lm_available", lambda: False)
+    with pytest.raises(SystemExit) as stop:
+        pretrain_gpt.main(["--lr", "1"])
+    assert stop.value.code == 2
+    assert "megatron-core >= 0.17" in capsys.readouterr().err
+
+
+def _call_with_019_signature(rank, world):
+    from megatron.training import argument_utils, arguments, training
+
+    seen = {}
+
+    def pretrain(cfg_container, train_valid_test_dataset_provider, model_type,
+                 forward_step_func, model_provider=None, process_non_loss_data_func=None,
+                 get_embedding_ranks=None, get_position_embedding_ranks=None,
+                 non_loss_data_func=None, store=None, inprocess_call_wrapper=None):
+        seen.update(cfg=cfg_container, model_provider=model_provider.__name__,
+                    datasets=train_valid_test_dataset_provider.__name__,
+                    forward=forward_step_func.__name__)
+
+    def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False,
+                                args_defaults={}):
+        seen.update(extra=extra_args_provider.__name__, defaults=dict(args_defaults))
+        return "parsed args"
+
+    training.pretrain = pretrain
+    arguments.parse_and_validate_args = parse_and_validate_args
+    argument_utils.pretrain_cfg_container_from_args = lambda args, model_cfg=None: (
+        "container of " + args)
+    run.run(["--lr", "1"])
+    assert "cfg_container" in inspect.signature(training.pretrain).parameters
+    return seen
+
+
+def test_pretrain_018_and_later_get_a_config_container_and_keywords():
+    import_megatron_lm()
+    seen, = run_ranks(_call_with_019_signature, 1)
+    assert seen == {"extra": "add_eod_args", "defaults": {},
+                    "cfg": "container of parsed args", "model_provider": "model_provider",
+                    "datasets": "datasets_provider", "forward": "forward_step"}
+
+
+def _restarted_by_a_stand_in(rank, world, restarting):
+    """nvidia-resiliency-ext's Wrapper (not installed here) stood in for: it runs pretrain()
+    again after any exception but its terminal RestartAbort, up to 3 times here (Megatron-LM
+    sets no limit)."""
+    import contextlib
+    import io
+    import sys
+    import types
+
+    from megatron.training import inprocess_restart, training
+
+    from megatron_eod.training.cp_flags import FlagError
+
+    class RestartAbort(BaseException):
+        pass
+
+    package = types.ModuleType("nvidia_resiliency_ext.inprocess.exception")
+    package.RestartAbort = RestartAbort
+    sys.modules["nvidia_resiliency_ext.inprocess.exception"] = package
+    attempts = []
+
+    def pretrain(*args, **kwargs):
+        attempts.append(1)
+        raise FlagError("--lr: the same error on every attempt")
+
+    def maybe_wrap(pretrain):
+        if not restarting:
+            return pretrain, None
+
+        def wrapper(*args, **kwargs):
+            for _ in range(3):
+                try:
+                    return pretrain(*args, **kwargs)
+                except Exception:
+                    continue
+
+        return wrapper, "store"
+
+    training.pretrain = pretrain
+    inprocess_restart.maybe_wrap_for_inprocess_restart = maybe_wrap
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            run.run(["--lr", "1"])
+        except RestartAbort:
+            return "RestartAbort", len(attempts), err.getvalue()
+        except SystemExit as stop:
+            return stop.code, len(attempts), err.getvalue()
+
+
+@pytest.mark.parametrize("restarting", [True, False])
+def test_our_errors_end_in_process_restarts(restarting):
+    """--inprocess-restart re-ran pretrain() after every error, without limit: a flag, data or
+    checkpoint error fails the same way each time, so it ends the restarts (said once)."""
+    import_megatron_lm()
+    (outcome, attempts, said), = run_ranks(_restarted_by_a_stand_in, 1, restarting)
+    assert (outcome, attempts) == (("RestartAbort" if restarting else 2), 1)
+    assert said == "pretrain_gpt.py: error: --lr: the same error on every attempt\n"

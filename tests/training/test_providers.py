@@ -1,116 +1,19 @@
-"""The providers for Megatron-LM's trainer (training/megatron_lm.py) in-process, against a
-stand-in for `megatron.training` that supplies `get_args` (our parsed flags with Megatron-LM's
-extra fields), `get_tokenizer` and `core_transformer_config_from_args`: fast checks of the
-providers alone (CP=2 ring and CP=4 hybrid give the CP=1 loss to 1e-5) that need no
-Megatron-LM checkout. Megatron-LM's real `pretrain()` and parser run in
-test_megatron_lm_pretrain.py and test_megatron_lm_args.py.
+"""The providers for Megatron-LM's trainer (training/providers.py), piece by piece: our flags
+on its parser, the registry sized for the schedules, the stage tensors' packed shape, the
+checks of each local loss, and Megatron-LM's args reaching the layer spec and the steps.
+Megatron-LM's real `pretrain()` with them runs in tests/functional/.
 """
 
 import argparse
-import sys
 import types
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from megatron_eod.data.tokenizers import ByteTokenizer, padded_vocab_size
 from megatron_eod.megatron import cpu_compat
-from megatron_eod.megatron.dataset import parse_data_path
-from megatron_eod.training.args import FlagError, parse_args
-from megatron_eod.training.data import MicroBatches
-from megatron_eod.training.megatron_lm import EodProviders
-from megatron_eod.training.megatron_lm_args import add_eod_args, eod_args_from_megatron
-from megatron_eod.training.model import transformer_config
-from tests.functional.tiny_gpt import tiny_flags
+from megatron_eod.training.args import add_eod_args
+from megatron_eod.training.providers import EodProviders
 from tests.harness import run_ranks
-
-
-def megatron_lm_args(data, world, *extra):
-    """Our parsed flags, made to look like Megatron-LM's args before our checks ran."""
-    args = parse_args(tiny_flags(data, "--context-parallel-size", str(world), *extra),
-                      world_size=world, cuda_available=False)
-    del args.ulysses_degree  # set by our checks; the providers must derive it themselves
-    args.padded_vocab_size = padded_vocab_size(ByteTokenizer().vocab_size, 128, 1)
-    args.transformer_impl = "local"
-    args.gradient_accumulation_fusion = False  # as --no-gradient-accumulation-fusion (no apex)
-    args.calculate_per_token_loss = True
-    u = args.ulysses_degree_in_cp
-    args.hierarchical_context_parallel_sizes = [u, world // u] if u else None
-    args.cp_comm_type = ["a2a+p2p"] if u else None
-    return args
-
-
-def install_stand_in(args):
-    training = types.ModuleType("megatron.training")
-    training.get_args = lambda: args
-    training.get_tokenizer = ByteTokenizer
-    arguments = types.ModuleType("megatron.training.arguments")
-    arguments.core_transformer_config_from_args = transformer_config
-    training.arguments = arguments
-    utils = types.ModuleType("megatron.training.utils")  # --data-path only, as these args have
-    utils.get_blend_and_blend_per_split = lambda a: (parse_data_path(a.data_path), None)
-    training.utils = utils
-    sys.modules["megatron.training"] = training
-    sys.modules["megatron.training.arguments"] = arguments
-    sys.modules["megatron.training.utils"] = utils
-
-
-def _first_loss(rank, world, data, extra):
-    from megatron.core import parallel_state, tensor_parallel
-
-    args = megatron_lm_args(data, world, *extra)
-    install_stand_in(args)
-    cpu_compat.apply()
-    parallel_state.initialize_model_parallel(
-        context_parallel_size=world,
-        hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes)
-    try:
-        tensor_parallel.model_parallel_cuda_manual_seed(1234)
-        torch.manual_seed(1234)
-        providers = EodProviders()
-        # Megatron-LM's get_model passes config= and pg_collection= as keywords.
-        model = providers.model_provider(pre_process=True, post_process=True, config=None,
-                                         pg_collection=None)
-        train, _, _ = providers.datasets_provider([8, 0, 0])
-        output, loss_fn = providers.forward_step(MicroBatches(train, 2, 0, 1), model)
-        loss_sum, tokens, report = loss_fn(output)
-        loss_sum.backward()
-        totals = report["lm loss"].detach()
-        if world > 1:
-            dist.all_reduce(totals, group=parallel_state.get_context_parallel_group())
-        return (totals[0] / totals[1]).item(), args.context_parallel_algo
-    finally:
-        parallel_state.destroy_model_parallel()
-        cpu_compat.remove()
-
-
-@pytest.mark.parametrize("world,extra", [
-    (2, ["--context-parallel-algo", "ring"]),
-    (4, ["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"])],
-    ids=["ring2", "hybrid2x2"])
-def test_providers_give_the_cp1_loss(short_docs_data, world, extra):
-    reference, _ = run_ranks(_first_loss, 1, short_docs_data, [])[0]
-    for loss, algo in run_ranks(_first_loss, world, short_docs_data, extra):
-        assert loss == pytest.approx(reference, rel=1e-5)
-        assert algo == extra[1].replace("_cp_algo", "")
-
-
-def test_hybrid_from_ulysses_degree_alone_fills_megatron_hierarchical_sizes(short_docs_data):
-    """One fact asked once: --ulysses-degree-in-cp alone gives Megatron-LM the sizes."""
-    args = megatron_lm_args(short_docs_data, 4, "--context-parallel-algo", "hybrid",
-                            "--ulysses-degree-in-cp", "2")
-    args.hierarchical_context_parallel_sizes, args.cp_comm_type = None, None
-    eod_args_from_megatron(args)
-    assert args.hierarchical_context_parallel_sizes == [2, 2]
-    assert args.cp_comm_type == ["a2a+p2p"] and args.ulysses_degree == 2
-
-
-def test_cp_rules_apply_to_megatron_lm_args(short_docs_data):
-    args = megatron_lm_args(short_docs_data, 4, "--context-parallel-algo", "ring")
-    args.context_parallel_algo = "zigzag"
-    with pytest.raises(FlagError, match="--context-parallel-algo 'zigzag'"):
-        eod_args_from_megatron(args)
 
 
 def test_extra_args_and_distributed_marker():
@@ -124,7 +27,7 @@ def test_plans_ahead_only_where_megatron_lm_replays_nothing(capsys):
     """Megatron-LM's rerun state machine (--rerun-mode validate_results, its default) saves
     each iteration's micro-batches to replay them; a batch read ahead belongs to the next
     iteration, so the providers plan in the step there, and say so."""
-    from megatron_eod.training.megatron_lm import plans_ahead
+    from megatron_eod.training.providers import plans_ahead
 
     args = add_eod_args(argparse.ArgumentParser()).parse_args([])
     assert args.plan_ahead  # our flag's default
@@ -147,7 +50,7 @@ def test_registry_holds_every_context_megatron_core_schedules_keep(pp, chunks, g
     micro-batches) + the forward running + an evaluation's. The registry is at least that."""
     from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
 
-    from megatron_eod.training.megatron_lm import contexts_in_flight
+    from megatron_eod.training.providers import contexts_in_flight
 
     if chunks is not None and pp == 1:
         pytest.skip("Megatron-LM needs pipeline-model-parallel-size > 1 for virtual stages")
@@ -173,7 +76,7 @@ def test_pipeline_stage_buffers_are_shaped_as_the_packed_micro_batch():
     (seq_length x mbs at micro-batch 1, decoder_seq_length too when given) by every schedule
     `get_forward_backward_func` returns, keyword or positional; micro-batch 1 unchanged;
     wrapping twice is wrapping once."""
-    from megatron_eod.training.megatron_lm import pack_stage_shapes
+    from megatron_eod.training.providers import pack_stage_shapes
 
     calls = []
 
@@ -198,7 +101,7 @@ def _checked_losses(rank, world):
     import argparse
     import logging
 
-    from megatron_eod.training.megatron_lm import checked_loss
+    from megatron_eod.training.providers import checked_loss
 
     cpu_compat.apply()  # as in a CPU run: megatron-core names the device in its message
     warned = []
@@ -232,3 +135,57 @@ def test_each_local_loss_is_checked_as_megatron_lm_checks_it():
     assert "found NaN in local forward loss calculation" in stop
     assert off == spiky == "trained on"
     assert spikes == (0, 1)  # 30 after 2.5s: over 10x the usual
+
+
+KEYS = ("rotary_percent", "rope_scaling", "rope_scaling_factor", "seq_len_interpolation_factor",
+        "ring_exchange", "concurrent_calls", "fused_forward", "fused_backward")
+
+
+def _wired(rank, world, flags):
+    """Megatron-LM's args for `flags` (its parser and validate_args with our hooks), its config
+    from them, and what our providers build of them."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from megatron_eod.megatron.batch_context import EodContextRegistry
+    from megatron_eod.training import providers
+    from tests.megatron.tiny_model import cp_setup
+    from tests.training.test_run import validated
+
+    with pytest.MonkeyPatch.context() as patch:
+        args = validated(patch, *flags)
+    with cp_setup(1):
+        config = core_transformer_config_from_args(args)
+        spec = providers.block_spec(EodContextRegistry(), config, args, False)
+    attention = spec.layer_specs[0].submodules.self_attention.submodules
+    steps = providers.steps(args, EodContextRegistry(), 0, None, plan_ahead=False)
+    return {"params": {k: attention.core_attention.params[k] for k in KEYS},
+            "fused_tiles": steps.flags["fused_tiles"],
+            "qk_norm": attention.q_layernorm is not None, "qk_config": config.qk_layernorm,
+            "interleaved": config.rotary_interleaved,
+            "gpt_positions": providers.gpt_position_embedding_type(args)}
+
+
+def test_megatron_lm_flags_reach_the_spec_and_the_config(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # --cp-fused-forward's way on a CPU (tests)
+    (wired,) = run_ranks(_wired, 1, [
+        "--position-embedding-type", "rope", "--qk-layernorm", "--rotary-interleaved",
+        "--use-rope-scaling", "--rope-scaling-factor", "16",
+        "--rotary-seq-len-interpolation-factor", "2", "--rotary-percent", "0.5",
+        "--context-parallel-size", "4", "--cp-ring-exchange", "batched-keep",
+        "--cp-concurrent-calls", "--cp-fused-forward", "--cp-fused-backward"])
+    assert wired == {"params": {"rotary_percent": 0.5, "rope_scaling": True,
+                                "rope_scaling_factor": 16.0,
+                                "seq_len_interpolation_factor": 2.0,
+                                "ring_exchange": "batched-keep", "concurrent_calls": True,
+                                "fused_forward": True, "fused_backward": True},
+                     "fused_tiles": True,  # the plans carry what the fused kernels read
+                     "qk_norm": True, "qk_config": True, "interleaved": True,
+                     "gpt_positions": "none"}
+
+
+def test_positions_other_than_rope_turn_rope_off():
+    for kind in ("learned_absolute", "none"):
+        (wired,) = run_ranks(_wired, 1, ["--position-embedding-type", kind])
+        assert wired["params"]["rotary_percent"] == 0.0
+        assert wired["gpt_positions"] == kind
+        assert not wired["fused_tiles"]  # without --cp-fused-forward: no tiles to build

@@ -1,58 +1,11 @@
-"""training/eod_wiring.py: both trainers' args reach the EoD pieces the same way."""
+"""training/data.py: the datasets' start-up checks on every rank, Megatron-LM's data flags and
+its tokenizers against the data."""
 
 import os
 import re
 
-from megatron_eod.megatron.batch_context import EodContextRegistry
-from megatron_eod.training import eod_wiring
-from megatron_eod.training.args import parse_args
-from megatron_eod.training.model import transformer_config
-from tests.functional.tiny_gpt import tiny_flags
+from megatron_eod.training import data as eod_data
 from tests.harness import run_ranks
-from tests.megatron.tiny_model import cp_setup
-
-KEYS = ("rotary_percent", "rope_scaling", "rope_scaling_factor", "seq_len_interpolation_factor",
-        "ring_exchange", "concurrent_calls", "fused_forward", "fused_backward")
-
-
-def _wired(rank, world, argv):
-    args = parse_args(argv, world_size=1, cuda_available=False)
-    with cp_setup(1):
-        config = transformer_config(args)
-        spec = eod_wiring.block_spec(EodContextRegistry(), config, args, False)
-    attention = spec.layer_specs[0].submodules.self_attention.submodules
-    steps = eod_wiring.steps(args, EodContextRegistry(), 0, None, plan_ahead=False)
-    return {"params": {k: attention.core_attention.params[k] for k in KEYS},
-            "fused_tiles": steps.flags["fused_tiles"],
-            "qk_norm": attention.q_layernorm is not None, "qk_config": config.qk_layernorm,
-            "interleaved": config.rotary_interleaved,
-            "gpt_positions": eod_wiring.gpt_position_embedding_type(args)}
-
-
-def test_lean_flags_reach_the_spec_and_the_config(tiny_data):
-    (wired,) = run_ranks(_wired, 1, tiny_flags(
-        tiny_data, "--qk-layernorm", "--rotary-interleaved", "--use-rope-scaling",
-        "--rope-scaling-factor", "16", "--rotary-seq-len-interpolation-factor", "2",
-        "--rotary-percent", "0.5", "--cp-ring-exchange", "batched-keep",
-        "--cp-concurrent-calls", "--cp-fused-forward", "--cp-fused-backward"))
-    assert wired == {"params": {"rotary_percent": 0.5, "rope_scaling": True,
-                                "rope_scaling_factor": 16.0,
-                                "seq_len_interpolation_factor": 2.0,
-                                "ring_exchange": "batched-keep", "concurrent_calls": True,
-                                "fused_forward": True, "fused_backward": True},
-                     "fused_tiles": True,  # the plans carry what the fused kernels read
-                     "qk_norm": True, "qk_config": True, "interleaved": True,
-                     "gpt_positions": "none"}
-
-
-def test_positions_other_than_rope_turn_rope_off(tiny_data):
-    for kind in ("learned_absolute", "none"):
-        (wired,) = run_ranks(_wired, 1, tiny_flags(tiny_data, "--position-embedding-type",
-                                                   kind))
-        assert wired["params"]["rotary_percent"] == 0.0
-        assert wired["gpt_positions"] == kind
-        assert not wired["fused_tiles"]  # without --cp-fused-forward: no tiles to build
-
 
 def test_object_storage_data_needs_megatron_lm_flags_and_skips_local_checks(capsys):
     """s3:// and msc:// prefixes are megatron-core's to read: the flags it only asserts are
@@ -64,19 +17,17 @@ def test_object_storage_data_needs_megatron_lm_flags_and_skips_local_checks(caps
     from megatron_eod.data.checks import DatasetError
 
     remote = ["s3://bucket/corpus_text_document"]
-    with pytest.raises(DatasetError, match="lean trainer reads local files only"):
-        eod_wiring.check_object_storage(argparse.Namespace(), remote)
     args = argparse.Namespace(object_storage_cache_path=None, mmap_bin_files=True)
     with pytest.raises(DatasetError, match="s3://bucket/corpus_text_document.*needs "
                                            "--object-storage-cache-path"):
-        eod_wiring.check_object_storage(args, remote)
+        eod_data.check_object_storage(args, remote)
     args.object_storage_cache_path = "/tmp/idx-cache"
     with pytest.raises(DatasetError, match="needs --no-mmap-bin-files"):
-        eod_wiring.check_object_storage(args, remote)
+        eod_data.check_object_storage(args, remote)
     args.mmap_bin_files = False
-    eod_wiring.check_object_storage(args, ["msc://profile/corpus_text_document"])
+    eod_data.check_object_storage(args, ["msc://profile/corpus_text_document"])
     assert "not checked here" in capsys.readouterr().out
-    eod_wiring.check_object_storage(argparse.Namespace(), [])  # local data: nothing to say
+    eod_data.check_object_storage(argparse.Namespace(), [])  # local data: nothing to say
 
 
 def test_ambiguous_pad_tokens_that_would_erase_every_eod_are_refused():
@@ -92,7 +43,7 @@ def test_ambiguous_pad_tokens_that_would_erase_every_eod_are_refused():
     args = argparse.Namespace(allow_ambiguous_pad_tokens=True)
     with pytest.raises(DatasetError, match="--allow-ambiguous-pad-tokens: the tokenizer's pad "
                                            "id is its EoD id \\(7\\)"):
-        eod_wiring.megatron_lm_datasets(args, types.SimpleNamespace(eod=7, pad=7), [8, 0, 0])
+        eod_data.megatron_lm_datasets(args, types.SimpleNamespace(eod=7, pad=7), [8, 0, 0])
 
 
 def _megatron_lm_tokenizer(monkeypatch, kind, model):
@@ -130,10 +81,7 @@ def test_sentencepiece_data_under_megatron_lm_names_the_tokenizer_that_reads_it(
     from megatron_eod.data.preprocess import preprocess_jsonl
     from megatron_eod.data.tokenizers import build_tokenizer
     from tests.data.test_core_tokenizers import _sentencepiece_model
-    from tests.training.megatron_lm_checkout import HAVE_MEGATRON_LM
 
-    if not HAVE_MEGATRON_LM:
-        pytest.skip("needs Megatron-LM's trainer")
     model = _sentencepiece_model(tmp_path, eos_id=5, pad_id=3, unk_id=0, bos_id=1)
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in
@@ -143,7 +91,7 @@ def test_sentencepiece_data_under_megatron_lm_names_the_tokenizer_that_reads_it(
     prefix = str(tmp_path / "d_text_document")
 
     args, theirs = _megatron_lm_tokenizer(monkeypatch, "SentencePieceTokenizer", model)
-    flags = eod_wiring.tokenizer_eod_flags(args, theirs)
+    flags = eod_data.tokenizer_eod_flags(args, theirs)
     if theirs.eod == 5:  # a Megatron-LM whose SentencePieceTokenizer is megatron-core's
         check_dataset(prefix, theirs, eod_flags=flags)
     else:
@@ -162,7 +110,7 @@ def _check_copies(rank, world, folders):
 
     os.chdir(folders[rank])
     try:
-        eod_wiring.check_datasets(["d_text_document"], ByteTokenizer())
+        eod_data.check_datasets(["d_text_document"], ByteTokenizer())
     except DatasetError as error:
         return str(error)
     return None
@@ -206,7 +154,7 @@ def _scan_counts(rank, world, prefixes):
     scanned, scan = [], checks._scan
     checks._scan = lambda bin_, *args: scanned.append(bin_) or scan(bin_, *args)
     try:
-        eod_wiring.check_datasets(prefixes, ByteTokenizer())
+        eod_data.check_datasets(prefixes, ByteTokenizer())
     except DatasetError as error:
         return scanned, str(error)
     return scanned, None

@@ -1,0 +1,221 @@
+"""training/faults.py under Megatron-LM's trainer: a rank that stops answering, a peer that
+leaves, a rank that never joins, a launcher that dies, and a result that fails Megatron-LM's
+validation (a NaN loss or gradient) end every rank, each with one line, within the timeout.
+
+The stopped rank: the rank that waits gives up within --distributed-timeout-minutes and exits;
+torchrun then sends SIGTERM to the rest. A stopped process holds SIGTERM until it is
+continued, so torchrun would SIGKILL it only after its fixed 30 s grace: torchrun's time, not
+ours. The test continues the stopped rank once the waiting one has exited (the pending SIGTERM
+or the closed peer then ends it) and checks that the job ends soon after.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.training.megatron_lm_checkout import import_megatron_lm
+from tests.training.runs import error_lines, flags, run_ranks, start
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_rank_ends_the_job_within_the_timeout(short_docs_data, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           os.path.join(REPO, "tests", "training", "short_timeout.py"),
+           *flags(short_docs_data, metrics, "--context-parallel-size", "2", "--train-iters",
+                  "100000", "--lr-decay-iters", "100000", "--eval-interval", "100000")]
+    log = open(tmp_path / "log.txt", "w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1",
+                                 "EOD_TEST_TIMEOUT_MINUTES": "0.2"})
+    try:
+        end = time.monotonic() + 150
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert proc.poll() is None, open(tmp_path / "log.txt").read()[-3000:]
+            assert time.monotonic() < end, "training never started"
+            time.sleep(0.2)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "short_timeout.py" in " ".join(p.cmdline())]
+        assert len(workers) == 2
+        stopped = time.monotonic()
+        os.kill(workers[0].pid, signal.SIGSTOP)
+        workers[1].wait(timeout=120)
+        waited = time.monotonic() - stopped
+        os.kill(workers[0].pid, signal.SIGCONT)
+        proc.wait(timeout=60)
+        ended = time.monotonic() - stopped - waited
+    finally:
+        if proc.poll() is None:
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                p.kill()
+            proc.kill()
+    log.seek(0)
+    text = log.read()
+    assert proc.returncode != 0
+    assert waited < 0.2 * 60 + 60, f"the waiting rank took {waited:.0f} s to give up"
+    assert ended < 20, f"the job took {ended:.0f} s to end after the waiting rank gave up"
+    assert "a collective waited longer than --distributed-timeout-minutes 0.2" in text, \
+        text[-3000:]
+
+
+class _Leave(Exception):
+    pass
+
+
+def _until_rank_1_leaves(rank, world, argv):
+    from megatron_eod.training.providers import EodProviders
+
+    step, calls = EodProviders.forward_step, []
+
+    def leaves_at_its_fifth_micro_batch(self, *args, **kwargs):
+        calls.append(1)
+        if rank == 1 and len(calls) == 5:
+            raise _Leave  # its process then ends, as a rank killed mid-run (an OOM kill)
+        return step(self, *args, **kwargs)
+
+    EodProviders.forward_step = leaves_at_its_fifth_micro_batch
+    try:
+        return start(rank, world, argv)
+    except _Leave:
+        return None
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_that_stops_is_one_line_on_the_ranks_left(short_docs_data, tmp_path):
+    """gloo tells the ranks left at once ("Connection closed by peer"): one line saying a
+    peer stopped, exit 1 (each printed a ~40-line gloo traceback: a helper's 2-node run)."""
+    import_megatron_lm()
+    results = run_ranks(_until_rank_1_leaves, 2, flags(short_docs_data, tmp_path / "m.jsonl"),
+                        timeout=200, daemon=False)
+    code, text = results[0]
+    assert code == 1 and "Traceback" not in text, text[-3000:]
+    assert "pretrain_gpt.py: error: rank 0: a peer rank closed its connection (it stopped: see " \
+           "its own error) in " in text, text[-3000:]
+
+
+def _with_process_group_failing(rank, world, argv, raised):
+    import torch.distributed as dist
+
+    def init_process_group(*args, **kwargs):
+        raise raised
+
+    dist.destroy_process_group()  # the harness's: Megatron-LM makes its own
+    dist.init_process_group = init_process_group
+    return start(rank, world, argv)
+
+
+@pytest.mark.parametrize("raised,said", [
+    ("store", "a collective waited longer than --distributed-timeout-minutes 1 (a rank "
+              "stopped answering"),
+    ("network", "a peer rank closed its connection"),
+    ("refused", "a peer rank could not be reached (nothing listens at its address"),
+], ids=["never-joined", "lost-at-start", "connection-refused"])
+def test_a_process_group_that_cannot_form_is_one_line(short_docs_data, tmp_path, raised, said):
+    """A flag valid on some nodes only stops those ranks before the process group exists; the
+    others waited in init_process_group and stopped with torch's DistStoreError or
+    DistNetworkError traceback (a helper's two-node runs). After torchrun restarted the
+    workers (a soak's --max-restarts run), gloo's mesh failed in seconds with "timed out
+    connecting: SO_ERROR: Connection refused", which was said as a timeout."""
+    import torch.distributed as dist
+
+    import_megatron_lm()
+    error = {"store": dist.DistStoreError("wait timeout after 60000ms, keys: /default_pg/0//cpu//0/2"),
+             "network": dist.DistNetworkError("Failed to recv, got 0 bytes"),
+             "refused": RuntimeError("Gloo connectFullMesh failed with [../gloo/transport/tcp/"
+                                     "pair.cc:152] timed out connecting: SO_ERROR: Connection "
+                                     "refused, remote=[127.0.0.1]:4520$3")}[raised]
+    (code, text), = run_ranks(_with_process_group_failing, 1,
+                              flags(short_docs_data, None, "--distributed-timeout-minutes", "1"),
+                              error, timeout=120, daemon=False)
+    assert code == 1 and "Traceback" not in text, text[-3000:]
+    lines = error_lines([(code, text)])[0]
+    assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: rank ") \
+        and said in lines[0], text[-3000:]
+
+
+# --lr 1e3 in float32: the loss or gradients go non-finite within a few iterations.
+DIVERGE = ["--lr", "1e3", "--clip-grad", "0", "--context-parallel-size", "2", "--train-iters",
+           "10", "--lr-decay-iters", "10"]
+
+
+def test_a_non_finite_result_under_megatron_lms_rerun_machine(short_docs_data, tmp_path):
+    """--check-for-nan-in-loss-and-grad (on by default) under --rerun-mode validate_results
+    (the default): the rerun machine reruns the iteration in place and, the NaN reproduced,
+    saves a checkpoint and exits 16 for a rerun on other GPUs, said in one line on every rank;
+    without --save (a TypeError in its save on every rank) one line and exit 17."""
+    import_megatron_lm()
+    save = tmp_path / "ckpt"
+    results = run_ranks(start, 2, flags(short_docs_data, None, *DIVERGE, "--save", str(save)),
+                        timeout=240, daemon=False)
+    assert [code for code, _ in results] == [16, 16], results
+    for _, text in results:
+        assert "saved a checkpoint at --save and exits 16: resume the job from it" in text \
+            and "Traceback" not in text, text[-3000:]
+    saved = int((save / "latest_checkpointed_iteration.txt").read_text())  # the one before
+    assert f": iteration {saved + 1}: a result failed validation" in results[0][1]
+    results = run_ranks(start, 2, flags(short_docs_data, None, *DIVERGE), timeout=240,
+                        daemon=False)
+    assert [code for code, _ in results] == [17, 17], results
+    for _, text in results:
+        assert "but no --save is given: stopping" in text and "Traceback" not in text, \
+            text[-3000:]
+
+
+def test_a_non_finite_result_without_reruns_and_the_check_turned_off(short_docs_data, tmp_path):
+    """--rerun-mode disabled: Megatron-LM's RuntimeError on every rank becomes one line, exit
+    1; --no-check-for-nan-in-loss-and-grad trains on."""
+    import_megatron_lm()
+    results = run_ranks(start, 2, flags(short_docs_data, None, *DIVERGE, "--rerun-mode",
+                                         "disabled"), timeout=240, daemon=False)
+    assert [code for code, _ in results] == [1, 1], results
+    for lines, (_, text) in zip(error_lines(results), results):
+        assert len(lines) == 1 and "Unexpected result" in lines[0] and \
+            "--no-check-for-nan-in-loss-and-grad trains on" in lines[0], text[-3000:]
+    results = run_ranks(start, 2, flags(short_docs_data, None, *DIVERGE,
+                                         "--no-check-for-nan-in-loss-and-grad"),
+                        timeout=240, daemon=False)
+    assert [code for code, _ in results] == [0, 0], results
+
+
+CHILD = ("import sys, time; sys.path.insert(0, %r);"
+         "from megatron_eod.training.faults import exit_with_parent;"
+         "assert exit_with_parent(); print('armed', flush=True); time.sleep(120)") % REPO
+PARENT = ("import subprocess, sys, time;"
+          "child = subprocess.Popen([sys.executable, '-c', %r], stdout=sys.stdout);"
+          "print(child.pid, flush=True); time.sleep(120)") % CHILD
+
+
+def test_a_worker_exits_when_its_launcher_is_killed():
+    """A worker whose launcher dies (kill -9 of torchrun's agent) ends instead of training on."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        child_pid = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "armed"
+        child = psutil.Process(child_pid)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        end = time.monotonic() + 20
+        while child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < end, "the worker outlived its parent"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        try:
+            psutil.Process(child_pid).kill()
+        except (psutil.NoSuchProcess, NameError, UnboundLocalError):
+            pass
