@@ -8,16 +8,19 @@ attention, on a web-like document mix.
 1. Writes a synthetic corpus whose document lengths follow the web mix of tools/bench_cp.py
    (lognormal, median 600 tokens, sigma 1.0; random ASCII, byte tokens) and preprocesses it
    (tools/preprocess_data.py's code, EoD appended) into an indexed dataset, once.
-2. Trains the preset twice with torchrun and the lean trainer, --metrics-file on:
+2. Trains the preset twice with torchrun through pretrain_gpt.py (Megatron-LM's trainer),
+   --metrics-file on:
      eod     --reset-attention-mask --reset-position-ids --eod-mask-loss
-     causal  the same model and data, attention across documents (attention-mask causal)
+     causal  the same model and data, attention across documents (plain causal rows)
 3. Prints, from the iterations after --warmup: median tokens/s per GPU, model TFLOP/s per GPU
-   (linear layers 6 flops per parameter and token, attention 12*H*D per query-key pair per
-   layer, forward+backward) counting the pairs each run computes: a causal row's s(s+1)/2, a
-   document mask's sum of n(n+1)/2 (the "EoD-adjusted" figure), and the speed-up eod/causal.
+   (Megatron-LM's own FLOPs formula, counting the pairs each run computes: a causal row's
+   s^2, a document mask's sum of n^2: the "EoD-adjusted" figure, which --metrics-file's
+   tflops_per_gpu holds), the query-key pairs per row, and the speed-up eod/causal.
 
 Presets: `1b` (examples/gpu/gpt_flags.sh's ~1.2B Llama-like GPT, bf16, full recompute of every
-layer so 32k tokens fit one 80 GB GPU), `tiny` (2 layers, float32: a CPU smoke run). Extra
+layer so 32k tokens fit one 80 GB GPU), `tiny` (2 layers, float32: a CPU smoke run, gloo).
+Without TransformerEngine or Apex, Megatron-LM's local layers and no gradient-accumulation
+fusion. Extra
 flags after `--` go to both runs (Megatron spellings), e.g. `-- --recompute-num-layers 2`.
 Needs a GPU for the 1b preset; the numbers go to docs/BENCHMARKS.md.
 """
@@ -81,18 +84,19 @@ def model_flags(preset, seq):
             "--attention-dropout", "0", "--hidden-dropout", "0", *p["flags"]]
 
 
-def linear_flops_per_token(preset, vocab=384):
-    """6 x the parameters every token multiplies (attention projections, MLP, logits)."""
-    p = PRESETS[preset]
-    h, head_dim = p["hidden"], p["hidden"] // p["heads"]
-    qkv = h * (p["heads"] + 2 * p["groups"]) * head_dim
-    mlp = (3 if p["swiglu"] else 2) * h * p["ffn"]
-    return 6 * (p["layers"] * (qkv + p["heads"] * head_dim * h + mlp) + h * vocab)
+def device_flags(preset):
+    """What this machine runs: bf16 on a GPU for `1b`, else float32 on gloo (CPU ranks); the
+    local layers without TransformerEngine, no gradient-accumulation fusion without Apex."""
+    import importlib.util
 
+    import torch
 
-def attention_flops_per_pair(preset):
-    p = PRESETS[preset]
-    return 12 * p["heads"] * (p["hidden"] // p["heads"]) * p["layers"]
+    flags = [] if torch.cuda.is_available() else ["--distributed-backend", "gloo"]
+    if importlib.util.find_spec("transformer_engine") is None:
+        flags += ["--transformer-impl", "local"]
+    if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+        flags += ["--no-gradient-accumulation-fusion"]
+    return flags
 
 
 def run(name, args, data, extra):
@@ -102,10 +106,11 @@ def run(name, args, data, extra):
     eod = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"] \
         if name == "eod" else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(args.nproc), os.path.join(REPO, "pretrain_gpt.py"), "--trainer", "lean",
-           *model_flags(args.preset, args.seq_length), "--micro-batch-size", "1",
+           str(args.nproc), os.path.join(REPO, "pretrain_gpt.py"),
+           *model_flags(args.preset, args.seq_length), *device_flags(args.preset),
+           "--micro-batch-size", "1", "--global-batch-size", str(args.nproc),
            "--train-iters", str(args.iters), "--lr", "1e-4", "--lr-warmup-iters", "0",
-           "--data-path", data, "--split", "100,0,0", "--eval-iters", "0",
+           "--data-path", data, "--split", "100,0,0", "--eval-iters", "0", "--num-workers", "0",
            "--log-interval", str(args.iters), "--metrics-file", metrics, *eod, *extra]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1")
     log = os.path.join(args.work_dir, f"log_{name}.txt")
@@ -119,17 +124,13 @@ def run(name, args, data, extra):
 def summarise(name, records, args):
     kept = [r for r in records if r["iteration"] > args.warmup] or records
     tokens_per_s = statistics.median(r["tokens_per_s"] for r in kept) / args.nproc
-    # The trainer counts the pairs its attention computed (attention_tflops); a causal run
-    # computes whole rows.
-    seconds = statistics.median(r["iteration_ms"] for r in kept) / 1e3
-    per_pair = attention_flops_per_pair(args.preset)
-    pairs = statistics.median(r["attention_tflops"] * 1e12 * r["iteration_ms"] / 1e3
-                              * args.nproc / per_pair for r in kept)
-    tokens = kept[0]["tokens"]
-    flops = linear_flops_per_token(args.preset) * tokens + per_pair * pairs
+    rows = kept[0]["tokens"] // args.seq_length
+    # Megatron-LM's FLOPs count (tflops_per_gpu) and the pairs each row's attention computes:
+    # the sum over its documents of n(n+1)/2, from the records' sum of n^2 and tokens.
+    pairs = statistics.median((r["seqlen_squared_sum"] + r["tokens"]) / 2 for r in kept)
     return {"run": name, "tokens_per_s_per_gpu": tokens_per_s,
-            "model_tflops_per_gpu": flops / seconds / args.nproc / 1e12,
-            "pairs_per_row": pairs / max(1, tokens // args.seq_length)}
+            "model_tflops_per_gpu": statistics.median(r["tflops_per_gpu"] for r in kept),
+            "pairs_per_row": pairs / max(1, rows)}
 
 
 def main(argv=None):
@@ -158,7 +159,8 @@ def main(argv=None):
     for r in rows:
         print(f"{r['run']:8s} {r['tokens_per_s_per_gpu']:14.1f} {r['model_tflops_per_gpu']:18.2f}"
               f" {r['pairs_per_row']:12.3g}")
-    print(f"EoD reset / causal tokens/s: {rows[1]['tokens_per_s_per_gpu'] / rows[0]['tokens_per_s_per_gpu']:.2f}x "
+    speedup = rows[1]["tokens_per_s_per_gpu"] / rows[0]["tokens_per_s_per_gpu"]
+    print(f"EoD reset / causal tokens/s: {speedup:.2f}x "
           f"(preset {args.preset}, {args.seq_length} tokens, {args.nproc} GPU(s))")
     return rows
 

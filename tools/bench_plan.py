@@ -102,12 +102,14 @@ def _train(work: str, data: str, seq: int, iters: int, *extra: str):
     if os.path.exists(metrics):
         os.remove(metrics)  # --metrics-file appends
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
-           "--nproc-per-node", "4", os.path.join(ROOT, "pretrain_gpt.py"), "--trainer", "lean",
-           "--position-embedding-type", "rope", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-           "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+           "--nproc-per-node", "4", os.path.join(ROOT, "pretrain_gpt.py"),
+           "--position-embedding-type", "rope", "--num-layers", "2", "--hidden-size", "64",
+           "--num-attention-heads", "4", "--distributed-backend", "gloo",
+           "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+           "--num-workers", "0", "--seq-length", str(seq), "--max-position-embeddings", str(seq),
            "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", str(iters),
            "--lr", "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0",
-           "--data-path", data, "--split", "100,0,0", "--data-cache-path",
+           "--data-path", data, "--split", "100,0,0", "--eval-iters", "0", "--data-cache-path",
            os.path.join(work, "cache"), "--reset-attention-mask", "--reset-position-ids",
            "--eod-mask-loss", "--context-parallel-size", "4", "--context-parallel-algo", "ring",
            "--log-interval", "1000", "--metrics-file", metrics, *extra]

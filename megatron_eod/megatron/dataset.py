@@ -11,14 +11,13 @@ dataset of its own: samples are exactly megatron-core's.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from megatron_eod.megatron.imports import import_megatron
 
 __all__ = ["DATA_SOURCES", "NO_DATA", "PER_SPLIT_SOURCES", "data_sources_given", "parse_data_path",
-           "read_data_sources", "blend_prefixes", "build_gpt_datasets"]
+           "blend_prefixes", "build_gpt_datasets"]
 
 # Megatron's data sources (one per run): the flags as a user writes them -> their args dests.
 DATA_SOURCES = {"--mock-data": ("mock_data",), "--data-path": ("data_path",),
@@ -38,7 +37,8 @@ def data_sources_given(args) -> List[str]:
             if any(getattr(args, dest, None) for dest in dests)]
 
 
-def parse_data_path(data_path: Union[str, Sequence[str]]) -> Tuple[List[str], Optional[List[float]]]:
+def parse_data_path(data_path: Union[str, Sequence[str]]
+                    ) -> Tuple[List[str], Optional[List[float]]]:
     """Megatron's `--data-path` forms: `PREFIX ...` or `W1 PREFIX1 W2 PREFIX2 ...`."""
     items = [data_path] if isinstance(data_path, str) else list(data_path)
     if not items:
@@ -65,36 +65,6 @@ def parse_data_path(data_path: Union[str, Sequence[str]]) -> Tuple[List[str], Op
                 raise ValueError(f"--data-path {prefix!r}: {prefix + ext} does not exist "
                                  f"(pass the prefix, e.g. data/corpus_text_document)")
     return prefixes, weights
-
-
-def read_data_sources(data_path=None, data_args_path: Optional[str] = None,
-                      per_split: Optional[Sequence] = None,
-                      per_split_args_path: Optional[str] = None):
-    """(blend, blend_per_split) from Megatron's data flags, one source of: `--data-path`,
-    `--data-args-path` (a file of --data-path's words), `--train-data-path`/
-    `--valid-data-path`/`--test-data-path` (`per_split`: their three values, None where not
-    given), `--per-split-data-args-path` (JSON {"train": ..., "valid": ..., "test": ...},
-    each a --data-path string or list). Every prefix must exist; (None, None): no data."""
-    if data_args_path is not None:
-        with open(data_args_path) as f:
-            data_path = f.read().split()
-        if not data_path:
-            raise ValueError(f"--data-args-path {data_args_path}: the file names no dataset")
-    if per_split_args_path is not None:
-        with open(per_split_args_path) as f:
-            given = json.load(f)
-        if not isinstance(given, dict) or not set(given) <= {"train", "valid", "test"}:
-            raise ValueError(f"--per-split-data-args-path {per_split_args_path}: expected a "
-                             f"JSON object with keys train, valid, test")
-        per_split = [given.get(name) for name in ("train", "valid", "test")]
-        per_split = [p.split() if isinstance(p, str) else p for p in per_split]
-    if per_split is not None and any(per_split):
-        blends = [parse_data_path(p) if p else None for p in per_split]
-        if blends[0] is None:
-            raise ValueError("a blend per split needs a training blend (--train-data-path, or "
-                             "\"train\" in --per-split-data-args-path)")
-        return None, blends
-    return (parse_data_path(data_path) if data_path else None), None
 
 
 def blend_prefixes(blend, blend_per_split) -> List[str]:

@@ -22,6 +22,14 @@ micro-batch is asked for, then on every TP rank: a run that ends exactly where i
 finishes. A read the step needs now that raises also raises on every TP rank (the peers are
 told by the header instead of waiting in a broadcast that never comes).
 
+Megatron-LM's rerun machine (--rerun-mode validate_results, its default) wraps each data
+iterator in a RerunDataIterator that saves every micro-batch it hands out during an iteration
+and, where a result fails validation, hands them out again (a replay). The micro-batch read
+ahead is read beneath that wrapper (`_Lookahead`), so it is saved when the step asks for it,
+as the next iteration's; a replayed micro-batch reuses the plan it was given when first read
+(each rank keeps the plans of the iteration running, in the order the wrapper saved them:
+the header says which).
+
 What it does not do: no planning itself (batch.py), no choice of which stream comes next.
 """
 
@@ -65,8 +73,9 @@ class PlanAhead:
         sends no batch for a size of 0 (None: the stream ended) or -1 (ReadFailed()).
     """
 
-    HEADER_SIZE = 6  # stream, pending, stream to forget (-1: none), reads, read 1 and read 2
-    #                  sizes (0: the stream ended, -1: the read failed)
+    HEADER_SIZE = 8  # stream, pending, stream to forget (-1: none), reads, read 1 and read 2
+    #                  sizes (0: the stream ended, -1: the read failed), the micro-batch's
+    #                  place in its iteration (-1: nothing replays it), whether it is a replay
 
     def __init__(self, read: Callable, share: Callable, plan: Callable, is_source: bool,
                  worker_init: Optional[Callable[[], None]] = None,
@@ -77,6 +86,7 @@ class PlanAhead:
         self._iterators: Dict[int, Callable[[], object]] = {}  # source: stream -> (weak) ref
         self._streams_seen = 0
         self._pending: Dict[int, Tuple[Optional[Batch], Optional[Future]]] = {}
+        self._kept: Dict[int, List[object]] = {}  # stream -> this iteration's plans, in order
         self._pool: Optional[ThreadPoolExecutor] = None
 
     @staticmethod
@@ -88,23 +98,32 @@ class PlanAhead:
         header, read = self._read(iterator) if self.is_source else ([], [])
         header, read = self.share(header, read)
         stream, pending, forget = header[0], bool(header[1]), header[2]
+        position, replay = header[6], bool(header[7])
         if forget >= 0:
             self._pending.pop(forget, None)
+            self._kept.pop(forget, None)
+        if replay:  # the batch read again; its plan is the one it had (the pending one stays)
+            batch = read.pop(0)
+            _raise_if_not_a_batch(batch)
+            return batch, self._kept[stream][position]
         current = self._pending.pop(stream) if pending else self._start(read.pop(0))
         self._pending[stream] = self._start(read.pop(0)) if read else (None, None)
         batch, future = current
-        if batch is None:
-            raise StopIteration
-        if isinstance(batch, ReadFailed):
-            batch.raise_()
+        _raise_if_not_a_batch(batch)
         start = time.perf_counter()
         planned = future.result()
         self.waited_s += time.perf_counter() - start
+        if position >= 0:  # kept for a replay of this iteration
+            kept = self._kept.setdefault(stream, [])
+            if position == 0:
+                kept.clear()
+            kept.append(planned)
         return batch, planned
 
     def close(self) -> None:
         self._quiesce()
         self._pending.clear()
+        self._kept.clear()
 
     def _quiesce(self) -> None:
         """The worker thread finished and gone (the plans submitted stay readable); the next
@@ -121,15 +140,30 @@ class PlanAhead:
         if new:
             self._quiesce()  # its first read may fork a loader's workers
         pending = stream in self._pending
+        beneath = _lookahead(iterator)  # None: a plain iterator, read ahead directly
+        position, replay = -1, False
+        if beneath is not None:
+            replay = bool(iterator.replaying)
+            position = iterator.replay_pos if replay else len(iterator.saved_microbatches)
         reads: List[Optional[Batch]] = []
-        if not pending:
+        if replay or not pending:
             reads.append(read_or_failure(self.read, iterator))  # a failure: every TP rank
-        if _more(reads[-1] if reads else self._pending[stream][0]):
-            # The next one, to plan while this one trains; a failure counts only if this
-            # micro-batch is asked for.
-            reads.append(read_or_failure(self.read, iterator))
+        elif beneath is not None:  # the wrapper hands out (and saves) the one read ahead
+            try:
+                next(iterator)
+            except Exception:  # noqa: BLE001 - the pending batch says it (end, failure)
+                pass
+        if beneath is not None and not replay and not iterator.saved_microbatches:
+            position = -1  # --rerun-mode disabled: it saves nothing, replays nothing
+        if not replay and _more(reads[-1] if reads else self._pending[stream][0]):
+            # The next one, to plan while this one trains (from beneath the rerun machine's
+            # wrapper: it is saved when asked for); a failure counts only if this micro-batch
+            # is asked for.
+            reads.append(read_or_failure(self.read, iterator if beneath is None
+                                         else _Peek(beneath)))
         sizes = [header_size(b, self.size) for b in reads] + [0] * (2 - len(reads))
-        return [stream, int(pending), forget, len(reads)] + sizes, reads
+        return [stream, int(pending and not replay), forget, len(reads)] + sizes + [
+            position, int(replay)], reads
 
     def _stream(self, iterator) -> Tuple[int, bool]:
         """Source rank: (the stream number of an iterator, whether it is new); a weak
@@ -153,6 +187,63 @@ class PlanAhead:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eod-plan",
                                             initializer=self.worker_init)
         return batch, self._pool.submit(self.plan, batch)
+
+
+class _Lookahead:
+    """Beneath a RerunDataIterator, in place of the iterator it wraps: `peek` reads the next
+    item early (an error or the end kept as what the wrapper's next read then raises)."""
+
+    def __init__(self, iterable):
+        self.iterable, self._ahead = iterable, []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self._ahead:
+            return next(self.iterable)
+        item = self._ahead.pop()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def peek(self):
+        if not self._ahead:
+            try:
+                self._ahead.append(next(self.iterable))
+            except Exception as error:  # noqa: BLE001 - StopIteration included: raised again
+                self._ahead.append(error)
+        if isinstance(self._ahead[0], BaseException):
+            raise self._ahead[0]
+        return self._ahead[0]
+
+
+class _Peek:
+    """An iterator whose next() is the lookahead's peek: what `read` reads ahead from."""
+
+    def __init__(self, lookahead: _Lookahead):
+        self.lookahead = lookahead
+
+    def __next__(self):
+        return self.lookahead.peek()
+
+
+def _lookahead(iterator) -> Optional[_Lookahead]:
+    """The lookahead beneath Megatron-LM's RerunDataIterator (put there on first use), or None
+    for any other iterator."""
+    if not all(hasattr(iterator, name) for name in ("iterable", "replaying", "replay_pos",
+                                                    "saved_microbatches")):
+        return None
+    if not isinstance(iterator.iterable, _Lookahead):
+        iterator.iterable = _Lookahead(iterator.iterable)
+    return iterator.iterable
+
+
+def _raise_if_not_a_batch(batch) -> None:
+    if batch is None:
+        raise StopIteration
+    if isinstance(batch, ReadFailed):
+        batch.raise_()
 
 
 def _more(batch) -> bool:

@@ -193,7 +193,7 @@ class EodGPTSteps:
             # A failed read is shared too: TP peers must not wait for its batch.
             read = [read_or_failure(self._read, data_iterator)] if source else []
             flags = [header_size(r, _rows) for r in read] or [0]
-            _, (data,) = self._share([0, 0, -1, 1] + flags + [0], read)
+            _, (data,) = self._share([0, 0, -1, 1] + flags + [0, -1, 0], read)
             if data is None:
                 raise StopIteration
             if isinstance(data, ReadFailed):

@@ -153,19 +153,28 @@ def exit_on_failed_validation(error: RuntimeError) -> None:
 
 
 def say_rerun_exit(code) -> None:
-    """One line for the rerun machine's exits (16, 17) from Megatron-LM's pretrain()."""
-    if code == RESUME_TO_DISAMBIGUATE:
-        say_error(f"pretrain_gpt.py: rank {_rank()}: iteration {_iteration()}: a result failed "
-                  f"validation and again when rerun in place {_NAN_FLAGS}; Megatron-LM's "
-                  f"--rerun-mode validate_results saved a checkpoint at --save and exits "
-                  f"{code}: resume the job from it, on other GPUs, to tell a faulty GPU "
-                  f"(it then trains on) from a diverged run (it then exits "
-                  f"{FAILED_ON_RESULT_VALIDATION})")
-    elif code == FAILED_ON_RESULT_VALIDATION:
-        say_error(f"pretrain_gpt.py: rank {_rank()}: iteration {_iteration()}: a result failed "
-                  f"validation again {_NAN_FLAGS}; Megatron-LM's --rerun-mode validate_results "
-                  f"exits {code}: the run diverged (lower --lr, or resume from an earlier "
-                  f"checkpoint), or the rerun's GPU is faulty too")
+    """One line for the rerun machine's exits (16, 17) from Megatron-LM's pretrain(), by the
+    state it exits in."""
+    if code not in (RESUME_TO_DISAMBIGUATE, FAILED_ON_RESULT_VALIDATION):
+        return
+    machine = importlib.import_module("megatron.core.rerun_state_machine")
+    state = getattr(machine.get_rerun_state_machine().state, "name", "")
+    said = {
+        "WILL_RERUN_FROM_CHECKPOINT": "failed again when rerun in place; Megatron-LM saved a "
+                                      "checkpoint at --save: resume the job from it, on other "
+                                      "GPUs, to tell a faulty GPU (it then trains on) from a "
+                                      "diverged run (it then exits 17)",
+        "RERUNNING_IN_PLACE": "gave another result when rerun in place (a transient fault, e.g. "
+                              "a flaky GPU): resume from the last checkpoint",
+        "RERUNNING_FROM_CHECKPOINT": "failed again when rerun from its checkpoint: the run "
+                                     "diverged (lower --lr, or resume from an earlier "
+                                     "checkpoint)",
+        "RERUNNING_AGAIN_FROM_CHECKPOINT": "gave another result when rerun from its checkpoint: "
+                                           "resume from it once more to establish which",
+    }.get(state, f"(rerun state {state or '?'})")
+    say_error(f"pretrain_gpt.py: rank {_rank()}: iteration {_iteration()}: a result failed "
+              f"validation {_NAN_FLAGS} and {said}; Megatron-LM's --rerun-mode "
+              f"validate_results exits {code}")
 
 
 def no_save_stops_a_rerun(training) -> None:

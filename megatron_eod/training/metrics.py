@@ -190,6 +190,7 @@ class EodFlops:
         schedules, step = training.get_forward_backward_func, training.train_step
         flops = training.num_floating_point_operations
 
+        @functools.wraps(schedules)
         def get_forward_backward_func(*args, **kwargs):
             schedule = schedules(*args, **kwargs)
             signature = inspect.signature(schedule)
@@ -202,11 +203,13 @@ class EodFlops:
                 return schedule(*call_args, **call_kwargs)
             return forward_backward
 
+        @functools.wraps(step)  # its signature: MetricsFile binds the optimizer by name
         def train_step(*args, **kwargs):
             result = step(*args, **kwargs)
             self.work = self._summed(self.providers.work)  # collective: every rank steps
             return result
 
+        @functools.wraps(flops)
         def num_floating_point_operations(args, batch_size, *rest, **kwargs):
             if self.work is None or not self.work[1]:
                 return flops(args, batch_size, *rest, **kwargs)

@@ -78,20 +78,10 @@ def pack_stage_shapes(training) -> None:
 
 
 def plans_ahead(args) -> bool:
-    """Whether the steps read and plan one micro-batch ahead. Not under Megatron-LM's rerun
-    state machine (`--rerun-mode validate_results`, its default, or `report_stats`): it saves
-    every micro-batch an iteration reads to replay the iteration, and a batch read ahead
-    belongs to the next iteration. Said once, since the flag default makes it silent."""
-    if not getattr(args, "plan_ahead", True):
-        return False
-    mode = getattr(args, "rerun_mode", "disabled")
-    if mode != "disabled":
-        if getattr(args, "rank", 0) == 0:
-            print(f" megatron-eod: CP plans are made in each step, not one micro-batch ahead, "
-                  f"because --rerun-mode {mode} replays an iteration's micro-batches; pass "
-                  f"--rerun-mode disabled to plan ahead", flush=True)
-        return False
-    return True
+    """Whether the steps read and plan one micro-batch ahead (--no-plan-ahead: in the step).
+    Megatron-LM's rerun machine may replay an iteration's micro-batches: plan_ahead.py reads
+    ahead beneath its wrapper and gives a replay the plan it had."""
+    return getattr(args, "plan_ahead", True)
 
 
 def block_spec(registry, config, args, use_transformer_engine: bool, vp_stage=None):

@@ -2,13 +2,15 @@
 
 import pytest
 
-from tests.training.runs import train
+from tests.training.runs import metrics_records, train
 
 
 @pytest.fixture(scope="session")
 def baseline(short_docs_data, tmp_path_factory):
-    """The tiny GPT at CP=1 x DP=4, uninterrupted: (losses, log)."""
-    return train(tmp_path_factory.mktemp("cp1"), "cp1", short_docs_data)
+    """The tiny GPT at CP=1 x DP=4, uninterrupted: (losses, log, its --metrics-file records)."""
+    folder = tmp_path_factory.mktemp("cp1")
+    losses, log = train(folder, "cp1", short_docs_data)
+    return losses, log, metrics_records(folder / "cp1.jsonl")
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ def _close(losses, reference, iterations):
 
 def test_torch_dist_checkpoint_resumes_at_another_layout(baseline, short_docs_data, tmp_path):
     """Saved at CP=4, resumed at CP=2 x DP=2: the uninterrupted CP=1 x DP=4 losses."""
-    reference, _ = baseline
+    reference = baseline[0]
     ckpt = str(tmp_path / "ckpt")
     first, _ = train(tmp_path, "save", short_docs_data, "--context-parallel-size", "4", "--save",
                      ckpt, "--save-interval", "2", "--exit-interval", "2")
@@ -48,7 +48,9 @@ def plain_pp2_checkpoint(short_docs_data, tmp_path_factory):
                       "--micro-batch-size", "1", "--pipeline-model-parallel-layout", "Ettt|ttL",
                       "--save", ckpt, "--save-interval", "2")
     assert sorted(losses) == list(range(1, ITERS + 1))
-    return losses, ckpt
+    work = {r["iteration"]: r["seqlen_squared_sum"]
+            for r in metrics_records(tmp_path / "pp2.jsonl") if "kind" not in r}
+    return losses, ckpt, work
 
 
 @pytest.mark.parametrize("extra", [
@@ -70,7 +72,7 @@ def test_other_pipeline_stages_continue_a_plain_pipeline_run(short_docs_data, tm
     micro-batch ahead (each chunk's iterator a stream of its own, read by Megatron-LM's
     loader workers). A checkpoint, because Megatron-LM seeds each pipeline stage apart and
     chunks hold other layers: the layouts would not start from one model."""
-    reference, ckpt = plain_pp2_checkpoint
+    reference, ckpt, _ = plain_pp2_checkpoint
     tmp_path = tmp_path_factory.mktemp("stages")
     resumed, _ = train(tmp_path, "stages", short_docs_data, *_PP2_CHECKPOINT_FLAGS, "--load",
                        ckpt, "--ckpt-step", "2", *extra)
@@ -78,6 +80,9 @@ def test_other_pipeline_stages_continue_a_plain_pipeline_run(short_docs_data, tm
         setup = (tmp_path / "stages.log.rank0").read_text()
         assert "Number of virtual stages per pipeline stage: 2" in setup
     _close(resumed, reference, [3, 4])
+    work = [r["seqlen_squared_sum"] for r in metrics_records(tmp_path / "stages.jsonl")
+            if "kind" not in r]  # each micro-batch counted once, not once per model chunk
+    assert work == [plain_pp2_checkpoint[2][i] for i in (3, 4)]
 
 
 def test_save_at_the_end_and_another_lr_on_resume(short_docs_data, tmp_path):

@@ -24,7 +24,8 @@ from tests.functional.tiny_gpt import ITERS as GOLDEN_ITERS
 from tests.functional.tiny_gpt import golden_flags
 from tests.training.megatron_lm_checkout import (import_megatron_lm, megatron_lm_knows,
                                                  null_tokenizer_vocab_size)
-from tests.training.runs import ITERS, flags, metrics_records, run_ranks, start, train
+from tests.training.runs import (ITERS, flags, metrics_records, run_ranks, start, train,
+                                 train_rank)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,8 +83,15 @@ def _quiet_rank(rank, world, argv):
      "--deterministic-mode"],
 ], ids=["ring4", "ulysses4", "hybrid2x2", "cp2xdp2-keep-deterministic"])
 def test_cp_matches_cp1(baseline, short_docs_data, tmp_path, extra):
+    """The losses, and the attention work Megatron-LM's FLOPs count (the documents' sum of
+    length^2, summed over the data-parallel replicas once each, whatever the CP layout)."""
     losses, _ = train(tmp_path, "cp", short_docs_data, *extra)
     assert_same(losses, baseline[0])
+    assert _work(metrics_records(tmp_path / "cp.jsonl")) == _work(baseline[2])
+
+
+def _work(records):
+    return [r["seqlen_squared_sum"] for r in records if "kind" not in r]
 
 
 @pytest.mark.parametrize("reference_flags,flags_", [
@@ -193,17 +201,41 @@ def test_fused_kernels_train_as_cp1(baseline, short_docs_data, tmp_path, fused_c
         assert len(fused_calls(kernel)) == 4, kernel
 
 
+def _noting_plan_threads(rank, world, argv, log):
+    """train_rank, returning the threads this rank planned its micro-batches on."""
+    import threading
+
+    from megatron_eod.megatron import steps
+
+    names, plan = set(), steps.EodGPTSteps._plan
+
+    def noted(self, batch):
+        names.add(threading.current_thread().name.split("_")[0])
+        return plan(self, batch)
+
+    steps.EodGPTSteps._plan = noted
+    train_rank(rank, world, argv, log)
+    return sorted(names)
+
+
 def test_planning_ahead_changes_nothing(short_docs_data, tmp_path):
-    """Plans made one micro-batch ahead on a worker thread (the default) give exactly the
+    """Plans made one micro-batch ahead on a worker thread (the default, under Megatron-LM's
+    default --rerun-mode validate_results too: read beneath its wrapper) give exactly the
     losses of plans made in the step, with TP 2 (peers follow the source's streams through
     the header broadcast) and validation interleaved with training every 2 iterations."""
+    import_megatron_lm()
     common = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
-              "--make-vocab-size-divisible-by", "64", "--eval-interval", "2",
-              "--rerun-mode", "disabled"]
-    ahead, ahead_log = train(tmp_path, "ahead", short_docs_data, *common)
-    inline, inline_log = train(tmp_path, "inline", short_docs_data, *common, "--no-plan-ahead")
-    assert ahead == inline
-    assert json.loads(ahead_log.splitlines()[-1]) == json.loads(inline_log.splitlines()[-1])
+              "--make-vocab-size-divisible-by", "64", "--eval-interval", "2"]
+    runs = {}
+    for name, extra in (("ahead", []), ("inline", ["--no-plan-ahead"])):
+        threads = run_ranks(_noting_plan_threads, 4, flags(
+            short_docs_data, tmp_path / f"{name}.jsonl", *common, *extra),
+            str(tmp_path / f"{name}.log"), timeout=240, daemon=False)
+        runs[name] = metrics_records(tmp_path / f"{name}.jsonl"), threads
+    assert runs["ahead"][0] == [{**r, **{k: runs["ahead"][0][i][k] for k in r if k.endswith(
+        ("_ms", "_per_s", "tflops_per_gpu"))}} for i, r in enumerate(runs["inline"][0])]
+    assert runs["ahead"][1] == [["eod-plan"]] * 4  # every rank's plans on its worker thread
+    assert runs["inline"][1] == [["MainThread"]] * 4
 
 
 def test_every_data_source_megatron_lm_reads(baseline, short_docs_data, tmp_path):
@@ -264,7 +296,7 @@ def test_log_lines_and_metrics_records(baseline):
     """Megatron-LM's own log lines, and one --metrics-file record per iteration (its own loss,
     the LR it ran at, its tokens) and per end-of-run evaluation, whose losses are the ones
     Megatron-LM prints."""
-    losses, log = baseline
+    losses, log, _ = baseline
     assert "iteration        4/       4" in log
     assert "lm loss:" in log and "throughput per GPU (TFLOP/s/GPU)" in log
     records = [json.loads(line) for line in log.splitlines() if line.startswith('{"iteration')]
@@ -285,6 +317,12 @@ def test_metrics_records_hold_each_iteration(short_docs_data, tmp_path):
     for r in records:
         assert r["lm_loss"] == losses[r["iteration"]] and math.isfinite(r["grad_norm"])
         assert r["tokens"] == 8 * 128 and r["tokens_per_s"] > 0  # global batch x seq length
+        # the documents' attention (about 2 EoDs a row), under causal's 8 rows x 128^2
+        assert 0 < r["seqlen_squared_sum"] < 8 * 128 * 128 and r["tflops_per_gpu"] > 0
+    causal, _ = train(tmp_path, "causal", short_docs_data, "--context-parallel-size", "2",
+                      "--train-iters", "1", drop=("--reset-attention-mask", "--train-iters"))
+    (record,) = [r for r in metrics_records(tmp_path / "causal.jsonl") if "kind" not in r]
+    assert record["seqlen_squared_sum"] == 8 * 128 * 128
 
 
 def test_evaluation_in_micro_batches_of_its_own(short_docs_data, tmp_path):

@@ -7,7 +7,6 @@ builds, and position_ids and loss_mask are equal too. Exact equality: all intege
 """
 
 import itertools
-import json
 
 import numpy
 import pytest
@@ -15,8 +14,7 @@ import torch
 
 from megatron_eod import build_doc_layout, dense_attention_mask
 from megatron_eod.data.tokenizers import ByteTokenizer
-from megatron_eod.megatron.dataset import (blend_prefixes, build_gpt_datasets, parse_data_path,
-                                           read_data_sources)
+from megatron_eod.megatron.dataset import blend_prefixes, build_gpt_datasets, parse_data_path
 
 SEQ_LENGTH = 96
 NUM_SAMPLES = 1000
@@ -106,26 +104,7 @@ def test_parse_data_path_forms_and_errors(data_prefix):
         parse_data_path([])
 
 
-def test_read_data_sources_every_form_and_error(data_prefix, tmp_path):
+def test_blend_prefixes_lists_each_once(data_prefix):
     blend = ([data_prefix, data_prefix], [0.3, 0.7])
-    assert read_data_sources(["0.3", data_prefix, "0.7", data_prefix]) == (blend, None)
-    words = tmp_path / "blend.txt"
-    words.write_text(f"0.3 {data_prefix}\n0.7 {data_prefix}\n")
-    assert read_data_sources(data_args_path=str(words)) == (blend, None)
-    per_split = read_data_sources(per_split=([data_prefix], None, ["1", data_prefix]))
-    assert per_split == (None, [([data_prefix], None), None, ([data_prefix], [1.0])])
-    spec = tmp_path / "splits.json"
-    spec.write_text(json.dumps({"train": data_prefix, "test": ["1", data_prefix]}))
-    assert read_data_sources(per_split_args_path=str(spec)) == per_split
-    assert blend_prefixes(None, per_split[1]) == [data_prefix]
-    assert read_data_sources() == (None, None)  # no data: --mock-data
-    words.write_text("\n")
-    with pytest.raises(ValueError, match="--data-args-path .*names no dataset"):
-        read_data_sources(data_args_path=str(words))
-    spec.write_text(json.dumps({"training": data_prefix}))
-    with pytest.raises(ValueError, match="expected a JSON object with keys train, valid, test"):
-        read_data_sources(per_split_args_path=str(spec))
-    with pytest.raises(ValueError, match="needs a training blend"):
-        read_data_sources(per_split=(None, [data_prefix], None))
-    with pytest.raises(ValueError, match="does not exist"):
-        read_data_sources(per_split=([data_prefix + "_missing"], None, None))
+    per_split = [([data_prefix], None), None, ([data_prefix], [1.0])]
+    assert blend_prefixes(blend, None) == blend_prefixes(None, per_split) == [data_prefix]

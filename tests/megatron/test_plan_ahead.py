@@ -174,3 +174,48 @@ def test_no_planning_thread_lives_while_a_new_stream_is_first_read():
     ahead.close()
     # reads: t0 t1 (the stream's first), t2, t3, v0 v1 (first), v2, t4
     assert seen == [False, False, True, True, False, False, True, True]
+
+
+def test_megatron_lms_replays_reuse_their_plans_and_keep_the_one_read_ahead(monkeypatch):
+    """Megatron-LM's rerun machine (--rerun-mode validate_results) wraps each iterator in its
+    RerunDataIterator, which saves an iteration's micro-batches and, after a failed
+    validation, hands them out again. Read ahead beneath the wrapper, the next iteration's
+    first micro-batch is saved with that iteration, not this one; the replayed micro-batches
+    get the plans they had (the same objects, planned once), on the source and its TP peer;
+    and the stream then goes on in order. Under --rerun-mode disabled nothing is kept."""
+    from megatron.core import rerun_state_machine as machine
+
+    planned = []
+
+    class Counted(Pair):
+        def plan(self, batch):
+            planned.append(batch)
+            return ["plan of " + batch]  # a new object each time it is planned
+
+    for mode, kept in ((machine.RerunMode.VALIDATE_RESULTS, True),
+                       (machine.RerunMode.DISABLED, False)):
+        monkeypatch.setattr(machine.get_rerun_state_machine(), "mode", mode)
+        planned.clear()
+        pair = Counted()
+        data = machine.RerunDataIterator(counting_iterator("t", 9))
+        first = [pair.next(data) for _ in range(3)]  # an iteration of 3 micro-batches
+        assert [source[0] for source, _ in first] == ["t0", "t1", "t2"]
+        for side in (pair.source, pair.peer):  # t3's plans done (they run on worker threads)
+            side._pending[0][1].result()
+        planned_once = sorted(["t0", "t1", "t2", "t3"] * 2)  # source and peer, t3 ahead
+        assert sorted(planned) == planned_once
+        assert len(data.saved_microbatches) == (3 if kept else 0)
+        if not kept:
+            assert pair.source._kept == pair.peer._kept == {}
+            continue
+        data.rewind()  # a result failed validation: the iteration runs again
+        again = [pair.next(data) for _ in range(3)]
+        for (source, peer), (source_0, peer_0) in zip(again, first):
+            assert source[0] == peer[0] == source_0[0]
+            assert source[1] is source_0[1] and peer[1] is peer_0[1]  # the plan it had
+        assert sorted(planned) == planned_once  # nothing planned again
+        data.advance()  # the next iteration: the one read ahead first, saved with it
+        source, peer = pair.next(data)
+        assert source == peer == ("t3", ["plan of t3"])
+        assert len(data.saved_microbatches) == 1 and data.saved_microbatches[0] == "t3"
+        pair.source.close()

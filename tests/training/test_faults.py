@@ -134,7 +134,8 @@ def test_a_process_group_that_cannot_form_is_one_line(short_docs_data, tmp_path,
     import torch.distributed as dist
 
     import_megatron_lm()
-    error = {"store": dist.DistStoreError("wait timeout after 60000ms, keys: /default_pg/0//cpu//0/2"),
+    error = {"store": dist.DistStoreError("wait timeout after 60000ms, keys: "
+                                         "/default_pg/0//cpu//0/2"),
              "network": dist.DistNetworkError("Failed to recv, got 0 bytes"),
              "refused": RuntimeError("Gloo connectFullMesh failed with [../gloo/transport/tcp/"
                                      "pair.cc:152] timed out connecting: SO_ERROR: Connection "
@@ -164,7 +165,8 @@ def test_a_non_finite_result_under_megatron_lms_rerun_machine(short_docs_data, t
                         timeout=240, daemon=False)
     assert [code for code, _ in results] == [16, 16], results
     for _, text in results:
-        assert "saved a checkpoint at --save and exits 16: resume the job from it" in text \
+        assert "saved a checkpoint at --save: resume the job from it" in text and \
+            "exits 16" in text \
             and "Traceback" not in text, text[-3000:]
     saved = int((save / "latest_checkpointed_iteration.txt").read_text())  # the one before
     assert f": iteration {saved + 1}: a result failed validation" in results[0][1]
@@ -174,6 +176,22 @@ def test_a_non_finite_result_under_megatron_lms_rerun_machine(short_docs_data, t
     for _, text in results:
         assert "but no --save is given: stopping" in text and "Traceback" not in text, \
             text[-3000:]
+
+
+def test_a_transient_fault_replays_the_iteration_with_its_plans(short_docs_data, tmp_path):
+    """Megatron-LM's fault injection (--error-injection-type transient_error): a result fails
+    validation, the rerun machine replays the iteration in place (its micro-batches planned
+    ahead, replayed with the plans they had: plan_ahead.py), the rerun gives another result
+    (a transient fault) and every rank exits 17 with one line."""
+    import_megatron_lm()
+    results = run_ranks(start, 2, flags(short_docs_data, None, "--context-parallel-size", "2",
+                                         "--error-injection-rate", "3",
+                                         "--error-injection-type", "transient_error"),
+                        timeout=240, daemon=False)
+    assert [code for code, _ in results] == [17, 17], results
+    for _, text in results:
+        assert "gave another result when rerun in place (a transient fault" in text and \
+            "Traceback" not in text, text[-3000:]
 
 
 def test_a_non_finite_result_without_reruns_and_the_check_turned_off(short_docs_data, tmp_path):

@@ -45,3 +45,34 @@ def test_the_flag_given_to_the_last_rank_only(short_docs_data, tmp_path):
                         daemon=False)
     assert [code for code, _ in results] == [0, 0], results
     assert os.path.getsize(path) > 0
+
+
+def test_eod_flops_is_megatron_lms_formula_at_the_documents_pairs(monkeypatch):
+    """Megatron-LM's own num_floating_point_operations (its real parser's args for a GQA
+    SwiGLU GPT): given batch x seq-length^2 it is the causal count; the documents' sum of
+    length^2 lowers only its attention part; and for the Megatron-LMs without its
+    seqlen_squared_sum argument (0.16, 0.17) the attention part measured from two calls at
+    the same tokens gives the same count."""
+    from megatron.training.training import num_floating_point_operations as flops
+
+    from megatron_eod.training.metrics import eod_flops
+    from tests.training.test_run import validated
+
+    args = validated(monkeypatch, "--swiglu", "--group-query-attention", "--num-query-groups",
+                     "2", "--ffn-hidden-size", "96")
+    args.padded_vocab_size = 384  # set by Megatron-LM's tokenizer build
+    batch, seq = 8, args.seq_length
+    causal = flops(args, batch)
+    assert eod_flops(flops, args, batch, batch * seq * seq, batch * seq) == causal
+    documents = batch * (3 * 40 * 40 + 8 * 8)  # each row: 3 documents of 40, one of 8
+    eod = eod_flops(flops, args, batch, documents, batch * seq)
+    no_attention = eod_flops(flops, args, batch, 0, batch * seq)
+    assert no_attention < eod < causal
+    assert (eod - no_attention) / (causal - no_attention) == pytest.approx(
+        documents / (batch * seq * seq), rel=1e-12)
+
+    def without_the_argument(args, batch_size):  # megatron-core <= 0.17's signature
+        return flops(args, batch_size)
+
+    assert eod_flops(without_the_argument, args, batch, documents, batch * seq) == \
+        pytest.approx(eod, rel=1e-12)
