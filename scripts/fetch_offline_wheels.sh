@@ -2,14 +2,11 @@
 # Usage: bash scripts/fetch_offline_wheels.sh [DEST]
 # For a GPU machine that cannot reach a package index but whose Python already has CUDA torch:
 # downloads HERE the wheels of requirements/offline_gpu.txt built for THAT machine's Python and
-# platform, and copies Megatron-LM's trainer checkout beside them. Carry DEST to the GPU
-# machine (inside the repository); scripts/gpu_checks.sh installs from it before it runs.
-#   DEST                    where to put wheels/ and megatron-lm/ (default: <repo>/.device,
-#                           git-ignored)
+# platform (megatron-core 0.19.2 carries Megatron-LM's trainer). Carry DEST to the GPU machine
+# (inside the repository); scripts/gpu_checks.sh installs from it before it runs.
+#   DEST                    where to put wheels/ (default: <repo>/.device, git-ignored)
 #   OFFLINE_PYTHON_VERSION  the GPU machine's Python, MAJOR.MINOR (default: 3.12)
 #   OFFLINE_ARCH            its processor (default: x86_64)
-#   MEGATRON_LM_PATH        the Megatron-LM checkout to copy (default: ../shared/megatron-lm;
-#                           skipped with a note when absent)
 #   PYTHON                  the interpreter whose pip downloads (default: the CPU venv's, else
 #                           python3)
 set -euo pipefail
@@ -19,7 +16,6 @@ DEST="${1:-$ROOT/.device}"
 VERSION="${OFFLINE_PYTHON_VERSION:-3.12}"
 ARCH="${OFFLINE_ARCH:-x86_64}"
 PYTHON="${PYTHON:-$([ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || echo python3)}"
-MEGATRON_LM="${MEGATRON_LM_PATH:-$ROOT/../shared/megatron-lm}"
 
 [[ "$VERSION" =~ ^3\.[0-9]+$ ]] || {
   echo "[offline] OFFLINE_PYTHON_VERSION must be MAJOR.MINOR such as 3.12, not '$VERSION'" >&2
@@ -44,12 +40,5 @@ got=$(find "$DEST/wheels" -name '*.whl' | wc -l)
   exit 1
 }
 
-rm -rf "$DEST/megatron-lm"
-if [ -d "$MEGATRON_LM/megatron/training" ]; then
-  cp -r "$MEGATRON_LM" "$DEST/megatron-lm"
-  echo "[offline] copied Megatron-LM's trainer from $MEGATRON_LM"
-else
-  echo "[offline] no Megatron-LM checkout at $MEGATRON_LM: its tests will skip there"
-fi
 echo "[offline] $(du -sh "$DEST" | cut -f1) in $DEST: carry it inside the repository, then run"
 echo "          bash scripts/gpu_checks.sh   (it installs $DEST/wheels with pip --no-index)"

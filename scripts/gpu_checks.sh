@@ -11,13 +11,15 @@
 #                 CP in bf16, no host syncs in ring/hybrid steps, CUDA layouts
 #   multiprocess  2-4 processes sharing the GPU run the real context_parallel_attention
 #                 (bf16 vs float64 and vs CP=1: sets BF16_TOL)
-#   training      pretrain_gpt.py in bf16: CP=1 vs the CPU golden losses (both trainers), CP=N on N GPUs,
-#                 CP=2/4 processes sharing one GPU vs CP=1 (sets CP_TOL and GOLDEN_TOL)
+#   training      pretrain_gpt.py (Megatron-LM's trainer) in bf16: CP=1 vs the CPU golden
+#                 losses, CP=N on N GPUs, CP=2/4 processes sharing one GPU vs CP=1 (sets
+#                 CP_TOL and GOLDEN_TOL)
 #   bench-cp      tools/bench_cp_gpu.py: busiest CP rank vs ideal, ring and hybrid
 #   profile       tools/profile_cp_step.py: that rank's time, forward alone and forward+backward,
 #                 split into attention kernels, glue kernels and idle device, and its
 #                 costliest glue kernels
-#   e2e           tools/bench_e2e.py --preset 1b: EoD reset vs causal tokens/s, ~1.2B GPT, 32k
+#   e2e           tools/bench_e2e.py --preset 1b: EoD reset vs causal tokens/s and TFLOP/s,
+#                 ~1.2B GPT, 32k tokens, through Megatron-LM's trainer
 # and, run only when named, the open rows of issue 11 with their baselines, for a short lease:
 #   bench-open    bench-cp's rows of ours and the ideal only (no reference layouts, no forced
 #                 split, no "(one call)" rows: their figures of 2026-11-28 stand): batched,
@@ -35,17 +37,16 @@
 # calls, the second at once while the machine is warm (~30 s):
 #   1. bash scripts/gpu_checks.sh env kernels bench-open profile-open multiprocess
 #   2. GPU_CHECKS_BUDGET=<seconds left - 60> bash scripts/gpu_checks.sh env training
-# The next lease (docs/BENCHMARKS.md "Still to run": what issue 11 left to a GPU), first:
-#   1. GPU_CHECKS_BUDGET=545 bash scripts/gpu_checks.sh env training-open backward-sweep \
-#      profile-open
-#   2. bench-open, with --fused-backward-config at the sweep's best shape (its last lines,
-#      "[sweep] best by the device-only clock") if it beats the default (python3
-#      tools/bench_cp_gpu.py ... as COMMAND[bench-open] below)
+# The next lease (docs/BENCHMARKS.md "Still to run"), first the training stage and the
+# end-to-end figure through Megatron-LM's trainer (issue 50), then what issue 11 left:
+#   1. GPU_CHECKS_BUDGET=545 bash scripts/gpu_checks.sh env training e2e
+#   2. GPU_CHECKS_BUDGET=<seconds left - 60> bash scripts/gpu_checks.sh env training-open \
+#      backward-sweep profile-open
 # --list prints each stage and its command, runs nothing.
 #   GPU_CHECKS_OUT     logs and summary.md (default: $OUT when set, else <repo>/runs/gpu_checks)
 #   GPU_CHECKS_BUDGET  seconds for all stages together (default: 560); a stage runs under what
 #                      is left (or its own limit, if smaller) and is not started with < 30 s
-#   OFFLINE_DIR        wheels/ and megatron-lm/ to use (default: <repo>/.device)
+#   OFFLINE_DIR        wheels/ to use (default: <repo>/.device)
 #   PYTHON             the interpreter (default: python3)
 set -uo pipefail
 
@@ -100,7 +101,7 @@ START=$SECONDS
 BUDGET="${GPU_CHECKS_BUDGET:-560}"
 
 # Offline wheels: into a private target folder put first on PYTHONPATH (the machine's own
-# torch stays), then Megatron-LM's trainer checkout for the tests that drive it.
+# torch stays); megatron-core's wheel carries Megatron-LM's trainer.
 if compgen -G "$OFFLINE_DIR/wheels/*.whl" >/dev/null; then
   SITE="$WORK/site"
   echo "[gpu-checks] installing $(ls "$OFFLINE_DIR"/wheels/*.whl | wc -l) wheels from $OFFLINE_DIR/wheels"
@@ -113,9 +114,6 @@ if compgen -G "$OFFLINE_DIR/wheels/*.whl" >/dev/null; then
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-if [ -z "${MEGATRON_LM_PATH:-}" ] && [ -d "$OFFLINE_DIR/megatron-lm/megatron/training" ]; then
-  export MEGATRON_LM_PATH="$OFFLINE_DIR/megatron-lm"
-fi
 export PYTHONUNBUFFERED=1
 cd "$ROOT"
 

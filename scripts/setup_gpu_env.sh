@@ -4,19 +4,20 @@
 # package (editable); with INSTALL_FLASH_ATTN=1 also flash-attn (a source build against the
 # installed torch: needs nvcc and takes a while; without it the PyTorch varlen kernel is used).
 #   MEGATRON_EOD_GPU_VENV  where the venv lives            (default: <repo>/.venv-gpu)
-#   PYTHON                 interpreter to create it        (default: python3)
+#   PYTHON                 interpreter to create it        (default: python3.12, else python3)
 #   INSTALL_FLASH_ATTN     1: install flash-attn           (default: 0)
 #   FLASH_ATTN_VERSION     flash-attn version              (default: 2.8.3)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${MEGATRON_EOD_GPU_VENV:-$ROOT/.venv-gpu}"
-PYTHON="${PYTHON:-python3}"
+PYTHON="${PYTHON:-$(command -v python3.12 || command -v python3)}"
 
 command -v nvidia-smi >/dev/null || { echo "[setup-gpu] no nvidia-smi: not a GPU machine" >&2; exit 1; }
 if [ ! -x "$VENV/bin/python" ]; then
-  "$PYTHON" -c 'import sys; assert (3, 10) <= sys.version_info[:2] <= (3, 12), \
-    "megatron-core 0.16.1 wheels need Python 3.10-3.12, not %d.%d" % sys.version_info[:2]' || exit 1
+  "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 12), \
+    "megatron-core 0.19.2 (requirements/gpu.txt) needs Python 3.12, not %d.%d" \
+    % sys.version_info[:2]' || exit 1
   echo "[setup-gpu] creating $VENV with $("$PYTHON" --version)"
   "$PYTHON" -m venv "$VENV"
 fi

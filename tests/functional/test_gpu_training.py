@@ -1,6 +1,7 @@
-"""End-to-end GPU training of the tiny GPT (tiny_gpt.py) in bf16: torchrun, NCCL, the GPU
-varlen kernels (flash-attn when installed, else PyTorch's). Marked `gpu`: skipped without
-CUDA; the CP parity tests also skip with fewer GPUs than ranks.
+"""End-to-end GPU training of the golden tiny GPT (tiny_gpt.py) in bf16 through Megatron-LM's
+trainer (pretrain_gpt.py): torchrun, NCCL, the GPU varlen kernels (flash-attn when installed,
+else PyTorch's). Marked `gpu`: skipped without CUDA; the CP parity tests also skip with fewer
+GPUs than ranks.
 
 Tolerances: ~3x the largest drift measured on one H100 (2026-11-24, torch 2.11 varlen kernels,
 docs/BENCHMARKS.md), each printed as a `[figure]` line that scripts/gpu_checks.sh collects:
@@ -25,9 +26,8 @@ import sys
 import pytest
 import torch
 
-from tests.functional.tiny_gpt import ITERS, megatron_lm_tiny_flags, tiny_flags
-from tests.training.megatron_lm_checkout import (MEGATRON_LM, needs_megatron_lm,
-                                                 null_tokenizer_vocab_size)
+from tests.functional.tiny_gpt import ITERS, golden_flags
+from tests.training.megatron_lm_checkout import MEGATRON_LM
 
 pytestmark = pytest.mark.gpu
 
@@ -46,22 +46,18 @@ def free_port():
         return s.getsockname()[1]
 
 
-def train_on_gpus(nproc, data, tmp_path, *extra, env=None, trainer="lean"):
+def train_on_gpus(nproc, data, tmp_path, *extra, env=None):
     """Run pretrain_gpt.py under torchrun on `nproc` GPUs (processes sharing GPUs when there
     are fewer); the per-iteration lm losses."""
     metrics = tmp_path / f"metrics_{nproc}_{'_'.join(extra) or 'cp1'}.jsonl"
-    flags = tiny_flags
-    if trainer == "megatron-lm":
-        flags = lambda *a: megatron_lm_tiny_flags(a[0], null_tokenizer_vocab_size(256), *a[1:])  # noqa: E731
-        env = dict(env or {}, PYTHONPATH=os.pathsep.join(
-            p for p in (REPO, os.environ.get("PYTHONPATH"), MEGATRON_LM) if p))
+    env = dict(env or {}, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONPATH=os.pathsep.join(
+        p for p in (REPO, os.environ.get("PYTHONPATH"), MEGATRON_LM) if p))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           os.path.join(REPO, "pretrain_gpt.py"), "--trainer", trainer,
-           *flags(data, "--bf16", "--use-cpu-initialization", "--metrics-file", str(metrics),
-                  *extra)]
+           os.path.join(REPO, "pretrain_gpt.py"),
+           *golden_flags(data, "--bf16", "--metrics-file", str(metrics), *extra)]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, **(env or {})))
+                            env=dict(os.environ, **env))
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     losses = [r["lm_loss"] for r in records if r.get("kind", "train") == "train"]
@@ -87,24 +83,12 @@ def gpu_cp1(tiny_data, tmp_path_factory):
 
 
 def test_bf16_cp1_trains_like_the_cpu_golden_run(gpu_cp1):
+    """Megatron-LM's own `pretrain()` with our providers on a GPU (NCCL, bf16, our varlen
+    attention through its layer spec), the tiny GPT of the CPU golden run (test_cpu_training)."""
     with open(GOLDEN) as f:
         golden = json.load(f)["lm_loss"]
     assert_close(gpu_cp1, golden, GOLDEN_TOL, "GPU bf16 CP=1 vs CPU float32 golden")
     assert gpu_cp1[-1] < gpu_cp1[0] - 0.3
-
-
-@needs_megatron_lm
-def test_megatron_lm_trainer_bf16_trains_like_the_cpu_golden_run(tiny_data, tmp_path):
-    """The production entry: Megatron-LM's own `pretrain()` with our providers on a GPU (NCCL,
-    bf16, our varlen attention through its layer spec), the tiny GPT of the CPU golden run
-    (which Megatron-LM's trainer reproduces on CPU: test_cpu_training.py)."""
-    if gpus() < 1:
-        pytest.skip("needs a CUDA GPU")
-    losses = train_on_gpus(1, tiny_data, tmp_path, "--eval-interval", "1000",
-                           trainer="megatron-lm")
-    with open(GOLDEN) as f:
-        golden = json.load(f)["lm_loss"]
-    assert_close(losses, golden, GOLDEN_TOL, "Megatron-LM trainer, GPU bf16 CP=1 vs CPU golden")
 
 
 CP_RUNS = [(2, ["ring"]), (4, ["ring"]), (8, ["ring"]), (2, ["ulysses"]), (4, ["ulysses"]),
@@ -137,33 +121,16 @@ SHARED_RUNS = [(2, ["ring"]), (4, ["hybrid", "--ulysses-degree-in-cp", "2"]), (2
                               for cp, a in SHARED_RUNS])
 def test_bf16_cp_processes_sharing_one_gpu_match_cp1(gpu_cp1, tiny_data, tmp_path, cp, algo):
     """Issue 11 item 4: CP ranks as processes on ONE GPU (every LOCAL_RANK maps to device 0),
-    gloo for the collectives: the lean trainer itself stages the attention's transfers
-    through host memory and reduces gradients bucket by bucket (gloo_on_cuda); the same CUDA
-    code as multi-GPU runs, minus NCCL."""
+    gloo for the collectives: the attention's transfers are staged through host memory and
+    gradients reduced bucket by bucket (gloo_on_cuda, applied after Megatron-LM's
+    validate_args); the same CUDA code as multi-GPU runs, minus NCCL. (2026-11-27, H200:
+    Megatron-LM's trainer at CP=2 ring first stopped at its CUDA_DEVICE_MAX_CONNECTIONS rule,
+    now set, then at its set_device(local_rank), gloo_on_cuda.share_devices; then passed,
+    4.25e-05.)"""
     losses = train_on_gpus(cp, tiny_data, tmp_path, "--context-parallel-size", str(cp),
                            "--context-parallel-algo", *algo, "--distributed-backend", "gloo")
     assert_close(losses, gpu_cp1, CP_TOL,
                  f"bf16 CP={cp} {' '.join(algo)}, {cp} processes sharing one GPU, vs CP=1")
-
-
-@needs_megatron_lm
-def test_megatron_lm_trainer_cp_processes_sharing_one_gpu_match_cp1(tiny_data, tmp_path):
-    """Megatron-LM's trainer at CP=2 (ring) as two processes on one GPU over gloo (our hook
-    after its validate_args applies gloo_on_cuda and maps rank 1 to the one device) against its
-    own CP=1 run. 2026-11-27, H200: first stopped at Megatron-LM's CUDA_DEVICE_MAX_CONNECTIONS
-    rule (now set), then at its set_device(local_rank) (gloo_on_cuda.share_devices); then
-    passed, 4.25e-05."""
-    if gpus() < 1:
-        pytest.skip("needs a CUDA GPU")
-    flags = ("--eval-interval", "1000", "--distributed-backend", "gloo")
-    # Megatron-LM's rule with TP or CP on CUDA (its launch scripts export it); stopped the
-    # run in one line on the 2026-11-27 H200 lease.
-    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    cp1 = train_on_gpus(1, tiny_data, tmp_path, *flags, trainer="megatron-lm", env=env)
-    cp2 = train_on_gpus(2, tiny_data, tmp_path, *flags, "--context-parallel-size", "2",
-                        "--cp-comm-type", "p2p", trainer="megatron-lm", env=env)
-    assert_close(cp2, cp1, CP_TOL, "Megatron-LM trainer, bf16 CP=2 ring, 2 processes sharing "
-                                   "one GPU, vs CP=1")
 
 
 def test_deterministic_mode_runs_are_bitwise_equal_on_gpu(gpu_cp1, tiny_data, tmp_path):
@@ -172,7 +139,7 @@ def test_deterministic_mode_runs_are_bitwise_equal_on_gpu(gpu_cp1, tiny_data, tm
     bitwise equal, and within CP_TOL of the default CP=1 run (2026-11-27, H200, torch 2.11's
     varlen kernels: passed, 2.48e-05); last here, so a short lease spends its time on the
     others first."""
-    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"}
     flags = ("--context-parallel-size", "2", "--distributed-backend", "gloo",
              "--deterministic-mode")
     runs = [tmp_path / "first", tmp_path / "second"]
