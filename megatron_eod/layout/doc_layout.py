@@ -17,6 +17,10 @@ pads of the same run and nobody attends to them), carries loss_mask 0 (as does t
 before a run, whose label is a pad), and positions restart after it when `reset_position_ids`
 is on. No separate un-padding path is needed downstream.
 
+`doc_layout_from_starts` builds the same layout from where documents start instead (Megatron's
+`--dataloader-inter-document-masking`: the dataset's document index, not EoD tokens, cuts the
+documents; positions restart at every document; no loss mask of its own).
+
 What it does not do: no dense `[s, s]` mask (only `dense_attention_mask`, for tests), no
 per-document Python loop, no placement of tokens on ranks (that is `plan/`). Everything is
 vectorised torch, O(b*s) time and memory, on the tensors' own device; the only host sync is
@@ -33,7 +37,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["DocLayout", "build_doc_layout", "dense_attention_mask"]
+__all__ = ["DocLayout", "build_doc_layout", "dense_attention_mask", "doc_layout_from_starts"]
 
 
 @dataclass(frozen=True)
@@ -198,6 +202,29 @@ def build_doc_layout(
         position_ids=position_ids.long(),
         loss_mask=loss_mask,
         max_seqlen=max_seqlen,
+    )
+
+
+def doc_layout_from_starts(doc_starts: torch.Tensor) -> DocLayout:
+    """The `DocLayout` of a `[b, s]` batch whose documents start where `doc_starts` is true
+    (and at every row start): positions restart at each document, the loss mask is all ones
+    (the caller's applies). Runs on the device of `doc_starts`."""
+    if not isinstance(doc_starts, torch.Tensor) or doc_starts.dim() != 2 or \
+            doc_starts.numel() == 0:
+        raise ValueError(f"doc_starts must be a non-empty tensor of shape [b, s], got "
+                         f"{getattr(doc_starts, 'shape', type(doc_starts))}")
+    b, s = doc_starts.shape
+    n = b * s
+    idx_N = torch.arange(n, device=doc_starts.device)
+    start_N = doc_starts.reshape(-1).bool() | (idx_N % s == 0)
+    starts_D = torch.nonzero(start_N).flatten()
+    cu_seqlens = torch.cat([starts_D, starts_D.new_tensor([n])]).to(torch.int32)
+    last_start_N = torch.cummax(torch.where(start_N, idx_N, torch.zeros_like(idx_N)), 0).values
+    return DocLayout(
+        cu_seqlens=cu_seqlens,
+        position_ids=(idx_N - last_start_N).view(b, s),
+        loss_mask=torch.ones(b, s, dtype=torch.float32, device=doc_starts.device),
+        max_seqlen=int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item()),
     )
 
 

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from megatron_eod.layout import DocLayout, build_doc_layout
+from megatron_eod.layout import DocLayout, build_doc_layout, doc_layout_from_starts
 from megatron_eod.megatron.batch_context import EodBatchContext
 from megatron_eod.plan import CPPlan, plan_context_parallel
 from megatron_eod.plan.kv_schedule import to_device
@@ -49,12 +49,19 @@ def plan_batch(tokens: torch.Tensor, eod_token_id: int, cp_size: int = 1, cp_ran
                algo: str = "ring", ulysses_degree: Optional[int] = None,
                reset_position_ids: bool = True, reset_attention_mask: bool = True,
                eod_mask_loss: bool = False, pad_token_id: Optional[int] = None,
-               fused_tiles: bool = True) -> PlannedBatch:
+               fused_tiles: bool = True,
+               doc_starts: Optional[torch.Tensor] = None) -> PlannedBatch:
     """Layout + plan of one micro-batch from CPU tokens [b, s]; host work only. fused_tiles:
-    the plan's schedules carry the fused kernels' tiles (--cp-fused-forward)."""
-    layout = build_doc_layout(tokens, eod_token_id, reset_position_ids=reset_position_ids,
-                              reset_attention_mask=reset_attention_mask,
-                              eod_mask_loss=eod_mask_loss, pad_token_id=pad_token_id)
+    the plan's schedules carry the fused kernels' tiles (--cp-fused-forward). doc_starts
+    (CPU [b, s], true where a document starts): the documents are those, not the EoD
+    tokens' (--dataloader-inter-document-masking; the reset and loss flags then do not
+    apply: positions restart at every document, the dataset's loss mask is the one)."""
+    if doc_starts is not None:
+        layout = doc_layout_from_starts(doc_starts)
+    else:
+        layout = build_doc_layout(tokens, eod_token_id, reset_position_ids=reset_position_ids,
+                                  reset_attention_mask=reset_attention_mask,
+                                  eod_mask_loss=eod_mask_loss, pad_token_id=pad_token_id)
     plan = plan_context_parallel(layout.cu_seqlens, cp_size, algo, ulysses_degree, fused_tiles)
     plan.token_index(cp_rank)  # built here, off the step
     plan.schedule(cp_rank)

@@ -38,7 +38,10 @@ from megatron_eod.megatron.plan_ahead import PlanAhead, ReadFailed, header_size,
 __all__ = ["EodGPTSteps", "is_dataset_built_on_rank"]
 
 _KEYS = ("tokens", "labels", "loss_mask")
-_DTYPES = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32}
+# doc_starts: 1 where a document starts, from the dataset's own document boundaries
+# (Megatron-LM's --dataloader-inter-document-masking; its samples' cu_seqlens).
+_DTYPES = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32,
+           "doc_starts": torch.int64}
 
 
 def _ps():
@@ -50,17 +53,30 @@ def _rows(batch) -> int:
 
 
 def _add_host_tokens(batch) -> None:
-    """A CPU copy of the batch's tokens for the planner thread. On a GPU it is started
-    without a host sync; the thread waits on the `tokens_ready` event, not the step."""
-    tokens = batch["tokens"]
-    if tokens.device.type == "cpu":
-        batch["tokens_cpu"] = tokens
+    """A CPU copy of the batch's tokens (and document starts) for the planner thread. On a
+    GPU it is started without a host sync; the thread waits on the `tokens_ready` event, not
+    the step."""
+    names = [key for key in ("tokens", "doc_starts") if key in batch]
+    if batch["tokens"].device.type == "cpu":
+        batch.update({f"{key}_cpu": batch[key] for key in names})
         return
-    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
+    for key in names:
+        host = torch.empty(batch[key].shape, dtype=batch[key].dtype, pin_memory=True)
+        host.copy_(batch[key], non_blocking=True)
+        batch[f"{key}_cpu"] = host
     ready = torch.cuda.Event()
     ready.record()
-    batch["tokens_cpu"], batch["tokens_ready"] = host, ready
+    batch["tokens_ready"] = ready
+
+
+def _doc_starts(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """[rows, S] 1 where a document starts, from GPTDataset's per-row cu_seqlens [rows, S+1]
+    (padded with S past its last document)."""
+    cu = cu_seqlens.long()
+    starts = torch.zeros(cu.shape[0], seq_length, dtype=torch.int64)
+    rows, at = torch.nonzero(cu < seq_length, as_tuple=True)
+    starts[rows, cu[rows, at]] = 1
+    return starts
 
 
 def _worker_init(device: torch.device):
@@ -84,7 +100,8 @@ class EodGPTSteps:
                  eod_mask_loss: bool = False, pad_token_id: Optional[int] = None,
                  device: Optional[torch.device] = None, plan_ahead: bool = True,
                  eval_micro_batch_size: Optional[int] = None,
-                 one_row_evaluation: bool = False, fused_tiles: bool = False):
+                 one_row_evaluation: bool = False, fused_tiles: bool = False,
+                 documents_from_index: bool = False):
         self.eod, self.registry = eod_token_id, registry
         self.seq_length = seq_length
         # Rows a micro-batch may have: training's, and evaluation's where Megatron-LM (>= 0.18,
@@ -101,6 +118,9 @@ class EodGPTSteps:
                           reset_attention_mask=reset_attention_mask,
                           eod_mask_loss=eod_mask_loss, pad_token_id=pad_token_id,
                           fused_tiles=fused_tiles)
+        # documents_from_index: the samples' own cu_seqlens cut the documents, not the EoD
+        # tokens (--dataloader-inter-document-masking).
+        self.keys = _KEYS + (("doc_starts",) if documents_from_index else ())
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.plan_ahead = plan_ahead
         self.last_plan = None  # the plan of the micro-batch get_batch returned last
@@ -127,7 +147,13 @@ class EodGPTSteps:
             return None
         batch = {}
         rows = tuple(sample["tokens"].shape)[0] if sample["tokens"].dim() == 2 else None
-        for key in _KEYS:
+        if "doc_starts" in self.keys:
+            if "cu_seqlens" not in sample:
+                raise ValueError("get_batch: --dataloader-inter-document-masking needs the "
+                                 "samples' cu_seqlens (a GPTDataset built with "
+                                 "inter_document_masking)")
+            sample = {**sample, "doc_starts": _doc_starts(sample["cu_seqlens"], self.seq_length)}
+        for key in self.keys:
             t = sample[key]
             if rows not in self.rows or tuple(t.shape) != (rows, self.seq_length):
                 expected = " or ".join(f"[{flag}, --seq-length] = [{n}, {self.seq_length}]"
@@ -137,6 +163,8 @@ class EodGPTSteps:
             # Not blocking: a blocking copy would drain the device's queue per micro-batch.
             batch[key] = t.to(self.device, _DTYPES[key], non_blocking=True)
         batch["tokens_cpu"] = sample["tokens"].to("cpu", torch.int64)
+        if "doc_starts" in sample:
+            batch["doc_starts_cpu"] = sample["doc_starts"]
         return batch
 
     def _share(self, header, batches):
@@ -158,8 +186,8 @@ class EodGPTSteps:
                 continue
             batch = batches[i] if source else {key: torch.empty(
                 (rows, self.seq_length), device=self.device, dtype=_DTYPES[key])
-                for key in _KEYS}
-            for key in _KEYS:
+                for key in self.keys}
+            for key in self.keys:
                 dist.broadcast(batch[key], src=src, group=group)
             if not source:
                 _add_host_tokens(batch)
@@ -175,7 +203,7 @@ class EodGPTSteps:
         algo, degree = (self.algo, self.ulysses_degree) if self._cp["size"] > 1 else ("ring",
                                                                                      None)
         return plan_batch(batch["tokens_cpu"], self.eod, self._cp["size"], self._cp["rank"],
-                          algo, degree, **self.flags)
+                          algo, degree, doc_starts=batch.get("doc_starts_cpu"), **self.flags)
 
     def get_batch(self, data_iterator) -> LocalBatch:
         ps = _ps()

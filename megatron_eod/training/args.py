@@ -85,11 +85,6 @@ REFUSED = {
     "sft": (bool, "the EoD providers build pretraining GPTDatasets"),
     "fim_data": (bool, "the EoD providers build pretraining GPTDatasets"),
     # From Megatron-LM 0.19:
-    "dataloader_inter_document_masking": (bool, "Megatron-LM's own document masking "
-                                                "(documents from the index, balanced per "
-                                                "sequence); EoD providers mask at EoD tokens: "
-                                                "pass --reset-attention-mask "
-                                                "--reset-position-ids"),
     "logits_load_dir": (lambda v: v is not None, "distillation from cached logits replaces "
                                                  "the loss function the EoD providers use"),
     "logits_save_dir": (lambda v: v is not None, "a CP rank holds its tokens in its plan's "

@@ -57,6 +57,7 @@ _SETTINGS = {
     "context_parallel_size": lambda a: a.context_parallel_size,
     "data_parallel_size": lambda a: a.data_parallel_size,
     "sequence_parallel_size": lambda a: a.tensor_model_parallel_size * a.sequence_parallel,
+    "inter_document_masking": lambda a: a.dataloader_inter_document_masking,  # >= 0.19
 }
 
 

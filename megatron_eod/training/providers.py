@@ -132,7 +132,8 @@ def steps(args, registry, eod_token_id: int, pad_token_id, plan_ahead: bool) -> 
         pad_token_id=pad_token_id, plan_ahead=plan_ahead,
         eval_micro_batch_size=getattr(args, "eval_micro_batch_size", None),
         one_row_evaluation=data.validates_one_row_at_a_time(args),
-        fused_tiles=getattr(args, "cp_fused_forward", False))
+        fused_tiles=getattr(args, "cp_fused_forward", False),
+        documents_from_index=getattr(args, "dataloader_inter_document_masking", False))
 
 
 

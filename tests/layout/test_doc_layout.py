@@ -190,3 +190,32 @@ def test_cuda_matches_cpu():
     assert gpu.cu_seqlens.is_cuda and gpu.max_seqlen == cpu.max_seqlen
     for name in ("cu_seqlens", "position_ids", "loss_mask"):
         assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_layout_from_document_starts_is_the_eod_layout_of_the_same_documents(seed):
+    """doc_layout_from_starts (--dataloader-inter-document-masking: documents from the
+    dataset's index) on the starts an EoD layout has (after each EoD, and every row start)
+    gives its cu_seqlens, positions and max_seqlen, with no loss mask of its own."""
+    from megatron_eod.layout import doc_layout_from_starts
+
+    g = torch.Generator().manual_seed(seed)
+    b, s, eod = int(torch.randint(1, 4, (1,), generator=g)), 32, 9
+    tokens = torch.randint(0, 12, (b, s), generator=g)  # 9, 10, 11: EoD about 1 in 12
+    eod_layout = build_doc_layout(tokens, eod)
+    starts = torch.zeros(b, s, dtype=torch.bool)
+    starts[:, 1:] = tokens[:, :-1] == eod
+    layout = doc_layout_from_starts(starts)
+    assert torch.equal(layout.cu_seqlens, eod_layout.cu_seqlens)
+    assert torch.equal(layout.position_ids, eod_layout.position_ids)
+    assert layout.max_seqlen == eod_layout.max_seqlen
+    assert torch.equal(layout.loss_mask, torch.ones(b, s))
+
+
+def test_document_starts_from_gpt_datasets_cu_seqlens():
+    """What GPTDataset (inter_document_masking) hands each row: its documents' offsets padded
+    with the sequence length to length s+1; a document may start at the row's last token."""
+    from megatron_eod.megatron.steps import _doc_starts
+
+    cu = torch.tensor([[0, 3, 7, 8, 8, 8, 8, 8, 8], [0, 8, 8, 8, 8, 8, 8, 8, 8]])
+    assert _doc_starts(cu, 8).tolist() == [[1, 0, 0, 1, 0, 0, 0, 1], [1, 0, 0, 0, 0, 0, 0, 0]]

@@ -123,9 +123,6 @@ REFUSALS = {
     "eval-rows": (["--eval-micro-batch-size", "1", "--tensor-model-parallel-size", "2",
                    "--sequence-parallel", "--seq-length", "129"],
                   "--eval-micro-batch-size x --seq-length / --context-parallel-size = 129"),
-    "inter-document-masking": (["--dataloader-inter-document-masking"],
-                               "--dataloader-inter-document-masking: .*pass "
-                               "--reset-attention-mask"),
     "distillation": (["--logits-load-dir", "teacher"], "--logits-load-dir teacher"),
     "logits-save": (["--logits-save-dir", "out", "--logits-save-top-k", "4"],
                     "--logits-save-dir out"),
