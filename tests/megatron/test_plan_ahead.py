@@ -3,6 +3,7 @@ keeps the train and validation streams apart on TP peers (which hold no iterator
 a stream on every rank at the same call."""
 
 import threading
+import types
 
 import pytest
 
@@ -194,7 +195,11 @@ def test_megatron_lms_replays_reuse_their_plans_and_keep_the_one_read_ahead(monk
 
     for mode, kept in ((machine.RerunMode.VALIDATE_RESULTS, True),
                        (machine.RerunMode.DISABLED, False)):
-        monkeypatch.setattr(machine.get_rerun_state_machine(), "mode", mode)
+        # The wrapper reads the mode of the process's rerun machine; a stand-in, since the
+        # real one is a process global Megatron-LM's start-up in later forked ranks must
+        # find unset.
+        monkeypatch.setattr(machine, "get_rerun_state_machine",
+                            lambda mode=mode: types.SimpleNamespace(get_mode=lambda: mode))
         planned.clear()
         pair = Counted()
         data = machine.RerunDataIterator(counting_iterator("t", 9))

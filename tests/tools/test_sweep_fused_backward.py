@@ -38,7 +38,9 @@ def test_every_shape_is_timed_and_checked_and_a_failing_one_is_nan(capsys, monke
         assert cells[label][2] < 1e-5, (label, cells[label])  # float32: exact to rounding
         assert all(math.isfinite(x) for x in cells[label])
     assert all(math.isnan(x) for x in cells["32:16:8:3:2"])
-    assert cells["atomic:16:4:2"][3] == 0 < cells["16:16:4:2"][3]  # no dq kernel ran
+    # no dq kernel ran for the atomic shape; the others' dq column is timed (on a loaded CPU,
+    # through the interpreter, a difference of clocks that may come out below 0)
+    assert cells["atomic:16:4:2"][3] == 0 != cells["16:16:4:2"][3]
     # restored after the sweep
     assert triton_backward.BACKWARD_OVERRIDE is None and not triton_backward.ATOMIC_DQ
     captured = capsys.readouterr()

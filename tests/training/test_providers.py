@@ -23,21 +23,16 @@ def test_extra_args_and_distributed_marker():
     assert EodProviders().datasets_provider.is_distributed
 
 
-def test_plans_ahead_only_where_megatron_lm_replays_nothing(capsys):
-    """Megatron-LM's rerun state machine (--rerun-mode validate_results, its default) saves
-    each iteration's micro-batches to replay them; a batch read ahead belongs to the next
-    iteration, so the providers plan in the step there, and say so."""
+def test_plans_ahead_in_every_rerun_mode_unless_told_not_to():
+    """Planning ahead reads beneath Megatron-LM's rerun machine (plan_ahead.py), so its modes
+    (validate_results by default) keep it; only --no-plan-ahead turns it off."""
     from megatron_eod.training.providers import plans_ahead
 
     args = add_eod_args(argparse.ArgumentParser()).parse_args([])
-    assert args.plan_ahead  # our flag's default
-    args.rank = 0
-    for mode, ahead in (("disabled", True), ("validate_results", False),
-                        ("report_stats", False)):
+    for mode in ("disabled", "validate_results", "report_stats"):
         args.rerun_mode = mode
-        assert plans_ahead(args) is ahead
-    assert "--rerun-mode disabled to plan ahead" in capsys.readouterr().out
-    args.rerun_mode, args.plan_ahead = "disabled", False  # --no-plan-ahead
+        assert plans_ahead(args) is True
+    args.plan_ahead = False  # --no-plan-ahead
     assert plans_ahead(args) is False
 
 
