@@ -13,7 +13,8 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.16.1,<0.20",
+        "megatron-core>=0.16.1,<0.20",  # >= 0.17 carries Megatron-LM's trainer (Python 3.12)
+        "psutil",  # Megatron-LM's trainer: its checkpoint saves fail without it
         "einops>=0.8",
         "numpy>=1.26",
         "packaging",

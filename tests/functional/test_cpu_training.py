@@ -215,15 +215,17 @@ def fused_calls(monkeypatch, tmp_path):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the fused kernels on a CPU need Triton's interpreter")
-def test_fused_kernels_train_as_cp1(baseline, short_docs_data, tmp_path, fused_calls):
+def test_fused_kernels_train_as_cp1(short_docs_data, tmp_path, fused_calls):
     """--cp-fused-forward and --cp-fused-backward (attention/triton_forward.py and
     triton_backward.py, through Triton's interpreter here): every rank's attention forward and
-    backward are the fused kernels, the losses those of CP=1 (two iterations: the interpreter
-    is slow)."""
-    losses, _ = train(tmp_path, "fused", short_docs_data, "--context-parallel-size", "2",
-                      "--cp-fused-forward", "--cp-fused-backward", "--train-iters", "2",
-                      drop=("--train-iters",))
-    assert_same(losses, baseline[0], iterations=[1, 2])
+    backward are the fused kernels, the loss that of CP=1 (one iteration of one-row
+    micro-batches: the interpreter is slow)."""
+    small = ("--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "1")
+    drop = ("--micro-batch-size", "--global-batch-size", "--train-iters")
+    reference, _ = train(tmp_path, "cp1", short_docs_data, *small, drop=drop)
+    losses, _ = train(tmp_path, "fused", short_docs_data, *small, "--context-parallel-size",
+                      "2", "--cp-fused-forward", "--cp-fused-backward", drop=drop)
+    assert_same(losses, reference)
     for kernel in ("tile_forward", "tile_dq", "tile_dkdv"):
         assert len(fused_calls(kernel)) == 4, kernel
 
