@@ -9,8 +9,8 @@ only some ranks of a group only after the group's first collective: `warm_up(gro
 
 Host staging: gloo moves CPU tensors only, so runs with gloo on CUDA (the multi-process GPU
 tests: several processes on ONE GPU) stage every transfer through host memory
-(`host_staging()`, `set_host_staging()`, which the lean trainer calls for gloo on CUDA, or
-MEGATRON_EOD_HOST_STAGING=1 in a launched process). NCCL moves device memory directly;
+(`host_staging()`, `set_host_staging()`, which megatron/gloo_on_cuda.py turns on for gloo on
+CUDA, or MEGATRON_EOD_HOST_STAGING=1 in a launched process). NCCL moves device memory directly;
 nothing stages there.
 
 What it does not do: no attention math, no global process-group state.

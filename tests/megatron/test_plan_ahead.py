@@ -156,8 +156,8 @@ def test_a_read_the_step_needs_now_fails_on_every_tp_rank():
 
 
 def test_no_planning_thread_lives_while_a_new_stream_is_first_read():
-    """A stream's first read may be where its data loader forks its workers (the lean
-    trainer's validation loader at the first evaluation): a fork while the planning thread
+    """A stream's first read may be where its data loader forks its workers (Megatron-LM's
+    validation loader at the first evaluation): a fork while the planning thread
     runs numpy/torch code can leave a lock it held locked in the children. Later reads of a
     stream keep the thread (no start-up cost per micro-batch)."""
     seen = []

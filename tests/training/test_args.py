@@ -316,7 +316,7 @@ def test_what_needs_cuda_is_refused_at_start_up_on_cpu(monkeypatch):
     """Megatron-LM's example scripts on a CPU (a helper's sweep): --bf16 built the model and
     stopped at the first forward (ValueError in the CPU attention), --fp16 in the grad
     scaler (AssertionError), --profile after --profile-step-start iterations (CUDA's
-    profiler); the lean trainer's lines, at start-up. The PyTorch profiler still runs.
+    profiler); one line each now, at start-up. The PyTorch profiler still runs.
     Likewise --distributed-backend nccl (a helper's sweep of the CP functional configs)."""
     for flag in ("--bf16", "--fp16"):
         with pytest.raises(FlagError, match=f"{flag} needs CUDA: the CPU attention kernel "
@@ -398,7 +398,7 @@ def test_decoupled_lr_checkpoints_that_megatron_core_cannot_load_are_refused(tmp
 @pytest.mark.parametrize("flag", ["--overlap-grad-reduce", "--overlap-param-gather"])
 def test_gloo_on_cuda_refuses_overlapped_gradient_collectives(monkeypatch, flag):
     """gloo on CUDA reduces gradients bucket by bucket, synchronously (gloo_on_cuda): the
-    overlap flags are refused there, as in the lean trainer; nccl, and gloo on CPU, keep them."""
+    overlap flags are refused there; nccl, and gloo on CPU, keep them."""
     import torch
 
     extra = [flag, "--use-distributed-optimizer"]
@@ -411,8 +411,8 @@ def test_gloo_on_cuda_refuses_overlapped_gradient_collectives(monkeypatch, flag)
 
 
 def test_use_flash_attn_needs_a_flash_attn_the_attention_can_use(monkeypatch):
-    """Megatron-LM's --use-flash-attn picks our flash-attn kernel: refused at start-up, as in
-    the lean trainer, without CUDA or without a usable flash-attn (attention/backends.py)."""
+    """Megatron-LM's --use-flash-attn picks our flash-attn kernel: refused at start-up
+    without CUDA or without a usable flash-attn (attention/backends.py)."""
     import sys
     import types
 
