@@ -212,6 +212,8 @@ def test_megatron_lms_replays_reuse_their_plans_and_keep_the_one_read_ahead(monk
         assert len(data.saved_microbatches) == (3 if kept else 0)
         if not kept:
             assert pair.source._kept == pair.peer._kept == {}
+            pair.source.close()
+            pair.peer.close()
             continue
         data.rewind()  # a result failed validation: the iteration runs again
         again = [pair.next(data) for _ in range(3)]
@@ -223,4 +225,5 @@ def test_megatron_lms_replays_reuse_their_plans_and_keep_the_one_read_ahead(monk
         source, peer = pair.next(data)
         assert source == peer == ("t3", ["plan of t3"])
         assert len(data.saved_microbatches) == 1 and data.saved_microbatches[0] == "t3"
-        pair.source.close()
+        pair.source.close()  # both: t4 is being planned on each side's worker thread
+        pair.peer.close()
