@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.functional.tiny_gpt import ITERS, golden_flags
-from tests.training.megatron_lm_checkout import MEGATRON_LM
+from tests.training.megatron_lm_checkout import subprocess_env
 
 pytestmark = pytest.mark.gpu
 
@@ -50,14 +50,13 @@ def train_on_gpus(nproc, data, tmp_path, *extra, env=None):
     """Run pretrain_gpt.py under torchrun on `nproc` GPUs (processes sharing GPUs when there
     are fewer); the per-iteration lm losses."""
     metrics = tmp_path / f"metrics_{nproc}_{'_'.join(extra) or 'cp1'}.jsonl"
-    env = dict(env or {}, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONPATH=os.pathsep.join(
-        p for p in (REPO, os.environ.get("PYTHONPATH"), MEGATRON_LM) if p))
+    env = subprocess_env(**dict(env or {}, CUDA_DEVICE_MAX_CONNECTIONS="1"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            os.path.join(REPO, "pretrain_gpt.py"),
            *golden_flags(data, "--bf16", "--metrics-file", str(metrics), *extra)]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, **env))
+                            env=env)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     losses = [r["lm_loss"] for r in records if r.get("kind", "train") == "train"]

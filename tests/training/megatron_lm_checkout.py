@@ -32,7 +32,13 @@ if MEGATRON_LM is None or not os.path.isdir(os.path.join(MEGATRON_LM, "megatron"
     raise SystemExit(f"tests: Megatron-LM's trainer not found ({_WHERE}): run the suite through "
                      f"scripts/test_cpu.sh (megatron-core 0.19.2 carries it), or set "
                      f"MEGATRON_LM_PATH to a Megatron-LM checkout")
-needs_megatron_lm = lambda test: test  # noqa: E731  (always there now; kept for the old tests)
+
+
+def subprocess_env(**extra: str) -> dict:
+    """os.environ for a process that runs pretrain_gpt.py itself (torchrun): the checkout on
+    PYTHONPATH (a 0.16 checkout is not installed), and `extra`."""
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH"), MEGATRON_LM) if p)
+    return dict(os.environ, PYTHONPATH=path, **extra)
 
 _IMPORTED = False
 _QUIET = tempfile.TemporaryFile("w+")

@@ -19,7 +19,7 @@ import time
 import psutil
 import pytest
 
-from tests.training.megatron_lm_checkout import import_megatron_lm
+from tests.training.megatron_lm_checkout import import_megatron_lm, subprocess_env
 from tests.training.runs import error_lines, flags, run_ranks, start
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,8 +41,8 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(short_docs_data, tmp_pat
                   "100000", "--lr-decay-iters", "100000", "--eval-interval", "100000")]
     log = open(tmp_path / "log.txt", "w+")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1",
-                                 "EOD_TEST_TIMEOUT_MINUTES": "0.1"})
+                            env=subprocess_env(OMP_NUM_THREADS="1",
+                                               EOD_TEST_TIMEOUT_MINUTES="0.1"))
     try:
         end = time.monotonic() + 150
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
