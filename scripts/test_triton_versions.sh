@@ -51,7 +51,8 @@ def registers(kernel, arch):
 
 
 for arch in (80, 90):
-    for shape in (("bf16", 128, 4, 128), ("fp16", 64, 1, 64)):
+    for shape in (("bf16", 128, 4, 128), ("fp16", 64, 1, 64), *((("bf16", 256, 2, 128),)
+                                                                if arch == 80 else ())):
         kernels = {"forward": compile_for(arch, *shape), "delta": compile_delta_for(
             arch, *shape[:2])}
         kernels["dq"], kernels["dk/dv"] = compile_backward_for(arch, *shape)

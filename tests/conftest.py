@@ -26,7 +26,9 @@ with warnings.catch_warnings():
     import megatron.core.datasets.gpt_dataset  # noqa: F401
     import numpy.ma  # noqa: F401 - np.unique imports it on first use: once here, not per rank
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One intra-op thread per pytest-xdist worker (scripts/test_cpu.sh runs two); two otherwise.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else
+                      max(1, min(2, os.cpu_count() or 1)))
 
 # Property-based tests (hypothesis): CI runs a fixed, derandomized sample per property (each
 # test asks for `examples(n)`: n under "ci"); `--hypothesis-profile=long` runs ten times as

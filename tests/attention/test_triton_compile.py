@@ -126,14 +126,15 @@ import sys
 from megatron_eod.attention.triton_backward import compile_backward_for, compile_delta_for
 from megatron_eod.attention.triton_forward import compile_for
 # bf16 at head dim 128 on both architectures; head dim 256 where shared memory is tightest
-# (sm_80); on sm_90 (the GPUs we run) fp16 at 64 and a head dim not a power of two in 16-row
-# tiles (every shape on both: scripts/test_triton_versions.sh, for time).
+# (sm_80); on sm_90 (the GPUs we run) a head dim not a power of two in 16-row tiles (fp16 at
+# 64 on both: scripts/test_triton_versions.sh, for CI's time).
 SHAPES = {80: (("bf16", 128, 4, 128), ("bf16", 256, 2, 128)),
-          90: (("bf16", 128, 4, 128), ("fp16", 64, 1, 64), ("bf16", 80, 8, 16))}
+          90: (("bf16", 128, 4, 128), ("bf16", 80, 8, 16))}
 for arch, shapes in SHAPES.items():
     for dtype, head_dim, group, block_m in shapes:
         backward = compile_backward_for(arch, dtype, head_dim, group, block_m) \
-            if block_m > 16 else ()  # (16-row tiles: the forward's shape only, for time)
+            if 16 < block_m and head_dim <= 128 else ()  # (the forward's shape only, for
+        # time: 16-row tiles, and head dim 256, whose backward test_triton_versions.sh compiles)
         for kernel in (compile_for(arch, dtype, head_dim, group, block_m), *backward):
             assert kernel.asm["cubin"], (arch, dtype, head_dim)
             # vectorised loads (16-byte aligned rows, as a launch specialises them), pipelined
@@ -164,7 +165,7 @@ def assert_no_spill(kernel, arch, shape):
 
 
 for arch in (80, 90):
-    for shape in SHAPES[arch][:2 if arch == 90 else 1]:  # compiled above: cached
+    for shape in SHAPES[arch][:1]:  # compiled above: cached
         delta = compile_delta_for(arch, shape[0], shape[1])
         assert "ld.global.v4" in delta.asm["ptx"], (arch, shape)  # 16-byte loads
         for kernel in (compile_for(arch, *shape), *compile_backward_for(arch, *shape), delta):
@@ -223,10 +224,10 @@ LIMIT_LINE = "LIMIT = {80: 166912, 90: 232448}\n"
 
 def test_kernel_compiles_for_ampere_and_hopper(tmp_path):
     """Without a GPU: Triton (its own ptxas) compiles the kernel to sm_80 and sm_90 machine
-    code for the shapes training uses (bf16 at head_dim 128 on both, 256 on sm_80; fp16 at 64
-    and a head_dim not a power of two on sm_90; GQA groups, 16-128 row tiles), in a process
-    where its interpreter is off: its loads vectorised and pipelined, its shared memory within
-    the GPU's, no register spills at head dim 128 (bf16, both) and 64 (fp16, sm_90); the
+    code for the shapes training uses (bf16 at head_dim 128 on both, 256 on sm_80; a head_dim
+    not a power of two on sm_90; GQA groups, 16-128 row tiles), in a process where its
+    interpreter is off: its loads vectorised and pipelined, its shared memory within the
+    GPU's, no register spills at head dim 128 (bf16, both); the
     start-up check refuses
     head_dim 256 where programs get 99 KiB (sm_89) and not where they get 227 (sm_90)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}

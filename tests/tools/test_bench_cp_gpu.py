@@ -46,7 +46,7 @@ def test_small_cpu_run_of_the_fused_rows(capsys, monkeypatch):
     # (one row of each kind: ring's and hybrid's compute alike, and the concurrent rows as
     # the plain ones on a CPU; the others left out, for time)
     bench_cp_gpu.main(["--samples", "1", "--repeats", "1", "--heads", "2", "--kv-heads", "1",
-                       "--head-dim", "16", "--configs", "256:2", "--mixes", "web",
+                       "--head-dim", "16", "--configs", "128:2", "--mixes", "web",
                        "--only", r"^ours ring \(fused\)$|^ours hybrid u=2 \(fused fwd\+bwd\)$"
                                  r"|^whole row, fused kernel$",
                        "--tile-rows", "32",
