@@ -9,7 +9,8 @@
 # VERSION defaults to "0.18.2 0.17.1 0.16.1". Without pytest args: the trainer-facing tests
 # (tests/training, tests/functional except the GPU ones, the steps, plan-ahead, CPU-compat,
 # dataset and tokenizer tests); after `--`, your own (e.g. `-- tests` for the whole suite).
-# Not in CI: three more venvs (several GB each on Python 3.12). Everything runs on CPU ranks.
+# Not in CI: three more venvs (several GB each on Python 3.12). Everything runs on CPU ranks,
+# in PYTEST_WORKERS pytest-xdist workers as scripts/test_cpu.sh (default 2; 0: one process).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -24,6 +25,8 @@ TESTS=("$@")
                                   tests/megatron/test_dataset.py tests/data/test_checks.py
                                   tests/data/test_tokenizers.py tests/data/test_core_tokenizers.py)
 cd "$ROOT"
+WORKERS=()
+[ "${PYTEST_WORKERS:-2}" = 0 ] || WORKERS=(-n "${PYTEST_WORKERS:-2}" --dist loadfile)
 failed=()
 for VERSION in "${VERSIONS[@]}"; do
   VENV="$ROOT/.venv-mcore-$VERSION"
@@ -40,7 +43,7 @@ print(os.path.dirname(os.path.dirname(os.path.dirname(t.__file__))))' 2>/dev/nul
   echo "[versions] megatron-core $VERSION ($("$VENV/bin/python" --version)), Megatron-LM's" \
        "trainer from $TRAINER"
   MEGATRON_LM_PATH="$TRAINER" "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-    "${TESTS[@]}" || failed+=("$VERSION")
+    "${WORKERS[@]}" "${TESTS[@]}" || failed+=("$VERSION")
 done
 if [ ${#failed[@]} -gt 0 ]; then
   echo "[versions] failed: ${failed[*]}" >&2
