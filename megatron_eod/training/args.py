@@ -41,7 +41,7 @@ from megatron_eod.training.flag_rules import (check_backend_device,
                                               check_device_precision, check_global_batch,
                                               check_persistent_ckpt_worker, check_positive,
                                               check_profiler_device, check_rank_order,
-                                              check_world_size,
+                                              check_world_size, check_blend_weights,
                                               check_split,
                                               keep_the_flags_attention_dropout,
                                               ramp_as_step_schedule)
@@ -142,6 +142,7 @@ def check_before_megatron(args) -> None:
     if getattr(args, "ulysses_degree", None) is None:
         resolve_cp_spellings(args)
     check_world_size(args)
+    check_blend_weights(args)
     tokenizer_from_data(args)
     keep_the_flags_attention_dropout(args)
     check_split(args)

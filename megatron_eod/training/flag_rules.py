@@ -2,7 +2,8 @@
 
 One job: each `check_*(args)` reads Megatron-LM's args and raises `FlagError` naming the flag
 and the rule:
-`check_split` (the --split string), `check_positive` (intervals that are divided by, sizes),
+`check_split` (the --split string), `check_blend_weights` (a blend's weights),
+`check_positive` (intervals that are divided by, sizes),
 `check_global_batch` (--global-batch-size against the micro-batch and DP sizes; needs
 `data_parallel_size`), `check_tokenizer_files` (what each --tokenizer-type reads),
 `check_device_precision` (--bf16 / --fp16 need CUDA), `check_backend_device` (nccl needs
@@ -29,7 +30,8 @@ from megatron_eod.data.split_sizes import split_shares
 from megatron_eod.data.tokenizers import SENTENCEPIECE_TYPES
 from megatron_eod.training.cp_flags import FlagError
 
-__all__ = ["check_backend_device", "check_decoupled_lr_checkpoints", "check_device_precision",
+__all__ = ["check_backend_device", "check_blend_weights", "check_decoupled_lr_checkpoints",
+           "check_device_precision",
            "check_global_batch", "check_persistent_ckpt_worker", "check_positive",
            "check_profiler_device", "check_rank_order", "check_split", "check_tokenizer_files",
            "check_world_size", "keep_the_flags_attention_dropout", "ramp_as_step_schedule",
@@ -64,6 +66,39 @@ def check_split(args) -> None:
         raise FlagError(f"--split {args.split} gives training no share of the data, and the "
                         f"run trains: give the first (train) share a value above 0, or pass "
                         f"--skip-train to evaluate only")
+
+
+BLEND_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+
+def _number(word: str):
+    try:
+        return float(word)
+    except ValueError:
+        return None
+
+
+def check_blend_weights(args) -> None:
+    """A blend flag is prefixes alone, or "WEIGHT PREFIX" pairs with every weight above 0 (as
+    megatron-core reads it: a list with numbers in it is pairs). Megatron-LM gave a bare
+    AssertionError per rank for a weight <= 0, and read an odd list with numbers in it as
+    prefixes, the numbers included."""
+    for dest in BLEND_FLAGS:
+        words = getattr(args, dest, None)
+        if not words or all(_number(w) is None for w in words):
+            continue
+        given = f"{_flag(dest)} \"{' '.join(words)}\""
+        if len(words) % 2:
+            raise FlagError(f"{given}: {len(words)} words; give prefixes alone, or "
+                            f"\"WEIGHT PREFIX\" pairs (an even count)")
+        for weight, prefix in zip(words[::2], words[1::2]):
+            value = _number(weight)
+            if value is None or _number(prefix) is not None:
+                raise FlagError(f"{given}: \"WEIGHT PREFIX\" pairs expected, got "
+                                f"\"{weight} {prefix}\"")
+            if not 0 < value < float("inf"):
+                raise FlagError(f"{given}: the weight of {prefix} is {weight}; weights must be "
+                                f"above 0 (leave a dataset out to not read it)")
 
 
 def check_world_size(args) -> None:

@@ -3,6 +3,9 @@ through its real parser in test_args.py), and --rampup-batch-size as the step sc
 megatron-core >= 0.18 reads instead."""
 
 import importlib
+import re
+
+import pytest
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -81,3 +84,29 @@ def test_use_checkpoint_args_keeps_the_flags_attention_dropout(monkeypatch, caps
     args = argparse.Namespace(use_checkpoint_args=False, attention_dropout=0.1)
     keep_the_flags_attention_dropout(args)  # without it, Megatron-LM's value: refused later
     assert args.attention_dropout == 0.1
+
+
+@pytest.mark.parametrize("words,refused", [
+    (["a", "b"], None), (["a"], None), (["0.3", "a", "0.7", "b"], None), (["2", "a"], None),
+    (["0", "a", "1", "b"], "the weight of a is 0; weights must be above 0"),
+    (["1", "a", "-0.5", "b"], "the weight of b is -0.5"),
+    (["nan", "a"], "the weight of a is nan"), (["inf", "a"], "the weight of a is inf"),
+    (["0.3", "a", "0.7"], "3 words; give prefixes alone, or \"WEIGHT PREFIX\" pairs"),
+    (["0.3", "a", "b", "c"], "pairs expected, got \"b c\""),
+    (["1", "2", "3", "a"], "pairs expected, got \"1 2\""),
+])
+@pytest.mark.parametrize("dest", ["data_path", "train_data_path", "valid_data_path",
+                                  "test_data_path"])
+def test_blend_weights(words, refused, dest):
+    import types
+
+    from megatron_eod.training.cp_flags import FlagError
+    from megatron_eod.training.flag_rules import check_blend_weights
+
+    args = types.SimpleNamespace(**{dest: words})
+    if refused is None:
+        check_blend_weights(args)
+        return
+    with pytest.raises(FlagError, match=re.escape(refused)) as error:
+        check_blend_weights(args)
+    assert str(error.value).startswith(f"--{dest.replace('_', '-')} \"{' '.join(words)}\"")

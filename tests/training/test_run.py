@@ -251,7 +251,10 @@ def test_megatron_lm_assertions_show_the_whole_statement(monkeypatch, tmp_path):
      ["--context-parallel-algo"]),
     (4, ["--context-parallel-size", "3"], ["--context-parallel-size 3", "WORLD_SIZE",
                                            "--nproc-per-node"]),
-], ids=["ulysses-degree", "heads", "seq-length", "unknown-algo", "world-size"])
+    (2, ["--data-path", "0.5", "DATA", "0", "DATA"], ["--data-path", "weight of DATA is 0"]),
+    (2, ["--data-path", "0.5", "DATA", "DATA"], ["--data-path", "\"WEIGHT PREFIX\" pairs"]),
+], ids=["ulysses-degree", "heads", "seq-length", "unknown-algo", "world-size", "blend-weight",
+        "blend-odd"])
 def test_bad_flags_stop_every_rank_at_start_up(short_docs_data, world, extra, named):
     """Exit status 2 and one line on every rank naming the flags, before any model or data is
     built (not rank 0 alone: torchrun ends every rank once the first exits, so a line left to
@@ -260,6 +263,8 @@ def test_bad_flags_stop_every_rank_at_start_up(short_docs_data, world, extra, na
     from tests.training.runs import error_lines, flags, start
 
     import_megatron_lm()
+    extra = [word.replace("DATA", short_docs_data) for word in extra]  # (the fixture's path)
+    named = [word.replace("DATA", short_docs_data) for word in named]
     results = run_ranks(start, world, flags(short_docs_data, None, *extra), timeout=120,
                         daemon=False)
     assert [code for code, _ in results] == [2] * world, results
