@@ -8,9 +8,10 @@
                                                one file per TP/PP rank, and with the
                                                distributed optimizer DISTRIB_OPTIM_FILE beside
 
-One job: name the tracker's iteration, a folder's format, and whether a folder holds a whole
-checkpoint. A save killed midway leaves the tracker on the previous checkpoint and a folder
-that is not whole (`is_whole`); Megatron-LM's next save of that iteration writes over it.
+One job: name the tracker's iteration (and write one atomically: `write_tracker`), a folder's
+format, and whether a folder holds a whole checkpoint. A save killed midway leaves the tracker
+on the previous checkpoint and a folder that is not whole (`is_whole`); Megatron-LM's next save
+of that iteration writes over it.
 
 What it does not do: no saving or loading (Megatron-LM's), no reading of tensors.
 """
@@ -22,8 +23,9 @@ from typing import Optional
 
 from megatron_eod.megatron.imports import import_megatron
 
-__all__ = ["CheckpointError", "DISTRIB_OPTIM_FILE", "TRACKER", "checkpoint_folder",
-           "checkpoint_format", "is_whole", "iterations_under", "read_tracker"]
+__all__ = ["CheckpointError", "DISTRIB_OPTIM_FILE", "DamagedTracker", "TRACKER",
+           "checkpoint_folder", "checkpoint_format", "is_whole", "iterations_under",
+           "read_tracker", "write_tracker"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -32,6 +34,15 @@ class CheckpointError(ValueError):
     """--load (or --pretrained-checkpoint) names a checkpoint this run cannot load; the
     message names the flag and what to change, on every rank (checkpoint_preflight gathers
     what one rank finds)."""
+
+
+class DamagedTracker(CheckpointError):
+    """The tracker holds no iteration (empty, or cut short: Megatron-LM writes it in place, so a
+    kill while it writes leaves it so); `text` is what it holds."""
+
+    def __init__(self, message, text):
+        super().__init__(message)
+        self.text = text
 
 
 _LEGACY_FILE = "model_optim_rng.pt"
@@ -64,19 +75,42 @@ def read_tracker(root, flag="--load"):
     if not os.path.lexists(path):
         return None
     try:
-        with open(path) as f:
-            text = f.read().strip()
-    except (OSError, UnicodeDecodeError) as error:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as error:
         raise CheckpointError(f"{flag} {root}: {path} cannot be read "
-                              f"({getattr(error, 'strerror', None) or error})") from None
+                              f"({error.strerror or error})") from None
+    text = raw.decode("utf-8", "replace").strip()
     if text == "release":
         return "release"
     try:
         return int(text)
     except ValueError:
-        raise CheckpointError(f"{flag} {root}: {path} holds {text[:40]!r}, not an iteration (a "
-                              f"save killed while writing it, or a copy cut short): write the "
-                              f"iteration to resume into it") from None
+        raise DamagedTracker(f"{flag} {root}: {path} holds {text[:40]!r}, not an iteration (a "
+                             f"save killed while writing it, or a copy cut short): write the "
+                             f"iteration to resume into it", text) from None
+
+
+def write_tracker(root, iteration) -> None:
+    """`root`'s tracker naming `iteration`, replaced atomically: a temporary file beside it,
+    flushed to disk, renamed over it (a reader sees the old tracker or the new one, never a
+    part), and the folder's entry flushed."""
+    path = os.path.join(root, TRACKER)
+    temporary = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(temporary, "w") as f:
+            f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    finally:
+        if os.path.lexists(temporary):
+            os.remove(temporary)
+    folder = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 def checkpoint_folder(root, iteration) -> str:

@@ -7,7 +7,9 @@ naming the flag, the file and the rule. What it refuses, where Megatron-LM's tra
 deep inside torch or megatron-core (a traceback on every rank, some ranks waiting in a
 collective the others never joined, or exit status 0):
 
-- a tracker that holds no iteration or cannot be read;
+- a tracker that cannot be read; one that holds no iteration (a save killed while Megatron-LM
+  wrote it in place) where no complete checkpoint is there (where one is, the newest is
+  resumed from, the tracker rewritten to name it, and rank 0 says so in one line);
 - a `--load` that is a file, a folder this user cannot read, or an iteration folder itself
   (its parent named);
 - a `--load` holding complete iteration folders but no tracker (deleted by a clean-up, lost
@@ -49,9 +51,9 @@ import torch.distributed.checkpoint  # noqa: F401 (FileSystemReader reads the sh
 
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.training.checkpoint_files import (DISTRIB_OPTIM_FILE, TRACKER, CheckpointError,
-                                                 _legacy_file, checkpoint_folder,
-                                                 checkpoint_format, is_whole, iterations_under,
-                                                 read_tracker)
+                                                 DamagedTracker, _legacy_file,
+                                                 checkpoint_folder, checkpoint_format, is_whole,
+                                                 iterations_under, read_tracker, write_tracker)
 from megatron_eod.training.every_rank import gathered
 
 __all__ = ["Found", "check_optimizer_saved", "find_checkpoint"]
@@ -126,6 +128,31 @@ def _locate(args) -> Optional[Found]:
                               f"be read ({error.strerror or error})") from None
 
 
+def _read_or_repair_tracker(load):
+    """read_tracker's iteration; for a tracker holding none, the newest complete checkpoint's,
+    the tracker rewritten (atomically) to name it: Megatron-LM's own load reads the tracker,
+    and exits on one holding no iteration, --ckpt-step or not. Every rank that finds it so
+    writes the same; find_checkpoint's gather follows, before any rank's load reads it."""
+    try:
+        return read_tracker(load, "--load")
+    except DamagedTracker as damaged:
+        complete = _complete_iterations(load)
+        if not complete:
+            raise
+        newest = complete[-1]
+        try:
+            write_tracker(load, newest)
+        except OSError as error:
+            raise CheckpointError(f"{damaged} (rewriting it to name the newest complete "
+                                  f"checkpoint, iteration {newest}, failed: "
+                                  f"{error.strerror or error})") from None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f" --load {load}: {TRACKER} held {damaged.text[:40]!r}, not an iteration (a "
+                  f"save killed while writing it): resuming from the newest complete "
+                  f"checkpoint, iteration {newest}, and the tracker now names it", flush=True)
+        return newest
+
+
 def _say_partial(load, iterations) -> None:
     """Rank 0: that the iteration folders under --load, none whole and none recorded in the
     tracker, are what saves killed before their end left (the first save's, typically: the
@@ -145,7 +172,7 @@ def _located(args) -> Optional[Found]:
         step = getattr(args, "ckpt_step", None)
         if step is not None:  # Megatron-LM's: this iteration, whatever the tracker says
             return _found("--load", load, step, finetune, f"--ckpt-step {step}")
-        iteration = read_tracker(load, "--load")
+        iteration = _read_or_repair_tracker(load)
         if iteration is not None:
             return _found("--load", load, iteration, finetune)
         complete = _complete_iterations(load)

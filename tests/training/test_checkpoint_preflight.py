@@ -14,7 +14,7 @@ from megatron_eod.training.checkpoint_preflight import find_checkpoint
 from megatron_eod.training.checkpoint_files import TRACKER, CheckpointError
 from tests.harness import run_ranks
 from tests.training.megatron_lm_checkout import import_megatron_lm
-from tests.training.runs import error_lines, flags, start
+from tests.training.runs import error_lines, flags, metrics_records, start
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,15 +73,37 @@ def test_the_checkpoint_and_a_fresh_start(ckpt, tmp_path):
              exit_on_missing_checkpoint=True)
 
 
-def test_a_damaged_tracker_names_its_flag(ckpt):
+@pytest.mark.parametrize("text", ["", "ab", "\x00\x00"])
+def test_a_damaged_tracker_resumes_from_the_newest_complete_checkpoint(ckpt, text, capsys):
+    """Megatron-LM writes the tracker in place: a kill while it writes leaves it empty (or cut
+    short), and its own load exits on it. The newest complete checkpoint is found and the
+    tracker rewritten to name it; with none complete, one line naming the flag."""
+    tracker = os.path.join(ckpt, TRACKER)
+    with open(tracker, "w") as f:
+        f.write(text)
+    os.makedirs(os.path.join(ckpt, "iter_0000006"))  # a later save killed before its end
+    found = find_checkpoint(_args(load=ckpt))
+    assert (found.iteration, found.format) == (4, "torch_dist")
+    assert open(tracker).read() == "4"
+    assert capsys.readouterr().out == (
+        f" --load {ckpt}: {TRACKER} held {text.strip()!r}, not an iteration (a save killed "
+        f"while writing it): resuming from the newest complete checkpoint, iteration 4, and "
+        f"the tracker now names it\n")
+    assert not [name for name in os.listdir(ckpt) if ".tmp" in name]
+
+
+def test_a_damaged_tracker_without_a_complete_checkpoint_names_its_flag(ckpt):
     with open(os.path.join(ckpt, TRACKER), "w") as f:
         f.write("ab")
     tracker = os.path.join(ckpt, TRACKER)
+    _refused(rf"^--pretrained-checkpoint {ckpt}: {tracker} holds 'ab'",
+             pretrained_checkpoint=ckpt)  # not ours to rewrite
+    for name in os.listdir(ckpt):  # no complete checkpoint left
+        if name.startswith("iter_"):
+            os.remove(os.path.join(ckpt, name, "metadata.json"))
     _refused(rf"^--load {ckpt}: {tracker} holds 'ab', not an iteration \(a save killed while "
              rf"writing it, or a copy cut short\): write the iteration to resume into it$",
              load=ckpt)
-    _refused(rf"^--pretrained-checkpoint {ckpt}: {tracker} holds 'ab'",
-             pretrained_checkpoint=ckpt)
 
 
 def test_a_load_that_cannot_be_a_checkpoint_folder(ckpt, tmp_path):
@@ -269,6 +291,8 @@ def test_ranks_reading_different_checkpoints_stop_every_rank(ckpt, tmp_path):
         f"kept in step")
     with open(os.path.join(stale, TRACKER), "w") as f:
         f.write("x")  # found on one rank only: named with its rank
+    shutil.rmtree(os.path.join(stale, "iter_0000002"))  # (with none complete there)
+    shutil.rmtree(os.path.join(stale, "iter_0000004"))
     errors = run_ranks(_find, 2, [ckpt, stale])
     assert errors == [errors[0]] * 2 and errors[0].startswith(
         f"rank 1 ({host}): --load {stale}: {stale}/{TRACKER} holds 'x'")
@@ -299,15 +323,23 @@ def test_one_ranks_damaged_torch_format_file_stops_every_rank(short_docs_data, t
                            f"checkpoint: "), line
 
 
-def test_a_damaged_tracker_or_index_stops_every_rank(short_docs_data, ckpt, tmp_path):
+def test_an_empty_tracker_resumes_and_a_damaged_index_stops_every_rank(short_docs_data, ckpt,
+                                                                        tmp_path):
     """Megatron-LM's load exited 0 after `ERROR: Invalid metadata file` (a job scheduler reads
-    success) and gave tracebacks for damaged files; one line now, exit 2."""
+    success; Megatron-LM writes the tracker in place, so a kill while it writes leaves it
+    empty): the run resumes from the newest complete checkpoint now and trains on from it. A
+    damaged index: one line, exit 2."""
+    metrics = tmp_path / "resumed.jsonl"
     tracker = os.path.join(ckpt, TRACKER)
-    with open(tracker, "w") as f:
-        f.write("abc")
-    line = refused(short_docs_data, 2, "--load", ckpt)
-    assert line.startswith(f"pretrain_gpt.py: error: --load {ckpt}: {tracker} holds 'abc', not "
-                           f"an iteration"), line
+    open(tracker, "w").close()
+    import_megatron_lm()
+    results = run_ranks(start, 2, flags(short_docs_data, str(metrics), "--load", ckpt,
+                                        "--train-iters", "6",
+                                        "--use-checkpoint-opt_param-scheduler"),
+                        timeout=240, daemon=False)
+    assert [code for code, _ in results] == [0, 0], results
+    assert [r["iteration"] for r in metrics_records(metrics) if "kind" not in r] == [5, 6]
+    assert open(tracker).read() == "4"
     with open(tracker, "w") as f:
         f.write("4")
     os.remove(os.path.join(ckpt, "iter_0000004", ".metadata"))
