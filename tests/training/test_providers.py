@@ -14,6 +14,7 @@ from megatron_eod.megatron import cpu_compat
 from megatron_eod.training.args import add_eod_args
 from megatron_eod.training.providers import EodProviders
 from tests.harness import run_ranks
+from tests.training.megatron_lm_checkout import import_megatron_lm
 
 
 def test_extra_args_and_distributed_marker():
@@ -134,6 +135,14 @@ def test_each_local_loss_is_checked_as_megatron_lm_checks_it():
 
 KEYS = ("rotary_percent", "rope_scaling", "rope_scaling_factor", "seq_len_interpolation_factor",
         "ring_exchange", "concurrent_calls", "fused_forward", "fused_backward")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _megatron_lm():
+    """Megatron-LM's trainer on the path (a 0.16 checkout is not installed) and imported
+    here, before the ranks fork: the ranks below import from it (a pytest-xdist worker may
+    run this file first)."""
+    import_megatron_lm()
 
 
 def _wired(rank, world, flags):
