@@ -42,7 +42,8 @@ from megatron_eod.training.args import add_eod_args, check_before_megatron, eod_
 from megatron_eod.training.checkpoint_files import CheckpointError
 from megatron_eod.training.checkpoint_load import hook_load_checkpoint
 from megatron_eod.training.cp_flags import FlagError, exit_with_error
-from megatron_eod.training.faults import (exit_on_collective_fault, exit_on_failed_validation,
+from megatron_eod.training.faults import (a_failed_save_is_one_line, exit_on_collective_fault,
+                                          exit_on_failed_validation,
                                           exit_with_parent, launched_by_torchrun,
                                           no_save_stops_a_rerun, our_errors_end_restarts,
                                           say_rerun_exit, timeout_minutes)
@@ -83,6 +84,7 @@ def run(argv=None):
     _check_after_validate()
     hook_load_checkpoint(training)
     no_save_stops_a_rerun(training)
+    a_failed_save_is_one_line(training)
     providers = EodProviders()
     EodFlops(providers).install(training)
     MetricsFile(providers).install(training)

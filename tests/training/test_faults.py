@@ -243,3 +243,45 @@ def test_a_worker_exits_when_its_launcher_is_killed():
             psutil.Process(child_pid).kill()
         except (psutil.NoSuchProcess, NameError, UnboundLocalError):
             pass
+
+
+def _save_fails_on_rank_0(rank, world, argv):
+    """`start`, with megatron-core's save of iteration 4 raising a full disk's OSError on
+    rank 0 (the save of iteration 2 goes through)."""
+    from megatron.core import dist_checkpointing
+
+    save = dist_checkpointing.save
+
+    def full_disk(state_dict, checkpoint_dir, *args, **kwargs):
+        if rank == 0 and "iter_0000004" in str(checkpoint_dir):
+            raise OSError(28, "No space left on device")
+        return save(state_dict, checkpoint_dir, *args, **kwargs)
+
+    dist_checkpointing.save = full_disk
+    return start(rank, world, argv)
+
+
+@pytest.mark.timeout(200)
+def test_a_failed_save_is_one_line_and_ends_the_job(short_docs_data, tmp_path):
+    """Megatron-LM gave a traceback on the failing rank. One line now, naming --save, the
+    error and the room there; its peer ends on the closed connection; the tracker stays on
+    the last complete checkpoint."""
+    import_megatron_lm()
+    save = str(tmp_path / "ckpt")
+    started = time.monotonic()
+    results = run_ranks(_save_fails_on_rank_0, 2,
+                        flags(short_docs_data, None, "--save", save, "--save-interval", "2"),
+                        timeout=180, daemon=False)
+    assert time.monotonic() - started < 120
+    (code0, err0), (code1, _) = results
+    assert (code0, code1 != 0) == (2, True), results
+    lines = error_lines(results)
+    assert len(lines[0]) == 1 and "Traceback" not in err0, err0[-3000:]
+    assert lines[0][0].startswith(
+        f"pretrain_gpt.py: error: --save {save}: rank 0: the checkpoint of iteration 4 could "
+        f"not be written (OSError: No space left on device); "), lines[0][0]
+    assert "GiB free there, the last checkpoint (iteration 2, which the tracker still names) " \
+           "takes " in lines[0][0] and lines[0][0].endswith(
+               f"free space there (and {save}/iter_0000004, left unfinished) or give another "
+               f"--save, then resume"), lines[0][0]
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"
