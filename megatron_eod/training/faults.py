@@ -45,7 +45,8 @@ import traceback
 import torch.distributed as dist
 
 from megatron_eod.data.checks import DatasetError
-from megatron_eod.training.checkpoint_files import CheckpointError
+from megatron_eod.training.checkpoint_files import (CheckpointError, checkpoint_folder,
+                                                 read_tracker)
 from megatron_eod.training.cp_flags import FlagError, say_error
 
 __all__ = ["exit_on_collective_fault", "exit_on_failed_validation", "exit_with_parent",
@@ -212,8 +213,6 @@ def _gib(count: int) -> str:
 
 def _failed_save(save: str, iteration, error: BaseException) -> CheckpointError:
     """The line for a save of `iteration` into `save` that raised `error`."""
-    from megatron_eod.training.checkpoint_files import checkpoint_folder, read_tracker
-
     said = f"{type(error).__name__}: {getattr(error, 'strerror', None) or error}"
     try:
         last = read_tracker(save, "--save")
