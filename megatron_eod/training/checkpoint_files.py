@@ -19,6 +19,7 @@ What it does not do: no saving or loading (Megatron-LM's), no reading of tensors
 from __future__ import annotations
 
 import os
+import socket
 from typing import Optional
 
 from megatron_eod.megatron.imports import import_megatron
@@ -96,7 +97,8 @@ def write_tracker(root, iteration) -> None:
     flushed to disk, renamed over it (a reader sees the old tracker or the new one, never a
     part), and the folder's entry flushed."""
     path = os.path.join(root, TRACKER)
-    temporary = f"{path}.tmp.{os.getpid()}"
+    temporary = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"  # ranks of several
+    # nodes may each rewrite it (checkpoint_preflight): a name of each's own
     try:
         with open(temporary, "w") as f:
             f.write(str(iteration))
