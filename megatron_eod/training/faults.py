@@ -1,9 +1,6 @@
-"""When a rank, a collective or the launcher fails, every rank ends, each with one line.
+"""When a collective, a save or a validated result fails, every rank ends, each with one line.
 
-One job, three cases:
-- `exit_with_parent()`: when torchrun's agent dies (kill -9, a lost node), its workers must not
-  train on as orphans writing checkpoints nobody reads; Linux sends this process SIGTERM when
-  its parent exits (prctl PR_SET_PDEATHSIG). run.py calls it when a launcher started us.
+One job, these cases (the processes of a rank or launcher that died: process_tree.py):
 - `exit_on_collective_fault(error, timeout_minutes)`: a RuntimeError from a collective that
   waited past --distributed-timeout-minutes (a rank stopped answering) or that lost its peer
   (gloo: "Connection closed by peer", "Connection reset by peer", "Read error"; the store at
@@ -29,17 +26,15 @@ One job, three cases:
   complete checkpoint (Megatron-LM writes it after every rank's files).
 
 What it does not do: no detection of its own (NCCL's watchdog and gloo's timeouts decide), no
-retry; nothing on systems without prctl (macOS).
+retry.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import importlib
 import os
 import shutil
-import signal
 import traceback
 
 import torch.distributed as dist
@@ -49,36 +44,14 @@ from megatron_eod.training.checkpoint_files import (CheckpointError, checkpoint_
                                                  read_tracker)
 from megatron_eod.training.cp_flags import FlagError, say_error
 
-__all__ = ["exit_on_collective_fault", "exit_on_failed_validation", "exit_with_parent",
-           "a_failed_save_is_one_line", "launched_by_torchrun", "no_save_stops_a_rerun",
-           "our_errors_end_restarts",
-           "say_rerun_exit", "timeout_minutes"]
+__all__ = ["a_failed_save_is_one_line", "exit_on_collective_fault", "exit_on_failed_validation",
+           "no_save_stops_a_rerun", "our_errors_end_restarts", "say_rerun_exit",
+           "timeout_minutes"]
 
 # Megatron-LM's rerun machine's exit codes (megatron/core/rerun_state_machine.py).
 RESUME_TO_DISAMBIGUATE, FAILED_ON_RESULT_VALIDATION = 16, 17
 _NAN_FLAGS = ("(Megatron-LM's --check-for-nan-in-loss-and-grad, on by default; "
               "--no-check-for-nan-in-loss-and-grad trains on)")
-
-_PR_SET_PDEATHSIG = 1
-
-
-def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def exit_with_parent(sig: int = signal.SIGTERM) -> bool:
-    """Arrange `sig` for this process when its parent dies; True where that is in effect."""
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
-        return False
-    if os.getppid() != parent or parent == 1:  # the parent died before the request
-        os.kill(os.getpid(), sig)
-    return True
-
 
 _LOST_PEER = ("closed by peer", "reset by peer", "read error")
 

@@ -12,6 +12,7 @@ providers, on any Megatron-LM from core_v0.16 to 0.19:
 * every rank's flags and versions are compared with rank 0's (same_flags) right before
   Megatron-LM makes its groups (each `initialize_model_parallel`), --save checked to be shared
   (startup_checks.py), and our errors end in-process restarts (faults.py);
+* under torchrun, no process outlives the job (process_tree.py);
 * --load checked before Megatron-LM reads it (checkpoint_load.py); `--metrics-file` gets one
   JSON line per iteration and per evaluation (metrics.py);
 * megatron-core wheels ship the dataset helpers prebuilt and no Makefile: Megatron-LM's
@@ -44,11 +45,12 @@ from megatron_eod.training.checkpoint_load import hook_load_checkpoint
 from megatron_eod.training.cp_flags import FlagError, exit_with_error
 from megatron_eod.training.faults import (a_failed_save_is_one_line, exit_on_collective_fault,
                                           exit_on_failed_validation,
-                                          exit_with_parent, launched_by_torchrun,
                                           no_save_stops_a_rerun, our_errors_end_restarts,
                                           say_rerun_exit, timeout_minutes)
 from megatron_eod.training.flag_rules import check_global_batch
 from megatron_eod.training.metrics import EodFlops, MetricsFile
+from megatron_eod.training.process_tree import (exit_with_parent, launched_by_torchrun,
+                                                reap_group_at_exit)
 from megatron_eod.training.providers import EodProviders
 from megatron_eod.training.startup_checks import flags_compared_before_groups
 
@@ -72,8 +74,9 @@ def run(argv=None):
     """Train with Megatron-LM's `pretrain()`; raises SystemExit(2) on a flag error."""
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]  # Megatron-LM parses sys.argv itself
-    if launched_by_torchrun():
-        exit_with_parent()  # no orphans training on when torchrun's agent dies
+    if launched_by_torchrun():  # no process of the job outlives it
+        exit_with_parent()  # a rank, its agent
+        reap_group_at_exit()  # what the rank started (checkpoint writers), the rank
     if not torch.cuda.is_available():
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         cpu_compat.apply(megatron_lm=True)
