@@ -19,11 +19,7 @@ One job, these cases (the processes of a rank or launcher that died: process_tre
   again there: each exit is said in one line (`say_rerun_exit`), and without --save, where it
   stopped every rank with a TypeError in its save, it stops with one line and 17
   (`no_save_stops_a_rerun`).
-- `a_failed_save_is_one_line`: a save that raises an OSError (a full disk, a lost mount) or an
-  ImportError (a package megatron-core's save needs) on a rank: one line naming --save, the
-  error, the space free there and the last checkpoint's size, and exit 2 on that rank; its
-  peers then meet the closed connection (one line each, above). The tracker stays on the last
-  complete checkpoint (Megatron-LM writes it after every rank's files).
+- a failed save: checkpoint_save.py says it (its peers then meet the closed connection, above).
 
 What it does not do: no detection of its own (NCCL's watchdog and gloo's timeouts decide), no
 retry.
@@ -34,17 +30,15 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-import shutil
 import traceback
 
 import torch.distributed as dist
 
 from megatron_eod.data.checks import DatasetError
-from megatron_eod.training.checkpoint_files import (CheckpointError, checkpoint_folder,
-                                                 read_tracker)
+from megatron_eod.training.checkpoint_files import CheckpointError
 from megatron_eod.training.cp_flags import FlagError, say_error
 
-__all__ = ["a_failed_save_is_one_line", "exit_on_collective_fault", "exit_on_failed_validation",
+__all__ = ["exit_on_collective_fault", "exit_on_failed_validation",
            "no_save_stops_a_rerun", "our_errors_end_restarts", "say_rerun_exit",
            "timeout_minutes"]
 
@@ -177,52 +171,4 @@ def no_save_stops_a_rerun(training) -> None:
         return original(*args, **kwargs)
 
     save_checkpoint_and_time._eod = True
-    training.save_checkpoint_and_time = save_checkpoint_and_time
-
-
-def _gib(count: int) -> str:
-    return f"{count / 2**30:.2f} GiB"
-
-
-def _failed_save(save: str, iteration, error: BaseException) -> CheckpointError:
-    """The line for a save of `iteration` into `save` that raised `error`."""
-    said = f"{type(error).__name__}: {getattr(error, 'strerror', None) or error}"
-    try:
-        last = read_tracker(save, "--save")
-    except CheckpointError:
-        last = None
-    room = []
-    try:
-        room.append(f"{_gib(shutil.disk_usage(save).free)} free there")
-    except OSError:
-        pass
-    if last is not None:
-        size = sum(os.path.getsize(os.path.join(folder, name))
-                   for folder, _, names in os.walk(checkpoint_folder(save, last))
-                   for name in names if os.path.isfile(os.path.join(folder, name)))
-        room.append(f"the last checkpoint (iteration {last}, which the tracker still names) "
-                    f"takes {_gib(size)}")
-    partial = checkpoint_folder(save, iteration) if isinstance(iteration, int) else None
-    return CheckpointError(
-        f"--save {save}: rank {_rank()}: the checkpoint of iteration {iteration} could not be "
-        f"written ({said}){'; ' + ', '.join(room) if room else ''}: free space there (and "
-        f"{partial}, left unfinished) or give another --save, then resume")
-
-
-def a_failed_save_is_one_line(training) -> None:
-    """Megatron-LM's save_checkpoint_and_time raising an OSError or ImportError: a
-    CheckpointError (one line, exit 2: run.py) instead of a traceback. Idempotent."""
-    original = training.save_checkpoint_and_time
-    if getattr(original, "_eod_failed_save", False):
-        return
-
-    def save_checkpoint_and_time(*args, **kwargs):
-        try:
-            return original(*args, **kwargs)
-        except (OSError, ImportError) as error:
-            save = importlib.import_module("megatron.training").get_args().save
-            iteration = args[0] if args else kwargs.get("iteration")
-            raise _failed_save(save, iteration, error) from None
-
-    save_checkpoint_and_time._eod_failed_save = True
     training.save_checkpoint_and_time = save_checkpoint_and_time

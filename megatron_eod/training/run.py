@@ -13,8 +13,10 @@ providers, on any Megatron-LM from core_v0.16 to 0.19:
   Megatron-LM makes its groups (each `initialize_model_parallel`), --save checked to be shared
   (startup_checks.py), and our errors end in-process restarts (faults.py);
 * under torchrun, no process outlives the job (process_tree.py);
-* --load checked before Megatron-LM reads it (checkpoint_load.py); `--metrics-file` gets one
-  JSON line per iteration and per evaluation (metrics.py);
+* --load checked before Megatron-LM reads it (checkpoint_load.py); the tracker written
+  atomically, the room checked before each save, a failed save one line
+  (checkpoint_save.py); `--metrics-file` gets one JSON line per iteration and per
+  evaluation (metrics.py);
 * megatron-core wheels ship the dataset helpers prebuilt and no Makefile: Megatron-LM's
   start-up `make` is skipped when the built module imports;
 * without CUDA: `cpu_compat.apply(megatron_lm=True)` and CUDA_DEVICE_MAX_CONNECTIONS=1; with
@@ -42,8 +44,9 @@ from megatron_eod.megatron import cpu_compat, gloo_on_cuda
 from megatron_eod.training.args import add_eod_args, check_before_megatron, eod_args_from_megatron
 from megatron_eod.training.checkpoint_files import CheckpointError
 from megatron_eod.training.checkpoint_load import hook_load_checkpoint
+from megatron_eod.training.checkpoint_save import hook_save_checkpoint
 from megatron_eod.training.cp_flags import FlagError, exit_with_error
-from megatron_eod.training.faults import (a_failed_save_is_one_line, exit_on_collective_fault,
+from megatron_eod.training.faults import (exit_on_collective_fault,
                                           exit_on_failed_validation,
                                           no_save_stops_a_rerun, our_errors_end_restarts,
                                           say_rerun_exit, timeout_minutes)
@@ -87,7 +90,7 @@ def run(argv=None):
     _check_after_validate()
     hook_load_checkpoint(training)
     no_save_stops_a_rerun(training)
-    a_failed_save_is_one_line(training)
+    hook_save_checkpoint(training)
     providers = EodProviders()
     EodFlops(providers).install(training)
     MetricsFile(providers).install(training)

@@ -235,8 +235,9 @@ def _save_fails_on_rank_0(rank, world, argv):
 @pytest.mark.timeout(200)
 def test_a_failed_save_is_one_line_and_ends_the_job(short_docs_data, tmp_path):
     """Megatron-LM gave a traceback on the failing rank. One line now, naming --save, the
-    error and the room there; its peer ends on the closed connection; the tracker stays on
-    the last complete checkpoint."""
+    error and the room there (training/checkpoint_save.py); its peer ends on the closed
+    connection; the tracker stays on the last complete checkpoint. (A real full disk:
+    tests/functional/test_checkpoint_faults.py.)"""
     import_megatron_lm()
     save = str(tmp_path / "ckpt")
     started = time.monotonic()
@@ -251,8 +252,8 @@ def test_a_failed_save_is_one_line_and_ends_the_job(short_docs_data, tmp_path):
     assert lines[0][0].startswith(
         f"pretrain_gpt.py: error: --save {save}: rank 0: the checkpoint of iteration 4 could "
         f"not be written (OSError: No space left on device); "), lines[0][0]
-    assert "GiB free there, the last checkpoint (iteration 2, which the tracker still names) " \
+    assert " free there, the last checkpoint (iteration 2, which the tracker still names) " \
            "takes " in lines[0][0] and lines[0][0].endswith(
-               f"free space there (and {save}/iter_0000004, left unfinished) or give another "
-               f"--save, then resume"), lines[0][0]
+               "; its unfinished folder is removed: free space there or give another --save, "
+               "then resume"), lines[0][0]
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"
