@@ -14,7 +14,8 @@ One job: `hook_save_checkpoint(training)` (idempotent), run.py's, so that
   - the room at --save is compared with the checkpoint's size: the last checkpoint's (its
     folder, what each save adds: Megatron-LM keeps them all), or before one exists an
     estimate, a lower bound (each parameter once, in its dtype, plus, where the optimizer is
-    saved, Adam's two fp32 moments and, for bf16/fp16, the fp32 main copy). Short of it, every
+    saved, Adam's two fp32 moments and, for bf16/fp16 or the distributed optimizer, the fp32
+    main copy: the tiny GPT's 1.7 MiB for 2.1 MiB written). Short of it, every
     rank stops with one line naming --save, the free and the needed space, and the fix
     (CheckpointError: exit 2), instead of a half-written folder;
 - a save that raises anyway (the disk filled during it; a lost mount; a package megatron-core's
@@ -59,16 +60,15 @@ def hook_save_checkpoint(training) -> None:
         if not save or "://" in save:
             return original(*args, **kwargs)
         model = args[1] if len(args) > 1 else kwargs.get("model")
-        _check_room(save, iteration, model, remove_leftovers=first["save"])
+        room = _check_room(save, iteration, model, remove_leftovers=first["save"])
         first["save"] = False
         try:
             return original(*args, **kwargs)
         except BaseException as error:  # torch's CheckpointException is one
             if not isinstance(error, _save_errors()) or _is_collective_fault(error):
                 raise
-            failed = _failed_save(save, iteration, error)  # the room before the removal
             _remove_unfinished(save, iteration)
-            raise failed from None
+            raise _failed_save(save, iteration, error, room) from None
 
     save_checkpoint_and_time._eod_save = True
     training.save_checkpoint_and_time = save_checkpoint_and_time
@@ -161,7 +161,8 @@ def _estimate(model) -> int:
     if getattr(args, "no_save_optim", False):
         return weights
     moments = 8 if getattr(args, "optimizer", "adam") == "adam" else 4
-    main = 4 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 0
+    main = 4 if any(getattr(args, name, False) for name in
+                    ("bf16", "fp16", "use_distributed_optimizer")) else 0  # saved fp32 copies
     return weights + count * (moments + main)
 
 
@@ -180,7 +181,8 @@ def _remove_leftovers(save) -> list:
     return removed
 
 
-def _check_room(save, iteration, model, remove_leftovers) -> None:
+def _check_room(save, iteration, model, remove_leftovers) -> str:
+    """Raises the CheckpointError where --save has no room; else returns the room, said."""
     rank = dist.get_rank()
     removed = _remove_leftovers(save) if rank == 0 and remove_leftovers else []
     if removed:
@@ -199,10 +201,12 @@ def _check_room(save, iteration, model, remove_leftovers) -> None:
     every = gathered(found)
     free, last = every[0].get("free"), every[0].get("last")
     needed = last[1] if last else sum(item["estimate"] for item in every)
-    if free is None or free >= needed:
-        return
     basis = (f"the size of the last checkpoint, iteration {last[0]}" if last else
              "an estimate of the first checkpoint: the parameters and the optimizer's state")
+    if free is None:
+        return ""
+    if free >= needed:
+        return f"{_size(free)} was free there before it, {_size(needed)} needed ({basis})"
     raise CheckpointError(
         f"--save {save}: no room for the checkpoint of iteration {iteration}: {_size(free)} "
         f"free there, {_size(needed)} needed ({basis}); free space there (remove older "
@@ -252,22 +256,16 @@ def _remove_unfinished(save, iteration) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _failed_save(save, iteration, error) -> CheckpointError:
-    room, free = [], None
-    try:
-        free = shutil.disk_usage(save).free
-    except OSError:
-        pass
+def _failed_save(save, iteration, error, room) -> CheckpointError:
+    """The line, said after the unfinished folder is removed: the room before the save (what
+    is free now is not what the save met)."""
+    said = [room] if room else []
     last = _last_complete(save)
-    size = _folder_bytes(checkpoint_folder(save, last)) if last is not None else 0
-    if free is not None:
-        full = free < max(2**20, size)
-        room.append(f"{_size(free)} free there{' (the disk is full)' if full else ''}")
     if last is not None:
-        room.append(f"the last checkpoint (iteration {last}, which the tracker still names) "
-                    f"takes {_size(size)}")
+        said.append(f"the last checkpoint (iteration {last}, which the tracker still names) "
+                    f"takes {_size(_folder_bytes(checkpoint_folder(save, last)))}")
     rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
     return CheckpointError(
         f"--save {save}: rank {rank}: the checkpoint of iteration {iteration} could not be "
-        f"written ({_cause(error)}){'; ' + ', '.join(room) if room else ''}; its unfinished "
+        f"written ({_cause(error)}){'; ' + ', '.join(said) if said else ''}; its unfinished "
         f"folder is removed: free space there or give another --save, then resume")
