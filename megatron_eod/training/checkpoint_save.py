@@ -57,8 +57,9 @@ def hook_save_checkpoint(training) -> None:
     def save_checkpoint_and_time(*args, **kwargs):
         save = importlib.import_module("megatron.training").get_args().save
         iteration = args[0] if args else kwargs.get("iteration")
-        if not save or "://" in save:
-            return original(*args, **kwargs)
+        non_persistent = args[6] if len(args) > 6 else kwargs.get("non_persistent_ckpt")
+        if not save or "://" in save or non_persistent:  # the latter: another folder, its
+            return original(*args, **kwargs)  # own (--non-persistent-ckpt-type)
         model = args[1] if len(args) > 1 else kwargs.get("model")
         room = _check_room(save, iteration, model, remove_leftovers=first["save"])
         first["save"] = False
