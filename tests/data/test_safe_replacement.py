@@ -69,7 +69,7 @@ def test_a_killed_rerun_keeps_the_previous_dataset(good, tmp_path):
                              "--append-eod", "--log-interval", "100000000"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        end = time.monotonic() + 60
+        end = time.monotonic() + 240  # its start-up: ~1 s, 60+ s where imports crawl
         while not os.path.exists(prefix + ".bin.tmp") and proc.poll() is None:
             assert time.monotonic() < end, "preprocessing never started writing"
             time.sleep(0.02)
