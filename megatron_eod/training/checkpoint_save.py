@@ -1,7 +1,9 @@
 """Around Megatron-LM's save: the tracker written atomically, the room checked before each save,
 a failed save one line with its unfinished folder removed.
 
-One job: `hook_save_checkpoint(training)` (idempotent), run.py's, so that
+One job: `hook_save_checkpoint(training)` (idempotent), run.py's, wraps the `save_checkpoint`
+Megatron-LM's training loop calls (through `save_checkpoint_and_time`, or directly for the save
+at the end of training before 0.18), so that
 - Megatron-LM's write of the tracker, an `open(tracker, 'w')` in its checkpointing module (a
   kill at that instant left it empty, and the next launch refused), goes through
   checkpoint_files.write_tracker: a temporary file, fsync, rename. Everything else is
@@ -49,15 +51,15 @@ __all__ = ["hook_save_checkpoint"]
 def hook_save_checkpoint(training) -> None:
     checkpointing = importlib.import_module("megatron.training.checkpointing")
     _tracker_written_atomically(checkpointing)
-    original = training.save_checkpoint_and_time
-    if getattr(original, "_eod_save", False):
+    original = training.save_checkpoint  # what save_checkpoint_and_time calls, and before
+    if getattr(original, "_eod_save", False):  # 0.18 the save at the end of training
         return
     first = {"save": True}
 
-    def save_checkpoint_and_time(*args, **kwargs):
+    def save_checkpoint(*args, **kwargs):
         save = importlib.import_module("megatron.training").get_args().save
         iteration = args[0] if args else kwargs.get("iteration")
-        non_persistent = args[6] if len(args) > 6 else kwargs.get("non_persistent_ckpt")
+        non_persistent = kwargs.get("non_persistent_ckpt")  # Megatron-LM passes it by name
         if not save or "://" in save or non_persistent:  # the latter: another folder, its
             return original(*args, **kwargs)  # own (--non-persistent-ckpt-type)
         model = args[1] if len(args) > 1 else kwargs.get("model")
@@ -71,8 +73,8 @@ def hook_save_checkpoint(training) -> None:
             _remove_unfinished(save, iteration)
             raise _failed_save(save, iteration, error, room) from None
 
-    save_checkpoint_and_time._eod_save = True
-    training.save_checkpoint_and_time = save_checkpoint_and_time
+    save_checkpoint._eod_save = True
+    training.save_checkpoint = save_checkpoint
 
 
 # --- the tracker -------------------------------------------------------------------------------

@@ -146,6 +146,21 @@ def _of_job(port):
 DELAYS = (0.02, 0.1, 0.25)
 
 
+def _said(process):
+    try:
+        return f"parent {process.ppid()}: {' '.join(process.cmdline())[:80]}"
+    except psutil.Error:
+        return "ended"
+
+
+def _is_rank_0(process):
+    try:  # a writer that has just exited is a zombie: no command line
+        return ("pretrain_gpt.py" in " ".join(process.cmdline()) and
+                process.environ().get("RANK") == "0")
+    except psutil.Error:
+        return False
+
+
 def test_kill_9_of_rank_0_during_a_save_leaves_no_process(short_docs_data, tmp_path):
     """torchrun, 2 ranks, --exit-signal-handler (Megatron-LM's SIGTERM handler, inherited by
     what a rank forks), a save at every iteration: rank 0 killed DELAYS s after the third
@@ -177,8 +192,7 @@ def test_kill_9_of_rank_0_during_a_save_leaves_no_process(short_docs_data, tmp_p
                 if job["kill_at"] is not None and time.monotonic() >= job["kill_at"]:
                     job["kill_at"] = float("inf")
                     for p in psutil.Process(job["proc"].pid).children(recursive=True):
-                        if "pretrain_gpt.py" in " ".join(p.cmdline()) and \
-                                p.environ().get("RANK") == "0":
+                        if _is_rank_0(p):
                             p.send_signal(signal.SIGKILL)
                 assert job["proc"].poll() is None or job["kill_at"] is not None, \
                     job["log"].read_text()[-3000:]
@@ -186,8 +200,7 @@ def test_kill_9_of_rank_0_during_a_save_leaves_no_process(short_docs_data, tmp_p
         end = time.monotonic() + 20
         while any(_of_job(job["port"]) for job in jobs) and time.monotonic() < end:
             time.sleep(0.2)
-        left = [(job["delay"], p.pid, p.ppid(), " ".join(p.cmdline())[:80])
-                for job in jobs for p in _of_job(job["port"])]
+        left = [(job["delay"], p.pid, _said(p)) for job in jobs for p in _of_job(job["port"])]
         assert not left, f"alive 20 s after the job ended: {left}"
     finally:
         for job in jobs:
