@@ -44,6 +44,7 @@ from megatron_eod.training.checkpoint_files import (TRACKER, CheckpointError, ch
                                                  is_whole, iterations_under, read_tracker,
                                                  write_tracker)
 from megatron_eod.training.every_rank import gathered
+from megatron_eod.training.faults import collective_fault
 
 __all__ = ["hook_save_checkpoint"]
 
@@ -68,7 +69,7 @@ def hook_save_checkpoint(training) -> None:
         try:
             return original(*args, **kwargs)
         except BaseException as error:  # torch's CheckpointException is one
-            if not isinstance(error, _save_errors()) or _is_collective_fault(error):
+            if not isinstance(error, _save_errors()) or collective_fault(error):
                 raise
             _remove_unfinished(save, iteration)
             raise _failed_save(save, iteration, error, room) from None
@@ -227,15 +228,6 @@ def _save_errors() -> tuple:
     core = importlib.import_module("megatron.core.dist_checkpointing.core")
     return (OSError, ImportError, RuntimeError, api.CheckpointException,
             core.CheckpointingException)
-
-_LOST_PEER = ("timed out", "closed by peer", "reset by peer", "read error", "connection refused")
-
-
-def _is_collective_fault(error) -> bool:
-    """A collective of the save that lost a peer: faults.py says that one."""
-    return isinstance(error, RuntimeError) and any(
-        words in str(error).lower() for words in _LOST_PEER)
-
 
 def _cause(error) -> str:
     """What a save's error says; for torch's CheckpointException, the first failing rank's

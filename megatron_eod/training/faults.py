@@ -38,7 +38,7 @@ from megatron_eod.data.checks import DatasetError
 from megatron_eod.training.checkpoint_files import CheckpointError
 from megatron_eod.training.cp_flags import FlagError, say_error
 
-__all__ = ["exit_on_collective_fault", "exit_on_failed_validation",
+__all__ = ["collective_fault", "exit_on_collective_fault", "exit_on_failed_validation",
            "no_save_stops_a_rerun", "our_errors_end_restarts", "say_rerun_exit",
            "timeout_minutes"]
 
@@ -57,20 +57,28 @@ def _where(error) -> str:
     return f"{frames[-1].name} ({os.path.basename(frames[-1].filename)})" if frames else "?"
 
 
+def collective_fault(error, timeout_minutes="?"):
+    """What went wrong, where `error` is a collective's timeout or lost peer; None otherwise."""
+    said = str(error).lower()
+    if not isinstance(error, RuntimeError):
+        return None
+    if "connection refused" in said:  # before "timed out": gloo says "timed out connecting"
+        return ("a peer rank could not be reached (nothing listens at its address: it stopped, "
+                "or it is not of this launch, e.g. after torchrun restarted the workers)")
+    if "timed out" in said or "wait timeout" in said:  # the latter: the store at start-up
+        return (f"a collective waited longer than --distributed-timeout-minutes "
+                f"{timeout_minutes} (a rank stopped answering or died: see its own error)")
+    if any(words in said for words in _LOST_PEER) or isinstance(
+            error, getattr(dist, "DistNetworkError", ())):
+        return "a peer rank closed its connection (it stopped: see its own error)"
+    return None
+
+
 def exit_on_collective_fault(error: RuntimeError, timeout_minutes) -> None:
     """SystemExit(1) after one line where `error` is a collective's timeout or lost peer;
     returns (for the caller to re-raise) otherwise."""
-    said = str(error).lower()
-    if "connection refused" in said:  # before "timed out": gloo says "timed out connecting"
-        what = ("a peer rank could not be reached (nothing listens at its address: it stopped, "
-                "or it is not of this launch, e.g. after torchrun restarted the workers)")
-    elif "timed out" in said or "wait timeout" in said:  # the latter: the store at start-up
-        what = (f"a collective waited longer than --distributed-timeout-minutes "
-                f"{timeout_minutes} (a rank stopped answering or died: see its own error)")
-    elif any(words in said for words in _LOST_PEER) or isinstance(
-            error, getattr(dist, "DistNetworkError", ())):
-        what = "a peer rank closed its connection (it stopped: see its own error)"
-    else:
+    what = collective_fault(error, timeout_minutes)
+    if what is None:
         return
     rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
     message = " ".join(str(error).split())  # one line (gloo's carry newlines)
