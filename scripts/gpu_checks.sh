@@ -26,9 +26,15 @@
 #                 concurrent, the fused kernels' rows and their whole-row calls, 2 rows per
 #                 mix; a row that fails is NaN, its traceback in the log
 #   profile-open  profile's batched rows, with and without --cp-concurrent-calls, and fused
-#   training-open training's runs with the fused forward (--cp-fused-forward, and with
-#                 --cp-concurrent-calls) against its CP=1 run: what the flags need before
-#                 they become defaults
+#   training-open training's runs of CP=2 ring and CP=4 hybrid as processes sharing the GPU,
+#                 with the defaults (fused forward, concurrent calls) and without, against
+#                 the CP=1 run (itself with the defaults)
+#   bench-default the issue-52 table: the busiest rank over the ideal with the defaults on GPUs
+#                 (fused forward + concurrent calls, training/gpu_defaults.py) beside the
+#                 batched rows without them, 2 rows per mix
+#   magi          the same rows at MagiAttention's published setting: GQA 64:8, head dim 128,
+#                 8k tokens per GPU at CP 8 (64k), documents at most a quarter of the row
+#                 (`--mixes capped`), with useful TFLOP/s per GPU of the busiest rank
 #   backward-sweep tools/sweep_fused_backward.py: the fused backward's time over PyTorch's at
 #                 the launch shapes that spill no register on sm_90 at head dim 128 under
 #                 Triton 3.6.0 (ptxas, 2026-11-28), the default first, then dq by atomic
@@ -37,11 +43,11 @@
 # calls, the second at once while the machine is warm (~30 s):
 #   1. bash scripts/gpu_checks.sh env kernels bench-open profile-open multiprocess
 #   2. GPU_CHECKS_BUDGET=<seconds left - 60> bash scripts/gpu_checks.sh env training
-# The next lease (docs/BENCHMARKS.md "Still to run"), first the training stage and the
-# end-to-end figure through Megatron-LM's trainer (issue 50), then what issue 11 left:
-#   1. GPU_CHECKS_BUDGET=545 bash scripts/gpu_checks.sh env training e2e
-#   2. GPU_CHECKS_BUDGET=<seconds left - 60> bash scripts/gpu_checks.sh env training-open \
-#      backward-sweep profile-open
+# The next lease (docs/BENCHMARKS.md "Still to run"), issue 52's deciding figures first: the
+# defaults' table and MagiAttention's setting, then training parity with the defaults:
+#   1. GPU_CHECKS_BUDGET=540 bash scripts/gpu_checks.sh env bench-default magi training-open
+#   2. GPU_CHECKS_BUDGET=<seconds left - 60> bash scripts/gpu_checks.sh env backward-sweep \
+#      profile-open
 # --list prints each stage and its command, runs nothing.
 #   GPU_CHECKS_OUT     logs and summary.md (default: $OUT when set, else <repo>/runs/gpu_checks)
 #   GPU_CHECKS_BUDGET  seconds for all stages together (default: 560); a stage runs under what
@@ -57,7 +63,7 @@ WORK="${TMPDIR:-/tmp}/megatron-eod-gpu-checks"
 PYTEST="$PYTHON -m pytest -q -rs -s -m gpu"
 
 ORDER=(env kernels multiprocess training bench-cp profile e2e)
-NAMED_ONLY=(bench-open profile-open training-open backward-sweep)
+NAMED_ONLY=(bench-open profile-open training-open bench-default magi backward-sweep)
 declare -A COMMAND LIMIT
 COMMAND[env]="$PYTHON tools/gpu_env_report.py"
 COMMAND[kernels]="$PYTEST tests --ignore=tests/attention/test_multiprocess_gpu.py --ignore=tests/functional/test_gpu_training.py"
@@ -67,7 +73,10 @@ COMMAND[bench-cp]="$PYTHON tools/bench_cp_gpu.py"
 COMMAND[profile]="$PYTHON tools/profile_cp_step.py"
 COMMAND[e2e]="$PYTHON tools/bench_e2e.py --preset 1b --work-dir $WORK/bench_e2e"
 COMMAND[bench-open]="${COMMAND[bench-cp]} --samples 2 --only '^ours (ring|hybrid u=2)( \\((concurrent|fused.*)\\))?\$|fused kernel'"
-COMMAND[training-open]="${COMMAND[training]} -k fused"
+COMMAND[training-open]="${COMMAND[training]} -k 'sharing_one_gpu and (ring2 or hybrid4)'"
+DEFAULT_ROWS="--only '^ours (ring|hybrid u=2)( \\(fused, concurrent\\))?\$'"
+COMMAND[bench-default]="${COMMAND[bench-cp]} --samples 2 $DEFAULT_ROWS"
+COMMAND[magi]="${COMMAND[bench-cp]} --samples 2 --mixes capped --configs 65536:8 --heads 64 --kv-heads 8 --head-dim 128 $DEFAULT_ROWS"
 COMMAND[profile-open]="${COMMAND[profile]} --only '^ours (ring|hybrid u=2)( \((concurrent|fused).*\))?\$'"
 # DQ_BLOCK_N:DKDV_BLOCK_M:WARPS:STAGES[:DKDV_WARPS][@KEYS per dk/dv tile], default first
 # (its dk/dv spills 88 bytes under the machine's Triton 3.6.0, none under 3.7.1), then the
@@ -77,7 +86,7 @@ BACKWARD_SHAPES="32:32:8:2,32:16:8:2,64:16:8:2,32:16:8:2@128,32:32:8:2@32,32:16:
 COMMAND[backward-sweep]="$PYTHON tools/sweep_fused_backward.py --shapes $BACKWARD_SHAPES"
 LIMIT=([env]=120 [kernels]=300 [multiprocess]=420 [training]=540 [bench-cp]=480
        [profile]=240 [e2e]=540 [bench-open]=360 [profile-open]=180 [training-open]=300
-       [backward-sweep]=300)
+       [backward-sweep]=300 [bench-default]=300 [magi]=180)
 
 if [ "${1:-}" = "--list" ]; then
   for stage in "${ORDER[@]}" "${NAMED_ONLY[@]}"; do

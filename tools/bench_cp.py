@@ -77,6 +77,17 @@ def web_row(n, rng):
     return pack_rows(lengths, n, rng)
 
 
+def capped_row(n, rng):
+    """One row of n tokens whose documents are each at most n / 4 long, lengths uniform in
+    [1, n / 4] (the last one cut): MagiAttention's benchmark setting ("varlen causal, documents
+    at most a quarter of the sequence"); its own length sampler is not reproduced."""
+    lengths = []
+    while sum(lengths) < n:
+        lengths.append(int(rng.integers(1, n // 4 + 1)))
+    lengths[-1] -= sum(lengths) - n
+    return np.concatenate([[0], np.cumsum(lengths)])
+
+
 def owners_contiguous(cu, cp):
     n = int(cu[-1])
     return np.arange(n) // (n // cp)

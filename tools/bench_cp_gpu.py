@@ -2,7 +2,7 @@
 """Attention compute per CP rank on one GPU: our plan against the layouts others use.
 
     python tools/bench_cp_gpu.py [--samples 3] [--heads 32 --kv-heads 8 --head-dim 128]
-                                 [--mixes stdlib,web] [--only REGEX]
+                                 [--mixes stdlib,web,capped] [--only REGEX]
 
 For the two document mixes of tools/bench_cp.py at 32k tokens / CP 4 and 128k / CP 8, runs on
 ONE device, group after group (megatron_eod.attention.simulate), the forward+backward kernel
@@ -347,7 +347,9 @@ def main(argv=None):
     p.add_argument("--steps", action="store_true",
                    help="also time the steps executor (--cp-ring-exchange steps; its rows of "
                         "2026-11-24 are in docs/BENCHMARKS.md)")
-    p.add_argument("--mixes", default="stdlib,web", help="comma-separated: stdlib, web")
+    p.add_argument("--mixes", default="stdlib,web",
+                   help="comma-separated: stdlib, web, capped (documents of at most a quarter "
+                        "of the row: MagiAttention's setting)")
     add_fused_options(p)
     p.add_argument("--only", metavar="REGEX",
                    help="time only the layouts whose name this regular expression finds "

@@ -18,9 +18,10 @@ steps executor; the batched one sends views) and the landing of the gradients th
 (the transfers themselves are not counted).
 Reports, for the busiest group (most launches) of each mix: attention calls, glue launches,
 and glue launches per attention call, for ring and hybrid (Ulysses degree 2), each with both
-ring executors (batched, steps); ideal is one attention call and no glue. Beside them, the
-most bytes any group's glue writes, in units of that group's q (its rows x all query heads x
-head dim, --heads / --kv-heads set the GQA ratio): a memory-bound kernel's time follows its
+ring executors (batched, steps) and the batched one with the fused forward (the default
+on GPUs; each Triton launch counts as a call); ideal is one attention call and no glue.
+Beside them, the most bytes any group's glue writes, in units of that group's q (its rows x
+all query heads x head dim, --heads / --kv-heads set the GQA ratio): a memory-bound kernel's time follows its
 bytes, so this says what the glue costs where launches are hidden.
 The executor's shape-based choice (sum returned gradients over the run covering the rows sent
 or over all rows: `batched.LAUNCH_BYTES`) is made as for a model's rows
@@ -52,6 +53,7 @@ from megatron_eod import plan_context_parallel  # noqa: E402
 from megatron_eod.attention import batched, ring  # noqa: E402
 from megatron_eod.attention.backends import TorchVarlenBackend  # noqa: E402
 from megatron_eod.attention.simulate import InProcessTransport, Ready, SimulatedPlan  # noqa: E402
+from megatron_eod.attention.triton_forward import TritonForwardBackend  # noqa: E402
 
 # Loop nests of the compiled merge (TORCH_LOGS=output_code, CPU inductor, torch 2.13): a run of
 # rows updates lse then out in two; rows by index gather, compute and scatter in four.
@@ -135,15 +137,30 @@ class _LandingTransport(InProcessTransport):
                       if rows else None)
 
 
-def group_launches(plan, g, tensors, schedule_map=None, exchange="batched") -> Launches:
-    """Group g's forward+backward with the ring executor `exchange`; `schedule_map` rewrites
-    the schedules first (tests compare variants)."""
-    sim = SimulatedPlan(plan, *tensors, TorchVarlenBackend(), 0.1, exchange)
+class _CountedFused(TritonForwardBackend):
+    """The fused forward (--cp-fused-forward, the default on GPUs) over the GPU backend:
+    each of its Triton launches counts as an attention call, with no work."""
+
+    def __init__(self, mode):
+        super().__init__(TorchVarlenBackend())
+        self.mode = mode
+
+    def forward_tiles(self, *args):
+        if args[5].shape[0]:  # tiles to launch
+            self.mode.calls += 1
+
+
+def group_launches(plan, g, tensors, schedule_map=None, exchange="batched",
+                   fused=False) -> Launches:
+    """Group g's forward+backward with the ring executor `exchange`, with the fused forward
+    where `fused`; `schedule_map` rewrites the schedules first (tests compare variants)."""
+    mode = _Launches()
+    backend = _CountedFused(mode) if fused else TorchVarlenBackend()
+    sim = SimulatedPlan(plan, *tensors, backend, 0.1, exchange)
     sim.transport_type = _LandingTransport
     if schedule_map is not None:
         sim.schedules = [schedule_map(s) for s in sim.schedules]
     real_merge = ring.merge_into
-    mode = _Launches()
 
     def counted_merge(*args, **kwargs):
         kind = "span" if kwargs.get("span") is not None else "rows"
@@ -159,6 +176,12 @@ def group_launches(plan, g, tensors, schedule_map=None, exchange="batched") -> L
     finally:
         ring.merge_into = batched.merge_into = real_merge
     return Launches(mode.calls, sum(mode.count.values()), mode.count, mode.bytes)
+
+
+# Our layouts (bench_layouts.OURS), then the batched ones with the fused forward.
+LAYOUTS = [(*row, False) for row in OURS] + [
+    (f"{name} (fused forward)", algo, u, exchange, True)
+    for name, algo, u, exchange in OURS if exchange == "batched"]
 
 
 def main(argv=None):
@@ -196,14 +219,15 @@ def _report(args):
                 cu = pack_rows(std, n, rng) if mix == "stdlib" else web_row(n, rng)
                 q = torch.zeros(n, args.heads, 8, dtype=torch.bfloat16)
                 kv = torch.zeros(n, args.kv_heads, 8, dtype=torch.bfloat16)
-                for name, algo, u, exchange in OURS:
+                for name, algo, u, exchange, fused in LAYOUTS:
                     name = name.replace("ours ", "")
                     plan = plan_context_parallel(torch.from_numpy(cu), cp, algo, u)
                     ratio = tiles_over_ideal(plan_calls(plan, exchange), cu, cp, u or 1)
                     for direction, value in ratio.items():
                         tiles.setdefault((name, direction), []).append(value)
                     for g in range(plan.ring_size):
-                        got = group_launches(plan, g, (q, kv, kv, q), exchange=exchange)
+                        got = group_launches(plan, g, (q, kv, kv, q), exchange=exchange,
+                                             fused=fused)
                         if got.glue > found.get(name, (0, -1))[1]:
                             found[name] = got
                         # In units of the group's q: its rows x all heads x head dim.

@@ -20,6 +20,7 @@ Everything else EoD attention cannot run is in REFUSED, with the reason.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import importlib.util
@@ -45,6 +46,7 @@ from megatron_eod.training.flag_rules import (check_backend_device,
                                               check_split,
                                               keep_the_flags_attention_dropout,
                                               ramp_as_step_schedule)
+from megatron_eod.training.gpu_defaults import choose_attention_path
 from megatron_eod.training.tokenizer_flags import check_tokenizer, tokenizer_from_data
 
 __all__ = ["REFUSED", "SAVE_AT_THE_END", "add_eod_args", "check_before_megatron",
@@ -111,8 +113,10 @@ def add_eod_args(parser):
                         "--hierarchical-context-parallel-sizes)")
     g.add_argument("--cp-ring-exchange", choices=RING_EXCHANGES, default="batched",
                    help=RING_EXCHANGE_HELP)
-    g.add_argument("--cp-concurrent-calls", action="store_true", help=CONCURRENT_CALLS_HELP)
-    g.add_argument("--cp-fused-forward", action="store_true", help=FUSED_FORWARD_HELP)
+    g.add_argument("--cp-concurrent-calls", action=argparse.BooleanOptionalAction,
+                   default=None, help=CONCURRENT_CALLS_HELP)
+    g.add_argument("--cp-fused-forward", action=argparse.BooleanOptionalAction, default=None,
+                   help=FUSED_FORWARD_HELP)
     g.add_argument("--cp-fused-backward", action="store_true", help=FUSED_BACKWARD_HELP)
     g.add_argument("--metrics-file", default=None,
                    help="append one JSON line per iteration and per evaluation")
@@ -170,6 +174,7 @@ def eod_args_from_megatron(args) -> None:
     check_persistent_ckpt_worker(args, torch.cuda.is_available())
     check_decoupled_lr_checkpoints(args)
     check_gloo_on_cuda(args, torch.cuda.is_available())
+    choose_attention_path(args, torch.cuda.is_available())
     check_gpu_attention(args, torch.cuda.is_available())
     check_device_precision(args, torch.cuda.is_available())
     if not torch.distributed.is_initialized():  # else Megatron-LM keeps the group it finds

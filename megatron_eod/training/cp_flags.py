@@ -57,8 +57,9 @@ CONCURRENT_CALLS_HELP = ("on GPUs, run each CP rank's attention kernel calls sid
                          "the others' blocks; no effect on CPU. On one H200 (attention alone, "
                          "docs/BENCHMARKS.md) 0.02-0.06x of the ideal faster at 128k tokens "
                          "by the wall clock, 0.04-0.08x by the device's with "
-                         "--cp-fused-forward; off by default: its side streams' memory pools "
-                         "are not yet measured in a training step")
+                         "--cp-fused-forward; the default on GPUs with a ring (ring, hybrid) "
+                         "and a batched exchange (training/gpu_defaults.py); "
+                         "--no-cp-concurrent-calls turns it off")
 
 FUSED_FORWARD_HELP = ("on GPUs, run the attention forward of the batched executors (ring and "
                       "hybrid groups; Ulysses' and CP=1's one call too) as ONE fused Triton "
@@ -70,8 +71,9 @@ FUSED_FORWARD_HELP = ("on GPUs, run the attention forward of the batched executo
                       "CUDA and Triton (PyTorch's CUDA wheels bring it). On one H200 the "
                       "busiest rank's forward went from 1.15-1.43x the ideal to 0.95-1.11x, "
                       "and with --cp-concurrent-calls its attention to 1.00-1.07x (device "
-                      "time; docs/BENCHMARKS.md). Off by default until measured in multi-GPU "
-                      "training")
+                      "time; docs/BENCHMARKS.md). The default on GPUs where its kernel "
+                      "compiles and fits (else PyTorch's flash kernels, said once); "
+                      "--no-cp-fused-forward turns it off")
 
 FUSED_BACKWARD_HELP = ("with --cp-fused-forward, the backward too as fused Triton kernels "
                        "(attention/triton_backward.py): dq over the forward's query tiles, "
@@ -172,10 +174,6 @@ def check_context_parallel(args) -> None:
     if exchange != "batched" and (cp == 1 or algo == "ulysses"):
         warnings.warn(f"--cp-ring-exchange {exchange} has no effect with "
                       f"--context-parallel-size {cp} --context-parallel-algo {algo} (no ring)")
-    _require(not getattr(args, "cp_fused_backward", False) or
-             getattr(args, "cp_fused_forward", False),
-             "--cp-fused-backward needs --cp-fused-forward (its kernels are the fused "
-             "forward's backend's)")
     _require(not getattr(args, "cp_fused_forward", False) or exchange != "steps",
              "--cp-fused-forward fuses the batched ring executors' forward: it needs "
              "--cp-ring-exchange batched or batched-keep, not steps")
@@ -236,6 +234,10 @@ def check_gpu_attention(args, cuda_available: bool) -> None:
                  f"the attention head dim (--kv-channels, default --hidden-size / "
                  f"--num-attention-heads) is {head_dim}: the GPU flash kernels take a "
                  f"multiple of 8, at most 256")
+    _require(not getattr(args, "cp_fused_backward", False) or
+             getattr(args, "cp_fused_forward", False),
+             "--cp-fused-backward needs --cp-fused-forward (its kernels are the fused "
+             "forward's backend's; the default on GPUs where it compiles)")
     if getattr(args, "cp_fused_forward", False):
         _require(cuda_available or interpreting_triton(),
                  "--cp-fused-forward needs CUDA (its Triton kernel runs on CPU tensors only "

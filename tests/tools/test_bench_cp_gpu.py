@@ -36,6 +36,23 @@ def test_small_cpu_run_prints_every_layout_fwd_bwd(capsys):
     _check_cells(rows)
 
 
+def test_capped_rows_are_magiattentions_setting(capsys):
+    """The capped mix (MagiAttention's benchmark setting, `--mixes capped`): every document at
+    most a quarter of the row, the row whole, and the tool runs on it."""
+    from bench_cp import capped_row
+
+    rng = np.random.default_rng(0)
+    for n in (64, 1000, 65536):
+        for _ in range(50):
+            lengths = np.diff(capped_row(n, rng))
+            assert lengths.sum() == n and lengths.min() >= 1 and lengths.max() <= n // 4
+    bench_cp_gpu.main(["--samples", "1", "--repeats", "1", "--heads", "4", "--kv-heads", "1",
+                       "--head-dim", "16", "--configs", "512:4", "--mixes", "capped",
+                       "--only", "^ours ring$"])
+    rows = _rows(capsys)
+    assert [r[0] for r in rows][:2] == ["| ideal", "| ours ring"], rows
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the fused kernel on a CPU needs Triton's interpreter")
 def test_small_cpu_run_of_the_fused_rows(capsys, monkeypatch):
@@ -255,7 +272,8 @@ def test_a_failing_row_is_nan_and_the_others_still_come_back(monkeypatch, capsys
     (["--only", "ideal"], "--only: 'ideal' selects no layout"),
     (["--only", "(ring"], "--only: '(ring' is not a regular expression"),
     (["--only", "steps"], "--only: 'steps' selects no layout"),  # steps rows need --steps
-    (["--mixes", "stdlib,books"], "--mixes: 'stdlib,books'; each must be stdlib or web"),
+    (["--mixes", "stdlib,books"],
+     "--mixes: 'stdlib,books'; each must be one of stdlib, web, capped"),
     # (Tracebacks before: a tools sweep.)
     (["--configs", "abc"], "--configs: each entry is TOKENS:CP (e.g. 32768:4), got 'abc'"),
     (["--configs", "1024"], "got '1024'"),

@@ -51,7 +51,28 @@ def test_glue_launches_per_attention_call_stay_few(n, cp, algo, degree, exchange
 def test_report_lists_every_mix_and_layout(capsys):
     count_launches.main(["--samples", "1", "--configs", "4096:4"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert len(rows) == 1 + 8  # header + (stdlib, web) x (ring, hybrid) x (batched, steps)
+    # header + (stdlib, web) x (ring, hybrid) x (batched, steps, batched with the fused forward)
+    assert len(rows) == 1 + 12
+    assert sum("(fused forward)" in row for row in rows) == 4
+
+
+@pytest.mark.parametrize("algo,degree", [("ring", None), ("hybrid", 2)])
+def test_the_fused_forward_makes_no_merge_and_less_glue(algo, degree):
+    """The default on GPUs (--cp-fused-forward): two launches for the forward, no log-sum-exp
+    merge and no forward glue, so never more glue than the batched executor's."""
+    n, cp = 8192, 4
+    plan = plan_context_parallel(torch.from_numpy(web_row(n, np.random.default_rng(1))), cp,
+                                 algo, degree)
+    q = torch.zeros(n, 4, 8, dtype=torch.bfloat16)
+    kv = torch.zeros(n, 2, 8, dtype=torch.bfloat16)
+    fewer = 0
+    for g in range(plan.ring_size):
+        fused = count_launches.group_launches(plan, g, (q, kv, kv, q), fused=True)
+        plain = count_launches.group_launches(plan, g, (q, kv, kv, q))
+        assert not any(op.startswith("fused merge") for op in fused.ops), fused.ops
+        assert fused.calls <= 4 and fused.glue <= plain.glue, (g, fused, plain)
+        fewer += fused.glue < plain.glue
+    assert fewer, "the fused forward saved no launch in any group"
 
 
 def test_tile_floor_of_the_plans_is_near_the_ideal(capsys):

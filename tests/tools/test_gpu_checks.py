@@ -66,7 +66,7 @@ def test_every_stage_runs_a_file_that_exists_and_pytest_stages_select_gpu_tests(
     found = stages()
     assert list(found) == ["env", "kernels", "multiprocess", "training", "bench-cp", "profile",
                            "e2e", "bench-open", "profile-open", "training-open",
-                           "backward-sweep"]
+                           "bench-default", "magi", "backward-sweep"]
     collecting = {}
     for stage, command in found.items():
         words = shlex.split(command)
