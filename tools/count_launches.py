@@ -21,8 +21,8 @@ and glue launches per attention call, for ring and hybrid (Ulysses degree 2), ea
 ring executors (batched, steps) and the batched one with the fused forward (the default
 on GPUs; each Triton launch counts as a call); ideal is one attention call and no glue.
 Beside them, the most bytes any group's glue writes, in units of that group's q (its rows x
-all query heads x head dim, --heads / --kv-heads set the GQA ratio): a memory-bound kernel's time follows its
-bytes, so this says what the glue costs where launches are hidden.
+all query heads x head dim, --heads / --kv-heads set the GQA ratio): a memory-bound kernel's
+time follows its bytes, so this says what the glue costs where launches are hidden.
 The executor's shape-based choice (sum returned gradients over the run covering the rows sent
 or over all rows: `batched.LAUNCH_BYTES`) is made as for a model's rows
 (--model-kv-heads x --model-head-dim, bf16), not for the toy rows counted here: the launch
