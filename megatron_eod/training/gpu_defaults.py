@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import warnings
 
-from megatron_eod.attention.triton_forward import device_problem, triton_problem
+from megatron_eod.attention.triton_forward import (device_problem, interpreting_triton,
+                                                   triton_problem)
 
 __all__ = ["choose_attention_path", "why_not_fused"]
 
@@ -42,6 +43,8 @@ def why_not_fused(args, problem=device_problem):
         return "--cp-ring-exchange steps has no fused form"
     if not (getattr(args, "bf16", False) or getattr(args, "fp16", False)):
         return "it takes --bf16 or --fp16"
+    if interpreting_triton():
+        return "TRITON_INTERPRET=1 is set (Triton's interpreter, for tests)"
     missing = triton_problem()
     if missing is not None:
         return missing

@@ -2,6 +2,7 @@
 Megatron-LM's own parsed args; the CUDA device's check is a stand-in here (the GPU stage
 runs the real one: tests/functional/test_gpu_training.py)."""
 
+import os
 import re
 import warnings
 
@@ -10,6 +11,12 @@ import pytest
 from megatron_eod.training.cp_flags import FlagError
 from megatron_eod.training.gpu_defaults import choose_attention_path
 from tests.training.test_args import checked, megatron_lm_args
+
+@pytest.fixture(autouse=True)
+def no_interpreter(monkeypatch):
+    """As on a GPU machine: Triton's interpreter off (tests/conftest.py sets it on CPUs)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
 
 def chosen(*flags, problem=lambda head_dim, dtype, backward=False: None):
     """Megatron-LM's args for `flags` with --bf16, resolved as on a CUDA machine whose
@@ -46,6 +53,7 @@ def test_on_cpu_both_are_off_and_nothing_is_said():
 
 @pytest.mark.parametrize("flags,problem,reason", [
     (["--cp-ring-exchange", "steps"], None, "--cp-ring-exchange steps has no fused form"),
+    (["--interpreter"], None, "TRITON_INTERPRET=1 is set"),
     ([], "its kernel does not compile for NVIDIA X (sm_75) with Triton 3.0.0: ptxas",
      "does not compile for NVIDIA X"),
     ([], RuntimeError("triton exploded\nsecond line"),
@@ -58,6 +66,9 @@ def test_where_the_fused_kernel_cannot_run_it_falls_back_and_says_why_once(flags
             raise problem
         return problem
 
+    if flags == ["--interpreter"]:
+        os.environ["TRITON_INTERPRET"] = "1"  # the fixture restores it
+        flags = []
     args, said = chosen("--context-parallel-size", "4", *flags, problem=device_check)
     assert args.cp_fused_forward is False
     assert len(said) == 1 and said[0].startswith("the attention forward runs unfused")
