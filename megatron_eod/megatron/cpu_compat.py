@@ -25,6 +25,11 @@ Scope "core" (every CPU run):
 | utils, optimizer, clip_grads, DDP and its        | their own generator, as a GPU draws from  |
 | buffers, rerun state machine, dist_checkpointing | its own), synchronize, streams, memory    |
 | strategies                                       | reports, CUDA RNG state                   |
+| module `torch` of core's MoE dispatcher, layer,  | CUDA streams and events (device-to-host   |
+| utilities and shared experts                     | copies, overlap), device tensors          |
+| `moe_utils.maybe_move_tensor_to_cpu` (and its    | copies split sizes to the host as numpy   |
+| by-name import in `moe.token_dispatcher`)        | only from CUDA: gloo's all-to-all refused |
+|                                                  | the CPU tensors (expert parallelism)      |
 | `torch.nn.Parameter.type`                        | optimizers group params by CUDA type name |
 | `clip_grad_by_total_norm_fp32` (clip_grads and   | asserts torch.cuda.FloatTensor gradients  |
 | its by-name import in optimizer.optimizer)       |                                           |
@@ -100,6 +105,14 @@ def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
     cp_size, cp_rank = cp_group.size(), cp_group.rank()
     chunks = pos_emb.chunk(2 * cp_size, dim=seq_dim)
     return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=seq_dim)
+
+
+def _host_copy(tensor, as_numpy=False, record_stream=False):
+    """MoE's device-to-host copy of its split sizes: already on the host, but as numpy where
+    asked (gloo's all_to_all_single takes a list-like of ints, not a tensor)."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
 
 
 def _stays(tensor_or_module, *args, **kwargs):
@@ -197,6 +210,10 @@ _CORE_TORCH = [  # megatron-core modules whose global `torch` becomes TorchOnCpu
     "megatron.core.dist_checkpointing.strategies.async_utils",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",
+    # MoE: the all-to-all dispatcher's device-to-host stream, shared experts' stream, the
+    # router's and utilities' device tensors
+    "megatron.core.transformer.moe.token_dispatcher", "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.moe_utils", "megatron.core.transformer.moe.shared_experts",
 ]
 _MEGATRON_LM_TORCH = [  # Megatron-LM's trainer modules whose global `torch` becomes TorchOnCpu
     "megatron.training.training", "megatron.training.checkpointing",
@@ -229,6 +246,10 @@ PATCHES: List[Tuple[str, str, Callable[[], object], str]] = [
     ("megatron.core.models.common.embeddings.rotary_pos_embedding",
      "get_pos_emb_on_this_cp_rank", lambda: _pos_emb_on_this_cp_rank, "core"),
     *[(module, "torch", _TORCH_ON_CPU, "core") for module in _CORE_TORCH],
+    ("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu",
+     lambda: _host_copy, "core"),
+    ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
+     lambda: _host_copy, "core"),
     ("torch.nn:Parameter", "type", lambda: stand_ins.parameter_type, "core"),
     ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
      lambda: stand_ins.clip_grad_by_total_norm_fp32, "core"),

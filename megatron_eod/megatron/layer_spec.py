@@ -27,7 +27,31 @@ from megatron_eod.megatron.core_attention import EodCoreAttention
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.megatron.norm import TorchNorm
 
-__all__ = ["get_gpt_layer_eod_spec", "get_gpt_eod_block_spec"]
+__all__ = ["get_gpt_layer_eod_spec", "get_gpt_eod_block_spec", "with_eod_attention"]
+
+
+def _eod_attention_spec(registry, **params):
+    spec_module = import_megatron("megatron.core.transformer.spec_utils")
+    return spec_module.ModuleSpec(module=EodCoreAttention, params={"registry": registry,
+                                                                   **params})
+
+
+def with_eod_attention(spec, registry, use_transformer_engine: bool, qk_layernorm: bool,
+                       **params):
+    """megatron-core's layer `spec` (dense or MoE) with EoD core attention in its
+    `core_attention` slot (`params`: EodCoreAttention's) and, without TransformerEngine, our
+    torch norms. Changes `spec` in place (megatron-core's block spec may list one object for
+    several layers) and returns it."""
+    submodules = spec.submodules
+    if not use_transformer_engine:
+        submodules.input_layernorm = TorchNorm
+        submodules.pre_mlp_layernorm = TorchNorm
+        if qk_layernorm:  # megatron-core's torch norm refuses --sequence-parallel here too
+            attention = submodules.self_attention.submodules
+            attention.q_layernorm = attention.k_layernorm = TorchNorm
+    submodules.self_attention.submodules.core_attention = _eod_attention_spec(registry,
+                                                                              **params)
+    return spec
 
 
 def get_gpt_layer_eod_spec(registry, use_transformer_engine: bool = False,
@@ -39,36 +63,42 @@ def get_gpt_layer_eod_spec(registry, use_transformer_engine: bool = False,
                            concurrent_calls: bool = False, fused_forward: bool = False,
                            fused_backward: bool = False):
     specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs")
-    spec_module = import_megatron("megatron.core.transformer.spec_utils")
     if use_transformer_engine:
         spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     else:
         spec = specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm,
                                               normalization=normalization)
-        spec.submodules.input_layernorm = TorchNorm
-        spec.submodules.pre_mlp_layernorm = TorchNorm
-        if qk_layernorm:  # megatron-core's torch norm refuses --sequence-parallel here too
-            attention = spec.submodules.self_attention.submodules
-            attention.q_layernorm = attention.k_layernorm = TorchNorm
-    spec.submodules.self_attention.submodules.core_attention = spec_module.ModuleSpec(
-        module=EodCoreAttention,
-        params={"registry": registry, "rotary_base": rotary_base,
-                "rotary_percent": rotary_percent, "rope_scaling": rope_scaling,
-                "rope_scaling_factor": rope_scaling_factor,
-                "seq_len_interpolation_factor": seq_len_interpolation_factor,
-                "kernel": kernel, "ring_exchange": ring_exchange,
-                "concurrent_calls": concurrent_calls, "fused_forward": fused_forward,
-                "fused_backward": fused_backward})
-    return spec
+    return with_eod_attention(
+        spec, registry, use_transformer_engine, qk_layernorm, rotary_base=rotary_base,
+        rotary_percent=rotary_percent, rope_scaling=rope_scaling,
+        rope_scaling_factor=rope_scaling_factor,
+        seq_len_interpolation_factor=seq_len_interpolation_factor, kernel=kernel,
+        ring_exchange=ring_exchange, concurrent_calls=concurrent_calls,
+        fused_forward=fused_forward, fused_backward=fused_backward)
 
 
 def get_gpt_eod_block_spec(registry, config, use_transformer_engine: bool = False,
                            vp_stage=None, **kwargs):
     """TransformerBlockSubmodules for this pipeline stage (model chunk `vp_stage` of it under
-    virtual pipeline stages): its layers and the final norm."""
+    virtual pipeline stages): its layers and the final norm. With experts
+    (`config.num_moe_experts`), megatron-core's own decoder block spec (its MoE layers where
+    --moe-layer-freq puts them, dense layers elsewhere) with EoD attention in each layer."""
     block = import_megatron("megatron.core.transformer.transformer_block")
-    layer = get_gpt_layer_eod_spec(registry, use_transformer_engine, **kwargs)
     norm = block.LayerNormImpl if use_transformer_engine else TorchNorm
+    if getattr(config, "num_moe_experts", None):
+        specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs")
+        kwargs = dict(kwargs)
+        normalization = kwargs.pop("normalization", "LayerNorm")
+        qk_layernorm = kwargs.pop("qk_layernorm", False)
+        spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine,
+                                                normalization=normalization,
+                                                vp_stage=vp_stage)
+        for layer in {id(layer): layer for layer in spec.layer_specs}.values():
+            with_eod_attention(layer, registry, use_transformer_engine, qk_layernorm,
+                               **kwargs)
+        spec.layer_norm = norm
+        return spec
+    layer = get_gpt_layer_eod_spec(registry, use_transformer_engine, **kwargs)
     return block.TransformerBlockSubmodules(
         layer_specs=[layer] * block.get_num_layers_to_build(config, vp_stage=vp_stage),
         layer_norm=norm)

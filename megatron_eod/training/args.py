@@ -47,6 +47,7 @@ from megatron_eod.training.flag_rules import (check_backend_device,
                                               keep_the_flags_attention_dropout,
                                               ramp_as_step_schedule)
 from megatron_eod.training.gpu_defaults import choose_attention_path
+from megatron_eod.training.moe_flags import check_moe
 from megatron_eod.training.tokenizer_flags import check_tokenizer, tokenizer_from_data
 
 __all__ = ["REFUSED", "SAVE_AT_THE_END", "add_eod_args", "check_before_megatron",
@@ -65,7 +66,6 @@ class _DefaultGroups(int):
 
 # dest -> (is it set?, why it is refused). Checked in order; the first hit raises.
 REFUSED = {
-    "num_experts": (bool, "MoE layers are not wired with EoD attention"),
     "multi_latent_attention": (bool, "MLA applies its own RoPE to split heads"),
     "mtp_num_layers": (bool, "multi-token prediction is not wired with EoD batches"),
     "spec": (bool, "a custom layer spec replaces the one EoD attention is slotted into"),
@@ -176,6 +176,7 @@ def eod_args_from_megatron(args) -> None:
     check_gloo_on_cuda(args, torch.cuda.is_available())
     choose_attention_path(args, torch.cuda.is_available())
     check_gpu_attention(args, torch.cuda.is_available())
+    check_moe(args, torch.cuda.is_available())
     check_device_precision(args, torch.cuda.is_available())
     if not torch.distributed.is_initialized():  # else Megatron-LM keeps the group it finds
         given = any(word.split("=", 1)[0] == "--distributed-backend" for word in sys.argv)

@@ -41,7 +41,6 @@ def checked(*flags, **kwargs):
 
 
 REFUSALS = {
-    "moe": (["--num-experts", "4"], "--num-experts 4: MoE"),
     "mla": (["--multi-latent-attention"], "--multi-latent-attention: MLA"),
     "mtp": (["--mtp-num-layers", "1"], "--mtp-num-layers 1: multi-token prediction"),
     "spec": (["--spec", "my.module", "my_spec"], "--spec"),

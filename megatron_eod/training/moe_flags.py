@@ -1,0 +1,61 @@
+"""The mixture-of-experts flags megatron-core's MoE layer cannot run beside EoD attention.
+
+One job: `check_moe(args, cuda_available)`, after Megatron-LM's validate_args, raises FlagError
+naming the flag and the rule. MoE itself is megatron-core's own layer (router, token
+dispatcher, experts) in megatron-core's decoder block spec (megatron/layer_spec.py); the router
+counts tokens, not attention pairs, so the document mask and where CP puts a token change
+nothing of it (tests/functional/test_moe_training.py: CP=4 == CP=1, the load-balancing loss
+too). Refused:
+
+* `--moe-router-load-balancing-type seq_aux_loss` with `--micro-batch-size` > 1: a
+  micro-batch's rows travel packed as ONE sequence (the plan separates documents), so the
+  per-sequence balance would span rows;
+* `--num-experts` with biases (no `--disable-bias-linear`) under `--transformer-impl local`,
+  expert TP 1, without `--moe-grouped-gemm`: megatron-core's sequential experts add their bias
+  in place on a view its tensor-parallel reduce returns, a RuntimeError at the first step on
+  every rank (megatron-core 0.16-0.19);
+* `--moe-grouped-gemm` without CUDA: its grouped GEMMs are TransformerEngine's or the
+  grouped_gemm package's CUDA kernels.
+
+What it does not do: no model building (layer_spec.py), no other flags (args.py, cp_flags.py,
+flag_rules.py).
+"""
+
+from __future__ import annotations
+
+from megatron_eod.training.cp_flags import FlagError
+
+__all__ = ["check_moe"]
+
+
+def _balancing_types(args):
+    kind = getattr(args, "moe_router_load_balancing_type", None) or []
+    return [kind] if isinstance(kind, str) else list(kind)
+
+
+def check_moe(args, cuda_available: bool) -> None:
+    """The rules in the module's docstring; nothing without --num-experts."""
+    experts = getattr(args, "num_experts", None)
+    if not experts:
+        return
+    rows = args.micro_batch_size
+    if "seq_aux_loss" in _balancing_types(args) and rows > 1:
+        raise FlagError(f"--moe-router-load-balancing-type seq_aux_loss with --micro-batch-size "
+                        f"{rows}: EoD attention packs a micro-batch's rows into one sequence, so "
+                        f"megatron-core's per-sequence balance would span {rows} rows; use "
+                        f"aux_loss or global_aux_loss, or --micro-batch-size 1")
+    grouped = getattr(args, "moe_grouped_gemm", False)
+    if grouped and not cuda_available:
+        raise FlagError("--moe-grouped-gemm needs CUDA (TransformerEngine's or the grouped_gemm "
+                        "package's kernels); drop it on CPU: the experts then run one after "
+                        "another")
+    expert_tp = getattr(args, "expert_tensor_parallel_size", None) or \
+        args.tensor_model_parallel_size
+    if getattr(args, "add_bias_linear", False) and not grouped and expert_tp == 1 and \
+            getattr(args, "transformer_impl", "local") == "local":
+        raise FlagError(f"--num-experts {experts} with biases on the linear layers (Megatron-LM's "
+                        f"default) and --transformer-impl local: megatron-core's sequential "
+                        f"experts add their bias in place on a view and stop at the first step "
+                        f"(RuntimeError on every rank); pass --disable-bias-linear (as MoE "
+                        f"models usually do)" + (" or --moe-grouped-gemm" if cuda_available
+                                                 else ""))

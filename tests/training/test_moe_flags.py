@@ -1,0 +1,42 @@
+"""The MoE flags refused beside EoD attention (training/moe_flags.py), on Megatron-LM's own
+parsed args; the runs themselves: tests/functional/test_moe_training.py."""
+
+import pytest
+
+from megatron_eod.training.cp_flags import FlagError
+from megatron_eod.training.moe_flags import check_moe
+from tests.training.test_args import checked, megatron_lm_args
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
+
+
+def test_a_moe_model_passes_and_keeps_its_flags():
+    args = checked(*MOE, "--context-parallel-size", "4")
+    assert args.num_experts == 4 and args.moe_router_topk == 2
+
+
+@pytest.mark.parametrize("flags,cuda,message", [
+    (["--moe-router-load-balancing-type", "seq_aux_loss"], False,
+     r"seq_aux_loss with --micro-batch-size 2: .* one sequence"),
+    (["--moe-grouped-gemm"], False, r"--moe-grouped-gemm needs CUDA"),
+])
+def test_refused_moe_flags_are_named(flags, cuda, message):
+    args = megatron_lm_args(*MOE, *flags)
+    with pytest.raises(FlagError, match=message):
+        check_moe(args, cuda)
+
+
+def test_sequential_experts_with_biases_are_refused_before_megatron_core_stops():
+    """megatron-core 0.16-0.19's SequentialMLP adds the bias in place on the view its TP=1
+    reduce returns: a RuntimeError at the first step on every rank (seen on 0.19.2)."""
+    with pytest.raises(FlagError, match=r"--num-experts 4 with biases .* --disable-bias-linear"):
+        checked("--num-experts", "4")
+    args = megatron_lm_args("--num-experts", "4")
+    with pytest.raises(FlagError, match=r"or --moe-grouped-gemm$"):
+        check_moe(args, True)
+    check_moe(megatron_lm_args("--num-experts", "4", "--moe-grouped-gemm"), True)
+
+
+def test_seq_aux_loss_at_one_row_per_micro_batch_passes():
+    check_moe(megatron_lm_args(*MOE, "--moe-router-load-balancing-type", "seq_aux_loss",
+                               "--micro-batch-size", "1"), False)
