@@ -21,7 +21,10 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do VERSIONS+=("$1"); shift; done
 TESTS=("$@")
 [ ${#TESTS[@]} -gt 0 ] || TESTS=(tests/training tests/functional/test_cpu_training.py
                                   tests/functional/test_checkpoints.py
-                                  tests/functional/test_checkpoint_faults.py tests/megatron/test_steps.py
+                                  tests/functional/test_checkpoint_faults.py
+                                  tests/functional/test_moe_training.py
+                                  tests/functional/test_mtp_training.py tests/megatron/test_mtp.py
+                                  tests/megatron/test_stock_equivalence.py tests/megatron/test_steps.py
                                   tests/megatron/test_plan_ahead.py tests/megatron/test_cpu_compat.py
                                   tests/megatron/test_dataset.py tests/data/test_checks.py
                                   tests/data/test_tokenizers.py tests/data/test_core_tokenizers.py)

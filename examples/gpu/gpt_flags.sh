@@ -18,6 +18,10 @@
 #                   several nodes: a folder every node shares
 #   USE_FLASH_ATTN  1: --use-flash-attn (flash-attn's kernels; an error if not installed),
 #                   0: PyTorch's varlen kernel, auto: 1 when flash_attn imports  (auto)
+#   NUM_EXPERTS     mixture of experts in every layer (megatron-core's MoE layer; unset:
+#                   dense): top-MOE_TOPK (2) routing, the load-balancing loss, experts of
+#                   MOE_FFN (1408) hidden units over EP_SIZE (1) expert-parallel ranks,
+#                   the all-to-all dispatcher, grouped GEMMs where TransformerEngine is
 #   DRY_RUN=1       print the command instead of running it
 # Extra arguments after ALGO are appended to the flags (Megatron-LM's spellings).
 
@@ -66,10 +70,19 @@ EVAL_AND_LOGGING_ARGS=(
   --dist-ckpt-optim-fully-reshardable  # a checkpoint that also loads at another TP/PP
   --tensorboard-dir "$RUN_DIR/tensorboard"
 )
+if [ -n "${NUM_EXPERTS:-}" ]; then
+  MODEL_PARALLEL_ARGS+=(--expert-model-parallel-size "${EP_SIZE:-1}")
+  GPT_MODEL_ARGS+=(--num-experts "$NUM_EXPERTS" --moe-router-topk "${MOE_TOPK:-2}"
+                   --moe-ffn-hidden-size "${MOE_FFN:-1408}" --moe-aux-loss-coeff 1e-2
+                   --moe-router-load-balancing-type aux_loss
+                   --moe-token-dispatcher-type alltoall)
+fi
 # Without TransformerEngine or Apex (a GPU machine with neither): Megatron-LM's local layers,
 # and no gradient-accumulation fusion (it needs Apex's CUDA extension).
 if ! "$PY" -c "import transformer_engine" 2>/dev/null; then
   TRAINING_ARGS+=(--transformer-impl local)
+elif [ -n "${NUM_EXPERTS:-}" ]; then
+  GPT_MODEL_ARGS+=(--moe-grouped-gemm)
 fi
 if ! "$PY" -c "import fused_weight_gradient_mlp_cuda" 2>/dev/null; then
   TRAINING_ARGS+=(--no-gradient-accumulation-fusion)

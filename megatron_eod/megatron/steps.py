@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_eod.megatron import mtp
 from megatron_eod.megatron.batch import LocalBatch, local_batch, plan_batch
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.megatron.plan_ahead import PlanAhead, ReadFailed, header_size, read_or_failure
@@ -101,8 +102,9 @@ class EodGPTSteps:
                  device: Optional[torch.device] = None, plan_ahead: bool = True,
                  eval_micro_batch_size: Optional[int] = None,
                  one_row_evaluation: bool = False, fused_tiles: bool = False,
-                 documents_from_index: bool = False):
+                 documents_from_index: bool = False, mtp: bool = False):
         self.eod, self.registry = eod_token_id, registry
+        self.mtp = mtp  # the model has multi-token prediction heads (--mtp-num-layers)
         self.seq_length = seq_length
         # Rows a micro-batch may have: training's, and evaluation's where Megatron-LM (>= 0.18,
         # --eval-micro-batch-size) reads validation and test data in other micro-batches.
@@ -247,6 +249,15 @@ class EodGPTSteps:
 
     def forward_step(self, data_iterator, model):
         batch = self.get_batch(data_iterator)
-        output = model(batch.tokens, batch.position_ids, batch.attention_mask,
-                       labels=batch.labels)
+        if not self.mtp:
+            output = model(batch.tokens, batch.position_ids, batch.attention_mask,
+                           labels=batch.labels)
+            return output, partial(self.loss_func, batch.loss_mask)
+        # Multi-token prediction: megatron-core's MTP heads shift within documents while this
+        # forward runs, and get a loss mask that ends each document (megatron/mtp.py).
+        context = self.registry.lookup(batch.attention_mask)
+        mtp_loss_mask = mtp.loss_mask_for_mtp(batch.loss_mask, context)
+        with mtp.current(context, mtp_loss_mask):
+            output = model(batch.tokens, batch.position_ids, batch.attention_mask,
+                           labels=batch.labels, loss_mask=mtp_loss_mask)
         return output, partial(self.loss_func, batch.loss_mask)

@@ -35,6 +35,7 @@ import torch
 from megatron_eod.attention.backends import has_transformer_engine
 from megatron_eod.attention.groups import register_hybrid_groups
 from megatron_eod.megatron.batch_context import EodContextRegistry
+from megatron_eod.megatron import mtp
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.megatron.layer_spec import get_gpt_eod_block_spec
 from megatron_eod.megatron.steps import EodGPTSteps
@@ -103,6 +104,20 @@ def block_spec(registry, config, args, use_transformer_engine: bool, vp_stage=No
 
 
 
+def mtp_block_spec(config, block, use_transformer_engine: bool, vp_stage=None):
+    """megatron-core's MTP block spec around this stage's last EoD layer spec (Megatron-LM's
+    choice: the decoder's last layer), with roll_tensor made document-aware (megatron/mtp.py);
+    None on stages without the MTP block."""
+    mtp.install()
+    specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs")
+    layers = block.layer_specs
+    if not layers:  # a stage without decoder layers: the layer spec of the whole model's last
+        raise ValueError("--mtp-num-layers on a pipeline stage without decoder layers is not "
+                         "supported by the EoD providers")
+    return specs.get_gpt_mtp_block_spec(config, layers[-1], use_transformer_engine,
+                                        vp_stage=vp_stage)
+
+
 def contexts_in_flight(args) -> int:
     """The most batch contexts a rank needs at once under megatron-core's schedules (both
     ): one per (model chunk, micro-batch) forward not yet run backward (on pipeline rank 0 the
@@ -133,7 +148,8 @@ def steps(args, registry, eod_token_id: int, pad_token_id, plan_ahead: bool) -> 
         eval_micro_batch_size=getattr(args, "eval_micro_batch_size", None),
         one_row_evaluation=data.validates_one_row_at_a_time(args),
         fused_tiles=getattr(args, "cp_fused_forward", False),
-        documents_from_index=getattr(args, "dataloader_inter_document_masking", False))
+        documents_from_index=getattr(args, "dataloader_inter_document_masking", False),
+        mtp=bool(getattr(args, "mtp_num_layers", None)))
 
 
 
@@ -223,6 +239,10 @@ class EodProviders:
         spec = block_spec(self.registry, config, args, te and has_transformer_engine(),
                                  vp_stage)
         gpt = import_megatron("megatron.core.models.gpt")
+        extra = {} if vp_stage is None else {"vp_stage": vp_stage}
+        if getattr(args, "mtp_num_layers", None):
+            extra["mtp_block_spec"] = mtp_block_spec(config, spec, te and has_transformer_engine(),
+                                                     vp_stage)
         # RoPE is applied inside the attention; learned positions by the embedding, both at
         # the reset position ids get_batch hands the model.
         return gpt.GPTModel(
@@ -232,7 +252,7 @@ class EodProviders:
             fp16_lm_cross_entropy=getattr(args, "fp16_lm_cross_entropy", False),
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             position_embedding_type=gpt_position_embedding_type(args),
-            pg_collection=pg_collection, **({} if vp_stage is None else {"vp_stage": vp_stage}))
+            pg_collection=pg_collection, **extra)
 
     def datasets_provider(self, train_val_test_num_samples, vp_stage=None):
         """The same datasets for every model chunk (`vp_stage`): each chunk reads every

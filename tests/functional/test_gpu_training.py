@@ -148,3 +148,21 @@ def test_deterministic_mode_runs_are_bitwise_equal_on_gpu(gpu_cp1, tiny_data, tm
     assert first == second, f"two --deterministic-mode runs differ: {first} vs {second}"
     assert_close(first, gpu_cp1, CP_TOL, "bf16 CP=2 ring --deterministic-mode, 2 processes "
                                          "sharing one GPU, vs CP=1")
+
+
+# The MoE GPT (tests/functional/test_moe_training.py's flags; its CPU parity runs there): on the
+# GPU megatron-core's MoE runs as shipped (CUDA streams, its device-to-host copies), which the
+# CPU tests replace (megatron/cpu_compat.py).
+MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96",
+             "--moe-layer-freq", "[0,1]", "--moe-token-dispatcher-type", "alltoall",
+             "--disable-bias-linear"]
+
+
+def test_bf16_moe_cp2_processes_sharing_one_gpu_match_cp1(tiny_data, tmp_path):
+    if gpus() < 1:
+        pytest.skip("needs a CUDA GPU")
+    expected = train_on_gpus(1, tiny_data, tmp_path, *MOE_FLAGS)
+    losses = train_on_gpus(2, tiny_data, tmp_path, *MOE_FLAGS, "--context-parallel-size", "2",
+                           "--context-parallel-algo", "ring", "--distributed-backend", "gloo")
+    assert_close(losses, expected, CP_TOL, "bf16 MoE CP=2 ring, 2 processes sharing one GPU, "
+                                           "vs CP=1")

@@ -3,6 +3,7 @@ CPU ranks: megatron-core's own MoE layer (router, token dispatcher, experts) bes
 attention (megatron/layer_spec.py takes megatron-core's decoder block spec and puts EoD
 attention in each layer)."""
 
+import os
 import re
 
 import pytest
@@ -14,7 +15,8 @@ from tests.training.runs import train
 # where the routing does (no token dropping).
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96",
        "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
-       "--moe-layer-freq", "[0,1]", "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear"]
+       "--moe-layer-freq", "[0,1]", "--moe-token-dispatcher-type", "alltoall",
+       "--disable-bias-linear"]
 
 TOL = 1e-5
 
@@ -59,3 +61,18 @@ def test_expert_parallel_moe_cp2_matches_cp1(short_docs_data, tmp_path):
     losses, _ = train(tmp_path, "cp2", short_docs_data, *ep,
                       "--context-parallel-size", "2")
     assert relative(losses, expected) < TOL, (losses, expected)
+
+
+def test_moe_torch_dist_checkpoint_resumes_at_another_cp_size(moe_cp1, short_docs_data,
+                                                              tmp_path):
+    """Saved at CP=4 ring (experts, router and all, megatron-core's torch_dist), resumed at
+    CP=2 x DP=2: the uninterrupted CP=1 losses."""
+    expected, _ = moe_cp1
+    ckpt = str(tmp_path / "ckpt")
+    first, _ = train(tmp_path, "save", short_docs_data, *MOE, "--context-parallel-size", "4",
+                     "--save", ckpt, "--save-interval", "2", "--exit-interval", "2")
+    assert os.path.isdir(os.path.join(ckpt, "iter_0000002"))
+    resumed, _ = train(tmp_path, "load", short_docs_data, *MOE, "--context-parallel-size", "2",
+                       "--load", ckpt)
+    assert sorted(first) == [1, 2] and sorted(resumed) == [3, 4]
+    assert relative({**first, **resumed}, expected) < TOL, (first, resumed, expected)

@@ -16,7 +16,7 @@ import torch
 
 from megatron_eod.megatron.batch import slice_batch_for_cp
 from megatron_eod.megatron.batch_context import EodContextRegistry
-from megatron_eod.megatron.layer_spec import get_gpt_layer_eod_spec
+from megatron_eod.megatron.layer_spec import get_gpt_eod_block_spec, get_gpt_layer_eod_spec
 from tests.harness import run_ranks
 from tests.megatron.tiny_model import cp_setup
 
@@ -33,6 +33,13 @@ VARIANTS = {
                                                              qk_layernorm=True)),
     "learned-absolute": dict(position="learned_absolute"),
     "no-rope-layers": dict(config=dict(no_rope_freq=[0, 1])),
+    # megatron-core's own MoE layer (router, dispatcher, experts) in its decoder block spec,
+    # a dense layer then an MoE one, as --moe-layer-freq [0,1]: ours is that block spec with
+    # EoD attention slotted in (layer_spec.get_gpt_eod_block_spec)
+    "moe": dict(block=True, config=dict(num_moe_experts=4, moe_router_topk=2,
+                                        moe_ffn_hidden_size=48, moe_layer_freq=[0, 1],
+                                        add_bias_linear=False,
+                                        moe_token_dispatcher_type="alltoall")),
 }
 
 
@@ -51,20 +58,26 @@ def _config(**overrides):
 
 def _models(variant):
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                          get_gpt_layer_local_spec)
 
     # Separate but equal configs: a test may break ours without touching stock's.
     config, our_config = (_config(**variant.get("config", {})) for _ in range(2))
     rotary = variant.get("model", {})
     position = variant.get("position", "rope")
     qk = variant.get("qk_layernorm", False)
-    stock = GPTModel(config, get_gpt_layer_local_spec(qk_layernorm=qk), vocab_size=VOCAB,
-                     max_sequence_length=SEQ, position_embedding_type=position, **rotary)
     registry = EodContextRegistry()
-    spec = get_gpt_layer_eod_spec(registry, qk_layernorm=qk,
-                                  rotary_percent=0.0 if position != "rope" else
-                                  rotary.get("rotary_percent", 1.0),
-                                  **{k: v for k, v in rotary.items() if k != "rotary_percent"})
+    rope = dict(qk_layernorm=qk, rotary_percent=0.0 if position != "rope" else
+                rotary.get("rotary_percent", 1.0),
+                **{k: v for k, v in rotary.items() if k != "rotary_percent"})
+    if variant.get("block"):  # the decoder block specs (MoE)
+        stock_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        spec = get_gpt_eod_block_spec(registry, our_config, **rope)
+    else:
+        stock_spec = get_gpt_layer_local_spec(qk_layernorm=qk)
+        spec = get_gpt_layer_eod_spec(registry, **rope)
+    stock = GPTModel(config, stock_spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                     position_embedding_type=position, **rotary)
     ours = GPTModel(our_config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                     position_embedding_type="none" if position == "rope" else position)
     ours.load_state_dict(stock.state_dict(), strict=True)
