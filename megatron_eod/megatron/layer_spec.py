@@ -24,6 +24,7 @@ varlen kernel), "flash_attn" (required; what --use-flash-attn asks for) or "torc
 from __future__ import annotations
 
 from megatron_eod.megatron.core_attention import EodCoreAttention
+from megatron_eod.megatron import moe_compat
 from megatron_eod.megatron.imports import import_megatron
 from megatron_eod.megatron.norm import TorchNorm
 
@@ -86,6 +87,7 @@ def get_gpt_eod_block_spec(registry, config, use_transformer_engine: bool = Fals
     block = import_megatron("megatron.core.transformer.transformer_block")
     norm = block.LayerNormImpl if use_transformer_engine else TorchNorm
     if getattr(config, "num_moe_experts", None):
+        moe_compat.apply()  # what megatron-core's MoE gets wrong in 0.16-0.18
         specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs")
         kwargs = dict(kwargs)
         normalization = kwargs.pop("normalization", "LayerNorm")
