@@ -20,7 +20,7 @@ model chunk, so every chunk of a stage reads and plans the micro-batches itself 
 iterator is its own stream in plan_ahead.py) and finds its own context in the registry, which
 is sized for every micro-batch the schedule holds between forward and backward.
 
-What it does not do: no multi-token prediction, no MoE, no dense masks (see args.REFUSED).
+What it does not do: no dense masks, no multi-latent attention (see args.REFUSED).
 """
 
 from __future__ import annotations

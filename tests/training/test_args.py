@@ -42,7 +42,6 @@ def checked(*flags, **kwargs):
 
 REFUSALS = {
     "mla": (["--multi-latent-attention"], "--multi-latent-attention: MLA"),
-    "mtp": (["--mtp-num-layers", "1"], "--mtp-num-layers 1: multi-token prediction"),
     "spec": (["--spec", "my.module", "my_spec"], "--spec"),
     "heterogeneous": (["--heterogeneous-layers-config-path", "layers.json"],
                       "--heterogeneous-layers-config-path"),
