@@ -166,3 +166,16 @@ def test_bf16_moe_cp2_processes_sharing_one_gpu_match_cp1(tiny_data, tmp_path):
                            "--context-parallel-algo", "ring", "--distributed-backend", "gloo")
     assert_close(losses, expected, CP_TOL, "bf16 MoE CP=2 ring, 2 processes sharing one GPU, "
                                            "vs CP=1")
+
+
+def test_bf16_mtp_cp2_processes_sharing_one_gpu_match_cp1(tiny_data, tmp_path):
+    """Two multi-token prediction heads (megatron/mtp.py: the document-aware shift gathers
+    over the CP group, on CUDA tensors here)."""
+    if gpus() < 1:
+        pytest.skip("needs a CUDA GPU")
+    flags = ["--mtp-num-layers", "2"]
+    expected = train_on_gpus(1, tiny_data, tmp_path, *flags)
+    losses = train_on_gpus(2, tiny_data, tmp_path, *flags, "--context-parallel-size", "2",
+                           "--context-parallel-algo", "ring", "--distributed-backend", "gloo")
+    assert_close(losses, expected, CP_TOL, "bf16 MTP CP=2 ring, 2 processes sharing one GPU, "
+                                           "vs CP=1")

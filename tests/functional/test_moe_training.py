@@ -76,3 +76,15 @@ def test_moe_torch_dist_checkpoint_resumes_at_another_cp_size(moe_cp1, short_doc
                        "--load", ckpt)
     assert sorted(first) == [1, 2] and sorted(resumed) == [3, 4]
     assert relative({**first, **resumed}, expected) < TOL, (first, resumed, expected)
+
+
+def test_shared_experts_z_loss_allgather_and_mtp_at_cp4_match_cp1(short_docs_data, tmp_path):
+    """The rest of what a DeepSeek-style MoE launch adds, in one pair of runs: shared experts,
+    the router's z-loss, the all-gather dispatcher and two multi-token prediction heads."""
+    flags = [*MOE, "--moe-shared-expert-intermediate-size", "64", "--moe-z-loss-coeff", "1e-3",
+             "--moe-token-dispatcher-type", "allgather", "--mtp-num-layers", "2"]
+    expected, expected_log = train(tmp_path, "cp1", short_docs_data, *flags)
+    losses, log = train(tmp_path, "cp4", short_docs_data, *flags, "--context-parallel-size", "4")
+    assert relative(losses, expected) < TOL, (losses, expected)
+    balancing, expected_balancing = balancing_losses(log), balancing_losses(expected_log)
+    assert balancing and relative(balancing, expected_balancing) < TOL
