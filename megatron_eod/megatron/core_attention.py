@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 
 from megatron_eod.attention import context_parallel_attention
 from megatron_eod.attention.backends import default_scale, get_backend
@@ -47,10 +48,6 @@ def _refuse_unsupported(config, dropout) -> None:
     if getattr(config, "softmax_type", "vanilla") != "vanilla":
         raise ValueError(f"TransformerConfig.softmax_type={config.softmax_type!r} "
                          f"(--softmax-type): EoD attention's kernels compute the vanilla softmax")
-    if getattr(config, "multi_latent_attention", False):
-        raise ValueError("TransformerConfig.multi_latent_attention (--multi-latent-attention): "
-                         "MLA applies its own RoPE to split heads; not supported with EoD "
-                         "attention")
 
 
 class EodCoreAttention(_module.MegatronModule):
@@ -61,7 +58,10 @@ class EodCoreAttention(_module.MegatronModule):
                  rope_scaling_factor: float = 8.0,
                  seq_len_interpolation_factor: Optional[float] = None, kernel: str = "auto",
                  ring_exchange: str = "batched", concurrent_calls: bool = False,
-                 fused_forward: bool = False, fused_backward: bool = False):
+                 fused_forward: bool = False, fused_backward: bool = False,
+                 k_channels=None, v_channels=None):
+        # k_channels, v_channels: multi-latent attention's q/k and v head dims, which the
+        # tensors carry (forward pads the narrower).
         super().__init__(config=config)
         if kernel not in ("auto", "flash_attn", "torch"):
             raise ValueError(f"kernel must be 'auto', 'flash_attn' or 'torch', got {kernel!r}")
@@ -113,11 +113,23 @@ class EodCoreAttention(_module.MegatronModule):
                                      self.rotary.seq_len_interpolation_factor)
             query = _rope.apply_rotary_pos_emb(query, freqs, self.config, cp_group=ctx.cp_group)
             key = _rope.apply_rotary_pos_emb(key, freqs, self.config, cp_group=ctx.cp_group)
+        # Multi-latent attention: q/k head dim (its nope + rope parts) != v head dim. The
+        # narrower side is padded with zeros (exact: zero columns of q and k add nothing to
+        # q.k, zero columns of v give zero outputs, cut off again) so that every kernel and
+        # executor sees one head dim; the cost is the padding's share of the work.
+        qk_dim, v_dim = query.shape[-1], value.shape[-1]
+        if v_dim < qk_dim:
+            value = torch.nn.functional.pad(value, (0, qk_dim - v_dim))
+        elif v_dim > qk_dim:
+            query = torch.nn.functional.pad(query, (0, v_dim - qk_dim))
+            key = torch.nn.functional.pad(key, (0, v_dim - qk_dim))
         out = context_parallel_attention(query[:, 0], key[:, 0], value[:, 0], ctx.plan,
                                          group=ctx.cp_group, softmax_scale=self.softmax_scale,
                                          backend=self._backend(query),
                                          ring_exchange=self.ring_exchange,
                                          concurrent_calls=self.concurrent_calls)
+        if out.shape[-1] != v_dim:
+            out = out[..., :v_dim]
         return out.reshape(s, 1, -1)
 
     def _inverse_frequencies(self, device):

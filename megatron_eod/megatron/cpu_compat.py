@@ -20,7 +20,8 @@ Scope "core" (every CPU run):
 | `transformer.utils.get_default_causal_mask` (and | hard-codes device="cuda"                  |
 | its by-name import in `fusions.fused_softmax`)   |                                           |
 | `rope_utils.get_pos_emb_on_this_cp_rank` (and    | pin_memory() + .cuda() on the CP index    |
-| its by-name import in `rotary_pos_embedding`)    |                                           |
+| its by-name imports in `rotary_pos_embedding`,   | (YaRN, MLA's RoPE, calls it when built)   |
+| `yarn_rotary_pos_embedding`)                     |                                           |
 | module `torch` of core's schedules, pipeline p2p,| `device="cuda"` tensors (random ones from |
 | utils, optimizer, clip_grads, DDP and its        | their own generator, as a GPU draws from  |
 | buffers, rerun state machine, dist_checkpointing | its own), synchronize, streams, memory    |
@@ -244,6 +245,8 @@ PATCHES: List[Tuple[str, str, Callable[[], object], str]] = [
     ("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank",
      lambda: _pos_emb_on_this_cp_rank, "core"),
     ("megatron.core.models.common.embeddings.rotary_pos_embedding",
+     "get_pos_emb_on_this_cp_rank", lambda: _pos_emb_on_this_cp_rank, "core"),
+    ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
      "get_pos_emb_on_this_cp_rank", lambda: _pos_emb_on_this_cp_rank, "core"),
     *[(module, "torch", _TORCH_ON_CPU, "core") for module in _CORE_TORCH],
     ("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu",

@@ -26,6 +26,7 @@ from __future__ import annotations
 from megatron_eod.megatron.core_attention import EodCoreAttention
 from megatron_eod.megatron import moe_compat
 from megatron_eod.megatron.imports import import_megatron
+from megatron_eod.megatron.mla import eod_mla_self_attention
 from megatron_eod.megatron.norm import TorchNorm
 
 __all__ = ["get_gpt_layer_eod_spec", "get_gpt_eod_block_spec", "with_eod_attention"]
@@ -44,14 +45,19 @@ def with_eod_attention(spec, registry, use_transformer_engine: bool, qk_layernor
     torch norms. Changes `spec` in place (megatron-core's block spec may list one object for
     several layers) and returns it."""
     submodules = spec.submodules
+    attention = submodules.self_attention
+    latent = "MLA" in getattr(attention.module, "__name__", "")
     if not use_transformer_engine:
         submodules.input_layernorm = TorchNorm
         submodules.pre_mlp_layernorm = TorchNorm
-        if qk_layernorm:  # megatron-core's torch norm refuses --sequence-parallel here too
-            attention = submodules.self_attention.submodules
-            attention.q_layernorm = attention.k_layernorm = TorchNorm
-    submodules.self_attention.submodules.core_attention = _eod_attention_spec(registry,
-                                                                              **params)
+        if qk_layernorm and not latent:  # megatron-core's torch norm refuses
+            # --sequence-parallel here too (MLA's q/kv norms are its own)
+            attention.submodules.q_layernorm = attention.submodules.k_layernorm = TorchNorm
+    if latent:  # multi-latent attention applies RoPE itself (mla.py: at the reset positions)
+        attention.module = eod_mla_self_attention()
+        attention.params = dict(attention.params or {}, registry=registry)
+        params = dict(params, rotary_percent=0.0)
+    attention.submodules.core_attention = _eod_attention_spec(registry, **params)
     return spec
 
 
@@ -82,12 +88,15 @@ def get_gpt_eod_block_spec(registry, config, use_transformer_engine: bool = Fals
                            vp_stage=None, **kwargs):
     """TransformerBlockSubmodules for this pipeline stage (model chunk `vp_stage` of it under
     virtual pipeline stages): its layers and the final norm. With experts
-    (`config.num_moe_experts`), megatron-core's own decoder block spec (its MoE layers where
-    --moe-layer-freq puts them, dense layers elsewhere) with EoD attention in each layer."""
+    (`config.num_moe_experts`) or multi-latent attention, megatron-core's own decoder block
+    spec (its MoE layers where --moe-layer-freq puts them, dense layers elsewhere; MLA
+    self-attention) with EoD attention in each layer (MLA's: mla.py)."""
     block = import_megatron("megatron.core.transformer.transformer_block")
     norm = block.LayerNormImpl if use_transformer_engine else TorchNorm
-    if getattr(config, "num_moe_experts", None):
-        moe_compat.apply()  # what megatron-core's MoE gets wrong in 0.16-0.18
+    if getattr(config, "num_moe_experts", None) or getattr(config, "multi_latent_attention",
+                                                           False):
+        if getattr(config, "num_moe_experts", None):
+            moe_compat.apply()  # what megatron-core's MoE gets wrong in 0.16-0.18
         specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs")
         kwargs = dict(kwargs)
         normalization = kwargs.pop("normalization", "LayerNorm")

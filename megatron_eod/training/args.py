@@ -66,7 +66,6 @@ class _DefaultGroups(int):
 
 # dest -> (is it set?, why it is refused). Checked in order; the first hit raises.
 REFUSED = {
-    "multi_latent_attention": (bool, "MLA applies its own RoPE to split heads"),
     "spec": (bool, "a custom layer spec replaces the one EoD attention is slotted into"),
     "heterogeneous_layers_config_path": (bool, "heterogeneous layers use their own specs"),
     "use_legacy_models": (bool, "the legacy model has no pluggable core attention"),

@@ -22,6 +22,10 @@ from tests.megatron.tiny_model import cp_setup
 
 VOCAB, EOD, SEQ = 64, 63, 40
 
+MLA = dict(multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8,
+           qk_pos_emb_head_dim=8, v_head_dim=12, rope_type="rope", rotary_base=500,
+           num_query_groups=4)
+
 VARIANTS = {
     "rope": dict(),
     "interleaved": dict(config=dict(rotary_interleaved=True)),
@@ -36,6 +40,11 @@ VARIANTS = {
     # megatron-core's own MoE layer (router, dispatcher, experts) in its decoder block spec,
     # a dense layer then an MoE one, as --moe-layer-freq [0,1]: ours is that block spec with
     # EoD attention slotted in (layer_spec.get_gpt_eod_block_spec)
+    # multi-latent attention (q/kv LoRA ranks, a decoupled RoPE head dim, v head dim != q/k
+    # head dim): megatron-core's MLA applies RoPE itself, here at the reset positions (mla.py)
+    "mla": dict(block=True, config=dict(**MLA)),
+    "mla-yarn": dict(block=True, config=dict(MLA, rope_type="yarn", rotary_scaling_factor=4.0,
+                                             original_max_position_embeddings=16)),
     "moe": dict(block=True, config=dict(num_moe_experts=4, moe_router_topk=2,
                                         moe_ffn_hidden_size=48, moe_layer_freq=[0, 1],
                                         add_bias_linear=False,
@@ -44,7 +53,7 @@ VARIANTS = {
 
 
 def _config(**overrides):
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     fields = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                   ffn_hidden_size=64, use_cpu_initialization=True, hidden_dropout=0.0,
@@ -53,7 +62,28 @@ def _config(**overrides):
                   masked_softmax_fusion=False, persist_layer_norm=False,
                   gradient_accumulation_fusion=False, params_dtype=torch.float64)
     fields.update(overrides)
-    return TransformerConfig(**fields)
+    kind = MLATransformerConfig if fields.get("multi_latent_attention") else TransformerConfig
+    return kind(**fields)
+
+
+class ReferenceCoreAttention(torch.nn.Module):
+    """Stock's core attention for MLA, whose own (megatron-core's local DotProductAttention)
+    takes no separate q/k and v head dims: plain causal softmax attention, float64, over the
+    one document stock is given."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None,
+                 cp_comm_type=None, pg_collection=None):
+        super().__init__()
+        self.scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        s, b, h, _ = query.shape
+        scores = torch.einsum("qbhd,kbhd->bhqk", query, key) * self.scale
+        causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+        probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
+        return torch.einsum("bhqk,kbhd->qbhd", probs, value).reshape(s, b, -1)
 
 
 def _models(variant):
@@ -70,8 +100,12 @@ def _models(variant):
     rope = dict(qk_layernorm=qk, rotary_percent=0.0 if position != "rope" else
                 rotary.get("rotary_percent", 1.0),
                 **{k: v for k, v in rotary.items() if k != "rotary_percent"})
-    if variant.get("block"):  # the decoder block specs (MoE)
+    if variant.get("block"):  # the decoder block specs (MoE, MLA)
         stock_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        if config.multi_latent_attention:
+            for layer in stock_spec.layer_specs:
+                layer.submodules.self_attention.submodules.core_attention = \
+                    ReferenceCoreAttention
         spec = get_gpt_eod_block_spec(registry, our_config, **rope)
     else:
         stock_spec = get_gpt_layer_local_spec(qk_layernorm=qk)
