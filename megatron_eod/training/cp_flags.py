@@ -32,7 +32,7 @@ from megatron_eod.attention.ring import RING_EXCHANGES
 from megatron_eod.megatron import gloo_on_cuda
 from megatron_eod.plan import ulysses_degree_for
 
-__all__ = ["CONCURRENT_CALLS_HELP", "CP_ALGO_ALIASES", "FUSED_BACKWARD_HELP",
+__all__ = ["CONCURRENT_CALLS_HELP", "attention_head_dim", "CP_ALGO_ALIASES", "FUSED_BACKWARD_HELP",
            "FUSED_FORWARD_HELP", "FlagError",
            "RING_EXCHANGES",
            "RING_EXCHANGE_HELP", "check_context_parallel", "check_gloo_on_cuda",
@@ -216,6 +216,19 @@ def check_gloo_on_cuda(args, cuda_available: bool) -> None:
                  f"gloo, CUDA gradients are reduced one bucket at a time, synchronously)")
 
 
+def attention_head_dim(args):
+    """The head dim the attention kernels see: --kv-channels (default --hidden-size /
+    --num-attention-heads); with --multi-latent-attention the wider of q/k's (--qk-head-dim +
+    --qk-pos-emb-head-dim) and v's (--v-head-dim), the narrower being padded to it
+    (megatron/core_attention.py). None where the flags do not say yet."""
+    if getattr(args, "multi_latent_attention", False):
+        return max(args.qk_head_dim + args.qk_pos_emb_head_dim, args.v_head_dim)
+    head_dim = getattr(args, "kv_channels", None)
+    if head_dim is None and getattr(args, "num_attention_heads", None):  # before validate_args
+        head_dim = args.hidden_size // args.num_attention_heads
+    return head_dim
+
+
 def check_gpu_attention(args, cuda_available: bool) -> None:
     """The GPU attention kernels' rules, checked at start-up rather than at the first layer:
     FlashAttention-2 (PyTorch's or flash-attn's, called below their Python wrappers, which
@@ -226,14 +239,13 @@ def check_gpu_attention(args, cuda_available: bool) -> None:
     _require(half or not cuda_available,
              "on CUDA the attention's flash kernels take bfloat16 or float16: pass --bf16 or "
              "--fp16 (float32 attention runs on CPU only)")
-    head_dim = getattr(args, "kv_channels", None)
-    if head_dim is None and getattr(args, "num_attention_heads", None):  # before validate_args
-        head_dim = args.hidden_size // args.num_attention_heads
+    head_dim = attention_head_dim(args)
     if cuda_available and head_dim is not None:
         _require(head_dim % 8 == 0 and head_dim <= 256,
                  f"the attention head dim (--kv-channels, default --hidden-size / "
-                 f"--num-attention-heads) is {head_dim}: the GPU flash kernels take a "
-                 f"multiple of 8, at most 256")
+                 f"--num-attention-heads; with --multi-latent-attention the wider of "
+                 f"--qk-head-dim + --qk-pos-emb-head-dim and --v-head-dim) is {head_dim}: "
+                 f"the GPU flash kernels take a multiple of 8, at most 256")
     _require(not getattr(args, "cp_fused_backward", False) or
              getattr(args, "cp_fused_forward", False),
              "--cp-fused-backward needs --cp-fused-forward (its kernels are the fused "

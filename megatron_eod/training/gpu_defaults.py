@@ -23,15 +23,9 @@ import warnings
 
 from megatron_eod.attention.triton_forward import (device_problem, interpreting_triton,
                                                    triton_problem)
+from megatron_eod.training.cp_flags import attention_head_dim
 
 __all__ = ["choose_attention_path", "why_not_fused"]
-
-
-def _head_dim(args):
-    head_dim = getattr(args, "kv_channels", None)
-    if head_dim is None and getattr(args, "num_attention_heads", None):
-        head_dim = args.hidden_size // args.num_attention_heads
-    return head_dim
 
 
 def why_not_fused(args, problem=device_problem):
@@ -48,7 +42,7 @@ def why_not_fused(args, problem=device_problem):
     missing = triton_problem()
     if missing is not None:
         return missing
-    head_dim = _head_dim(args)
+    head_dim = attention_head_dim(args)
     if head_dim is None:
         return "the head dim is unknown"
     try:

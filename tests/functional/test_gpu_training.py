@@ -46,15 +46,17 @@ def free_port():
         return s.getsockname()[1]
 
 
-def train_on_gpus(nproc, data, tmp_path, *extra, env=None):
+def train_on_gpus(nproc, data, tmp_path, *extra, env=None, drop=()):
     """Run pretrain_gpt.py under torchrun on `nproc` GPUs (processes sharing GPUs when there
-    are fewer); the per-iteration lm losses."""
+    are fewer); the per-iteration lm losses. `drop`: golden flags left out (with a value when
+    one follows)."""
     metrics = tmp_path / f"metrics_{nproc}_{'_'.join(extra) or 'cp1'}.jsonl"
     env = subprocess_env(**dict(env or {}, CUDA_DEVICE_MAX_CONNECTIONS="1"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            os.path.join(REPO, "pretrain_gpt.py"),
-           *golden_flags(data, "--bf16", "--metrics-file", str(metrics), *extra)]
+           *_without(golden_flags(data, "--bf16", "--metrics-file", str(metrics), *extra),
+                     drop)]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                             env=env)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -62,6 +64,15 @@ def train_on_gpus(nproc, data, tmp_path, *extra, env=None):
     losses = [r["lm_loss"] for r in records if r.get("kind", "train") == "train"]
     assert len(losses) == ITERS
     return losses
+
+
+def _without(argv, drop):
+    argv = list(argv)
+    for flag in drop:
+        at = argv.index(flag)
+        del argv[at:at + (2 if at + 1 < len(argv) and not argv[at + 1].startswith("--")
+                          else 1)]
+    return argv
 
 
 def assert_close(losses, reference, tol, what):
@@ -178,4 +189,21 @@ def test_bf16_mtp_cp2_processes_sharing_one_gpu_match_cp1(tiny_data, tmp_path):
     losses = train_on_gpus(2, tiny_data, tmp_path, *flags, "--context-parallel-size", "2",
                            "--context-parallel-algo", "ring", "--distributed-backend", "gloo")
     assert_close(losses, expected, CP_TOL, "bf16 MTP CP=2 ring, 2 processes sharing one GPU, "
+                                           "vs CP=1")
+
+
+def test_bf16_mla_cp2_processes_sharing_one_gpu_match_cp1(tiny_data, tmp_path):
+    """Multi-latent attention (megatron/mla.py: its RoPE at the reset positions; q/k head dim
+    24 != v head dim 16, padded for the GPU kernels to 24) at CP=2 ring vs CP=1."""
+    if gpus() < 1:
+        pytest.skip("needs a CUDA GPU")
+    flags = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "24",
+             "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
+             "--rope-type", "yarn", "--rotary-scaling-factor", "4"]
+    gqa = ("--group-query-attention", "--num-query-groups")  # MLA has none
+    expected = train_on_gpus(1, tiny_data, tmp_path, *flags, drop=gqa)
+    losses = train_on_gpus(2, tiny_data, tmp_path, *flags, "--context-parallel-size", "2",
+                           "--context-parallel-algo", "ring", "--distributed-backend", "gloo",
+                           drop=gqa)
+    assert_close(losses, expected, CP_TOL, "bf16 MLA CP=2 ring, 2 processes sharing one GPU, "
                                            "vs CP=1")

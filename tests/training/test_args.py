@@ -41,7 +41,6 @@ def checked(*flags, **kwargs):
 
 
 REFUSALS = {
-    "mla": (["--multi-latent-attention"], "--multi-latent-attention: MLA"),
     "spec": (["--spec", "my.module", "my_spec"], "--spec"),
     "heterogeneous": (["--heterogeneous-layers-config-path", "layers.json"],
                       "--heterogeneous-layers-config-path"),

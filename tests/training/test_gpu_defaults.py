@@ -100,3 +100,22 @@ def test_the_fused_backward_alone_needs_the_fused_forward_on():
         checked("--context-parallel-size", "4", "--cp-fused-backward")
     args, _ = chosen("--context-parallel-size", "4", "--cp-fused-backward")
     assert args.cp_fused_forward and args.cp_fused_backward
+
+
+def test_mla_head_dim_is_the_wider_of_qk_and_v():
+    """MLA's q/k (nope + rope parts) and v head dims differ; the kernels see the wider, the
+    narrower padded (megatron/core_attention.py): 128 + 64 = 192 here, checked on CUDA."""
+    from megatron_eod.training.cp_flags import attention_head_dim, check_gpu_attention
+
+    flags = ["--multi-latent-attention", "--qk-head-dim", "128", "--qk-pos-emb-head-dim",
+             "64", "--v-head-dim", "128"]
+    args = megatron_lm_args(*flags)
+    assert attention_head_dim(args) == 192
+    seen = []
+    args, _ = chosen("--context-parallel-size", "4", *flags,
+                     problem=lambda head_dim, dtype, backward=False: seen.append(head_dim))
+    assert seen == [192] and args.cp_fused_forward
+    args = megatron_lm_args("--bf16", "--multi-latent-attention", "--qk-head-dim", "200",
+                            "--qk-pos-emb-head-dim", "64")
+    with pytest.raises(FlagError, match=r"--multi-latent-attention the wider .* is 264"):
+        check_gpu_attention(args, True)
