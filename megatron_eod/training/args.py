@@ -47,7 +47,7 @@ from megatron_eod.training.flag_rules import (check_backend_device,
                                               keep_the_flags_attention_dropout,
                                               ramp_as_step_schedule)
 from megatron_eod.training.gpu_defaults import choose_attention_path
-from megatron_eod.training.moe_flags import check_moe
+from megatron_eod.training.model_flags import check_mla, check_moe
 from megatron_eod.training.tokenizer_flags import check_tokenizer, tokenizer_from_data
 
 __all__ = ["REFUSED", "SAVE_AT_THE_END", "add_eod_args", "check_before_megatron",
@@ -175,6 +175,7 @@ def eod_args_from_megatron(args) -> None:
     choose_attention_path(args, torch.cuda.is_available())
     check_gpu_attention(args, torch.cuda.is_available())
     check_moe(args, torch.cuda.is_available())
+    check_mla(args)
     check_device_precision(args, torch.cuda.is_available())
     if not torch.distributed.is_initialized():  # else Megatron-LM keeps the group it finds
         given = any(word.split("=", 1)[0] == "--distributed-backend" for word in sys.argv)

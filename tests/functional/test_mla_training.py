@@ -5,6 +5,7 @@ CP=N == CP=1."""
 
 import pytest
 
+from tests.megatron.tiny_model import NEEDS_MLA, mla_buildable
 from tests.training.runs import train
 
 # q/kv LoRA ranks, a decoupled RoPE head dim, v head dim != q/k head dim; YaRN as DeepSeek-V3
@@ -13,6 +14,7 @@ MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "24"
        "--rope-type", "yarn", "--rotary-scaling-factor", "4"]
 DROP = ("--group-query-attention", "--num-query-groups")  # MLA has no GQA (Megatron-LM's rule)
 TOL = 1e-5
+pytestmark = pytest.mark.skipif(not mla_buildable(), reason=NEEDS_MLA)
 
 
 def relative(a, b):

@@ -10,10 +10,11 @@ from megatron_eod.megatron.batch import slice_batch_for_cp
 from megatron_eod.megatron.batch_context import EodContextRegistry
 from megatron_eod.megatron.layer_spec import get_gpt_eod_block_spec
 from tests.harness import run_ranks
-from tests.megatron.tiny_model import EOD, VOCAB, cp_setup
+from tests.megatron.tiny_model import EOD, NEEDS_MLA, VOCAB, cp_setup, mla_buildable
 from tests.reference import random_layout_tokens
 
 B, S = 2, 48
+pytestmark = pytest.mark.skipif(not mla_buildable(), reason=NEEDS_MLA)
 
 
 def _record_angles(rank, world, rope_type):

@@ -52,3 +52,18 @@ def cp_setup(world, algo="ring", degree=None):
     finally:
         parallel_state.destroy_model_parallel()
         cpu_compat.remove()
+
+
+def mla_buildable() -> bool:
+    """Whether this megatron-core can build multi-latent attention: not 0.16 without
+    TransformerEngine (training/model_flags.check_mla refuses it there)."""
+    import importlib.util
+
+    import megatron.core
+    from packaging.version import Version
+
+    return Version(megatron.core.__version__) >= Version("0.17") or \
+        importlib.util.find_spec("transformer_engine") is not None
+
+
+NEEDS_MLA = "megatron-core 0.16 builds MLA only with TransformerEngine"

@@ -1,7 +1,8 @@
-"""The mixture-of-experts flags megatron-core's MoE layer cannot run beside EoD attention.
+"""The model flags (mixture of experts, multi-latent attention) megatron-core cannot run beside
+EoD attention.
 
-One job: `check_moe(args, cuda_available)`, after Megatron-LM's validate_args, raises FlagError
-naming the flag and the rule. MoE itself is megatron-core's own layer (router, token
+One job: `check_moe(args, cuda_available)` and `check_mla(args)`, after Megatron-LM's
+validate_args, raise FlagError naming the flag and the rule. MoE itself is megatron-core's own layer (router, token
 dispatcher, experts) in megatron-core's decoder block spec (megatron/layer_spec.py); the router
 counts tokens, not attention pairs, so the document mask and where CP puts a token change
 nothing of it (tests/functional/test_moe_training.py: CP=4 == CP=1, the load-balancing loss
@@ -15,7 +16,10 @@ too). Refused:
   in place on a view its tensor-parallel reduce returns, a RuntimeError at the first step on
   every rank (megatron-core 0.16-0.19);
 * `--moe-grouped-gemm` without CUDA: its grouped GEMMs are TransformerEngine's or the
-  grouped_gemm package's CUDA kernels.
+  grouped_gemm package's CUDA kernels;
+* `--multi-latent-attention` on megatron-core 0.16 without TransformerEngine: its MLA tests
+  its projection against TransformerEngine's class, which 0.16 then leaves a stand-in (a
+  TypeError when the model is built, stock megatron-core's too).
 
 What it does not do: no model building (layer_spec.py), no other flags (args.py, cp_flags.py,
 flag_rules.py).
@@ -23,9 +27,14 @@ flag_rules.py).
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+
+from packaging.version import Version
+
 from megatron_eod.training.cp_flags import FlagError
 
-__all__ = ["check_moe"]
+__all__ = ["check_mla", "check_moe"]
 
 
 def _balancing_types(args):
@@ -59,3 +68,14 @@ def check_moe(args, cuda_available: bool) -> None:
                         f"(RuntimeError on every rank); pass --disable-bias-linear (as MoE "
                         f"models usually do)" + (" or --moe-grouped-gemm" if cuda_available
                                                  else ""))
+
+
+def check_mla(args) -> None:
+    """--multi-latent-attention where megatron-core can build it (the module's docstring)."""
+    if not getattr(args, "multi_latent_attention", False):
+        return
+    version = Version(importlib.import_module("megatron.core").__version__)
+    if version < Version("0.17") and importlib.util.find_spec("transformer_engine") is None:
+        raise FlagError(f"--multi-latent-attention with megatron-core {version} needs "
+                        f"TransformerEngine: its MLA cannot be built without it there (a "
+                        f"TypeError); install TransformerEngine or use megatron-core >= 0.17")

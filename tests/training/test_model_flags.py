@@ -1,10 +1,11 @@
-"""The MoE flags refused beside EoD attention (training/moe_flags.py), on Megatron-LM's own
-parsed args; the runs themselves: tests/functional/test_moe_training.py."""
+"""The MoE and MLA flags refused beside EoD attention (training/model_flags.py), on
+Megatron-LM's own parsed args; the runs themselves: tests/functional/test_moe_training.py,
+test_mla_training.py."""
 
 import pytest
 
 from megatron_eod.training.cp_flags import FlagError
-from megatron_eod.training.moe_flags import check_moe
+from megatron_eod.training.model_flags import check_mla, check_moe
 from tests.training.test_args import checked, megatron_lm_args
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
@@ -20,7 +21,7 @@ def test_a_moe_model_passes_and_keeps_its_flags():
      r"seq_aux_loss with --micro-batch-size 2: .* one sequence"),
     (["--moe-grouped-gemm"], False, r"--moe-grouped-gemm needs CUDA"),
 ])
-def test_refused_moe_flags_are_named(flags, cuda, message):
+def test_refused_model_flags_are_named(flags, cuda, message):
     args = megatron_lm_args(*MOE, *flags)
     with pytest.raises(FlagError, match=message):
         check_moe(args, cuda)
@@ -40,3 +41,18 @@ def test_sequential_experts_with_biases_are_refused_before_megatron_core_stops()
 def test_seq_aux_loss_at_one_row_per_micro_batch_passes():
     check_moe(megatron_lm_args(*MOE, "--moe-router-load-balancing-type", "seq_aux_loss",
                                "--micro-batch-size", "1"), False)
+
+
+def test_mla_on_megatron_core_0_16_without_transformer_engine_is_refused(monkeypatch):
+    import importlib.util
+
+    import megatron.core
+
+    args = megatron_lm_args("--multi-latent-attention")
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformer_engine" else object())
+    monkeypatch.setattr(megatron.core, "__version__", "0.16.1")
+    with pytest.raises(FlagError, match=r"megatron-core 0.16.1 needs TransformerEngine"):
+        check_mla(args)
+    monkeypatch.setattr(megatron.core, "__version__", "0.17.1")
+    check_mla(args)
