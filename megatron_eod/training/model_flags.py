@@ -4,9 +4,9 @@ EoD attention.
 One job: `check_moe(args, cuda_available)` and `check_mla(args)`, after Megatron-LM's
 validate_args, raise FlagError naming the flag and the rule. MoE itself is megatron-core's own
 layer (router, token dispatcher, experts) in megatron-core's decoder block spec
-(megatron/layer_spec.py); the router counts tokens, not attention pairs, so the document mask and where CP puts a token change
-nothing of it (tests/functional/test_moe_training.py: CP=4 == CP=1, the load-balancing loss
-too). Refused:
+(megatron/layer_spec.py); the router counts tokens, not attention pairs, so the document mask
+and where CP puts a token change nothing of it (tests/functional/test_moe_training.py: CP=4 ==
+CP=1, the load-balancing loss too). Refused:
 
 * `--moe-router-load-balancing-type seq_aux_loss` with `--micro-batch-size` > 1: a
   micro-batch's rows travel packed as ONE sequence (the plan separates documents), so the
