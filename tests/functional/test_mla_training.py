@@ -32,3 +32,20 @@ def test_mla_cp4_losses_match_cp1(mla_cp1, short_docs_data, tmp_path, algo):
     losses, _ = train(tmp_path, "cp4", short_docs_data, *MLA, "--context-parallel-size", "4",
                       "--context-parallel-algo", *algo, drop=DROP)
     assert relative(losses, mla_cp1) < TOL, (losses, mla_cp1)
+
+
+def test_an_mla_moe_mtp_checkpoint_resumes_at_another_cp_size(short_docs_data, tmp_path):
+    """DeepSeek-V3's shape in small: MLA, experts and MTP heads in one model, saved at CP=4
+    ring (megatron-core's torch_dist), resumed at CP=2 x DP=2: the uninterrupted CP=1 losses."""
+    from tests.functional.test_moe_training import MOE
+    from tests.functional.test_mtp_training import MTP
+
+    flags = [*MLA, *MOE, *MTP]
+    expected, _ = train(tmp_path, "cp1", short_docs_data, *flags, drop=DROP)
+    ckpt = str(tmp_path / "ckpt")
+    first, _ = train(tmp_path, "save", short_docs_data, *flags, "--context-parallel-size", "4",
+                     "--save", ckpt, "--save-interval", "2", "--exit-interval", "2", drop=DROP)
+    resumed, _ = train(tmp_path, "load", short_docs_data, *flags, "--context-parallel-size",
+                       "2", "--load", ckpt, drop=DROP)
+    assert sorted(first) == [1, 2] and sorted(resumed) == [3, 4]
+    assert relative({**first, **resumed}, expected) < TOL, (first, resumed, expected)
