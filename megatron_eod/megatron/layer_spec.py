@@ -46,7 +46,9 @@ def with_eod_attention(spec, registry, use_transformer_engine: bool, qk_layernor
     several layers) and returns it."""
     submodules = spec.submodules
     attention = submodules.self_attention
-    latent = "MLA" in getattr(attention.module, "__name__", "")
+    mla = import_megatron("megatron.core.transformer.multi_latent_attention")
+    latent = isinstance(attention.module, type) and issubclass(attention.module,
+                                                               mla.MLASelfAttention)
     if not use_transformer_engine:
         submodules.input_layernorm = TorchNorm
         submodules.pre_mlp_layernorm = TorchNorm
