@@ -47,7 +47,7 @@ from megatron_eod.training.flag_rules import (check_backend_device,
                                               keep_the_flags_attention_dropout,
                                               ramp_as_step_schedule)
 from megatron_eod.training.gpu_defaults import choose_attention_path
-from megatron_eod.training.model_flags import check_mla, check_moe
+from megatron_eod.training.model_flags import check_hybrid_pattern, check_mla, check_moe
 from megatron_eod.training.tokenizer_flags import check_tokenizer, tokenizer_from_data
 
 __all__ = ["REFUSED", "SAVE_AT_THE_END", "add_eod_args", "check_before_megatron",
@@ -99,9 +99,10 @@ REFUSED = {
 }
 
 
-def add_eod_args(parser):
+def add_eod_args(parser, model: str = "gpt"):
     """Megatron-LM `extra_args_provider`: our flags, per-token loss by default, and a default
-    --eval-interval."""
+    --eval-interval. `model`: what the providers build, "gpt" (pretrain_gpt.py) or "hybrid"
+    (pretrain_hybrid.py: HybridModel), kept as args.eod_model."""
     g = parser.add_argument_group("megatron-eod")
     g.add_argument("--context-parallel-algo", default=None,
                    help=f"one of {', '.join(CP_ALGO_ALIASES)} (default: from --cp-comm-type, "
@@ -126,7 +127,8 @@ def add_eod_args(parser):
     # EoD attention applies RoPE itself at the reset positions, never megatron-core's fused
     # kernel, whose default needs TransformerEngine (without it every rank stopped with
     # "apply_rope_fusion is not available").
-    parser.set_defaults(calculate_per_token_loss=True, cp_comm_type=NotGiven(["p2p"]),
+    parser.set_defaults(eod_model=model, calculate_per_token_loss=True,
+                        cp_comm_type=NotGiven(["p2p"]),
                         eval_interval=1000, num_query_groups=_DefaultGroups(1),
                         apply_rope_fusion=False)
     return parser
@@ -176,6 +178,7 @@ def eod_args_from_megatron(args) -> None:
     check_gpu_attention(args, torch.cuda.is_available())
     check_moe(args, torch.cuda.is_available())
     check_mla(args)
+    check_hybrid_pattern(args)
     check_device_precision(args, torch.cuda.is_available())
     if not torch.distributed.is_initialized():  # else Megatron-LM keeps the group it finds
         given = any(word.split("=", 1)[0] == "--distributed-backend" for word in sys.argv)

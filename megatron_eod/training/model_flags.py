@@ -34,7 +34,25 @@ from packaging.version import Version
 
 from megatron_eod.training.cp_flags import FlagError
 
-__all__ = ["check_mla", "check_moe"]
+__all__ = ["HYBRID_SYMBOLS", "check_hybrid_pattern", "check_mla", "check_moe"]
+
+# --hybrid-layer-pattern symbols pretrain_hybrid.py does not build, and why.
+HYBRID_REFUSED = {
+    "M": "Mamba-2 layers carry a state across tokens, which must restart at every document: "
+         "megatron-core's take document boundaries only as packed_seq_params in its own CP "
+         "token order, not the EoD plan's, and need mamba_ssm and causal-conv1d (CUDA)",
+    "G": "Gated DeltaNet layers carry a state across tokens, which must restart at every "
+         "document: megatron-core's take document boundaries only as packed_seq_params in its "
+         "own CP token order, not the EoD plan's, and need flash-linear-attention (CUDA)",
+    "D": "DeepSeek sparse attention builds its own mask and top-k index, which do not know "
+         "the documents",
+    "+": "MLA layers in a hybrid stack are not wired; pretrain_gpt.py runs "
+         "--multi-latent-attention",
+    "/": "multi-token prediction in a hybrid stack is not wired; pretrain_gpt.py runs "
+         "--mtp-num-layers",
+}
+# The symbols it builds: attention, dense MLP, MoE, and pipeline boundaries.
+HYBRID_SYMBOLS = "*-E|"
 
 
 def _balancing_types(args):
@@ -79,3 +97,26 @@ def check_mla(args) -> None:
         raise FlagError(f"--multi-latent-attention with megatron-core {version} needs "
                         f"TransformerEngine: its MLA cannot be built without it there (a "
                         f"TypeError); install TransformerEngine or use megatron-core >= 0.17")
+
+
+def check_hybrid_pattern(args) -> None:
+    """--hybrid-layer-pattern with the entry it needs: pretrain_hybrid.py (args.eod_model
+    "hybrid") needs one of symbols it builds (HYBRID_SYMBOLS, or HYBRID_REFUSED's line),
+    pretrain_gpt.py takes none."""
+    pattern = getattr(args, "hybrid_layer_pattern", None) or \
+        getattr(args, "hybrid_override_pattern", None)
+    if getattr(args, "eod_model", "gpt") != "hybrid":
+        if pattern:
+            raise FlagError(f"--hybrid-layer-pattern {pattern!r} builds Megatron-LM's "
+                            f"HybridModel: launch pretrain_hybrid.py (the same flags)")
+        return
+    if not pattern:
+        raise FlagError("pretrain_hybrid.py needs --hybrid-layer-pattern, one symbol a layer: "
+                        "'*' attention, '-' dense MLP, 'E' MoE (e.g. '*-*-' is a 2-layer GPT)")
+    for symbol in dict.fromkeys(pattern):
+        if symbol in HYBRID_REFUSED:
+            raise FlagError(f"--hybrid-layer-pattern {pattern!r}: '{symbol}': "
+                            f"{HYBRID_REFUSED[symbol]}")
+        if symbol not in HYBRID_SYMBOLS:
+            raise FlagError(f"--hybrid-layer-pattern {pattern!r}: '{symbol}' is not a layer "
+                            f"symbol pretrain_hybrid.py builds ({', '.join(HYBRID_SYMBOLS)})")

@@ -37,6 +37,7 @@ from megatron_eod.attention.groups import register_hybrid_groups
 from megatron_eod.megatron.batch_context import EodContextRegistry
 from megatron_eod.megatron import mtp
 from megatron_eod.megatron.imports import import_megatron
+from megatron_eod.megatron.hybrid_spec import get_hybrid_eod_stack_spec
 from megatron_eod.megatron.layer_spec import get_gpt_eod_block_spec
 from megatron_eod.megatron.steps import EodGPTSteps
 from megatron_eod.training import data
@@ -88,9 +89,15 @@ def plans_ahead(args) -> bool:
 def block_spec(registry, config, args, use_transformer_engine: bool, vp_stage=None):
     """This pipeline stage's (model chunk's) block spec with EoD attention and the args' RoPE
     settings."""
-    rope = args.position_embedding_type == "rope"
     return get_gpt_eod_block_spec(
         registry, config, use_transformer_engine=use_transformer_engine, vp_stage=vp_stage,
+        **block_spec_arguments(args))
+
+
+def block_spec_arguments(args) -> dict:
+    """The layer specs' RoPE, norm and kernel arguments from the args (GPT and hybrid)."""
+    rope = args.position_embedding_type == "rope"
+    return dict(
         rotary_base=args.rotary_base, rotary_percent=args.rotary_percent if rope else 0.0,
         rope_scaling=getattr(args, "use_rope_scaling", False),
         rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
@@ -238,8 +245,11 @@ class EodProviders:
         te = getattr(args, "transformer_impl", "local") == "transformer_engine"
         spec = block_spec(self.registry, config, args, te and has_transformer_engine(),
                                  vp_stage)
-        gpt = import_megatron("megatron.core.models.gpt")
         extra = {} if vp_stage is None else {"vp_stage": vp_stage}
+        if getattr(args, "eod_model", "gpt") == "hybrid":
+            return self._hybrid_model(args, config, pre_process, post_process, pg_collection,
+                                      extra)
+        gpt = import_megatron("megatron.core.models.gpt")
         if getattr(args, "mtp_num_layers", None):
             extra["mtp_block_spec"] = mtp_block_spec(config, spec, te and has_transformer_engine(),
                                                      vp_stage)
@@ -248,6 +258,24 @@ class EodProviders:
         return gpt.GPTModel(
             config, spec, vocab_size=args.padded_vocab_size,
             max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
+            post_process=post_process,
+            fp16_lm_cross_entropy=getattr(args, "fp16_lm_cross_entropy", False),
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=gpt_position_embedding_type(args),
+            pg_collection=pg_collection, **extra)
+
+    def _hybrid_model(self, args, config, pre_process, post_process, pg_collection, extra):
+        """megatron-core's HybridModel (pretrain_hybrid.py) over our hybrid stack spec
+        (megatron/hybrid_spec.py), RoPE inside the attention as for the GPT."""
+        te = getattr(args, "transformer_impl", "local") == "transformer_engine" and \
+            has_transformer_engine()
+        spec = get_hybrid_eod_stack_spec(self.registry, config, te,
+                                         **block_spec_arguments(args))
+        hybrid = import_megatron("megatron.core.models.hybrid.hybrid_model")
+        return hybrid.HybridModel(
+            config, spec, vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            hybrid_layer_pattern=args.hybrid_layer_pattern, pre_process=pre_process,
             post_process=post_process,
             fp16_lm_cross_entropy=getattr(args, "fp16_lm_cross_entropy", False),
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

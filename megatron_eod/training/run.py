@@ -29,6 +29,7 @@ What it does not do: no flag parsing of its own (Megatron-LM's parser with add_e
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -73,8 +74,9 @@ def megatron_lm_available() -> bool:
         return False
 
 
-def run(argv=None):
-    """Train with Megatron-LM's `pretrain()`; raises SystemExit(2) on a flag error."""
+def run(argv=None, model: str = "gpt"):
+    """Train with Megatron-LM's `pretrain()`; raises SystemExit(2) on a flag error. `model`:
+    "gpt" (pretrain_gpt.py) or "hybrid" (pretrain_hybrid.py: megatron-core's HybridModel)."""
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]  # Megatron-LM parses sys.argv itself
     if launched_by_torchrun():  # no process of the job outlives it
@@ -104,16 +106,20 @@ def run(argv=None):
                   model_provider=providers.model_provider, model_type=model_type,
                   forward_step_func=providers.forward_step, store=store,
                   get_embedding_ranks=_embedding_ranks)
+    eod_args = functools.partial(add_eod_args, model=model)
     try:
         with flags_compared_before_groups():
             if "cfg_container" in inspect.signature(training.pretrain).parameters:  # >= 0.18
                 arguments = importlib.import_module("megatron.training.arguments")
-                args = arguments.parse_and_validate_args(extra_args_provider=add_eod_args,
+                args = arguments.parse_and_validate_args(extra_args_provider=eod_args,
                                                          args_defaults=ARGS_DEFAULTS)
                 config = importlib.import_module("megatron.training.argument_utils")
                 pretrain(config.pretrain_cfg_container_from_args(args), **kwargs)
+            elif model == "hybrid":
+                raise FlagError("pretrain_hybrid.py needs megatron-core >= 0.18 (its "
+                                "HybridModel); this Megatron-LM has none")
             else:
-                pretrain(extra_args_provider=add_eod_args, args_defaults=ARGS_DEFAULTS, **kwargs)
+                pretrain(extra_args_provider=eod_args, args_defaults=ARGS_DEFAULTS, **kwargs)
     except (FlagError, DatasetError, CheckpointError) as error:  # raised on every rank
         exit_with_error(error, 2)
     except RuntimeError as error:  # a collective that lost a rank, a failed validation: one

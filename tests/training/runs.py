@@ -14,6 +14,7 @@ or Apex).
 """
 
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -54,16 +55,17 @@ def _as_rank(rank, world):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
 
 
-def train_rank(rank, world, argv, log):
+def train_rank(rank, world, argv, log, entry="pretrain_gpt"):
     """One rank's training; Megatron-LM logs iterations on the last rank, its setup on rank 0:
-    those two ranks' output goes to `log` and `log`.rank0."""
+    those two ranks' output goes to `log` and `log`.rank0. `entry`: pretrain_gpt or
+    pretrain_hybrid."""
     _as_rank(rank, world)
-    import pretrain_gpt
+    script = importlib.import_module(entry)
 
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
-            pretrain_gpt.main(list(argv))
+            script.main(list(argv))
     except SystemExit as stop:  # --exit-interval: Megatron-LM's train() exits with 0
         if stop.code not in (0, None):
             raise
@@ -101,10 +103,11 @@ def metrics_records(path):
     return [json.loads(line) for line in open(path).read().splitlines()]
 
 
-def train(tmp_path, name, data, *extra, drop=(), world=4):
+def train(tmp_path, name, data, *extra, drop=(), world=4, entry="pretrain_gpt"):
     """Train the tiny GPT on `world` ranks with `extra` flags (`drop`: flags of `flags` to
-    leave out, with their values): (training losses by iteration, the last rank's log with
-    the end-of-run evaluations' --metrics-file records as its last line)."""
+    leave out, with their values; `entry`: pretrain_gpt or pretrain_hybrid): (training
+    losses by iteration, the last rank's log with the end-of-run evaluations' --metrics-file
+    records as its last line)."""
     import_megatron_lm()
     metrics, log = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.log"
     argv = flags(data, str(metrics), *extra)
@@ -112,7 +115,7 @@ def train(tmp_path, name, data, *extra, drop=(), world=4):
         at = argv.index(flag)
         del argv[at:at + (2 if at + 1 < len(argv) and not argv[at + 1].startswith("--")
                           else 1)]
-    run_ranks(train_rank, world, argv, str(log), timeout=240, daemon=False)
+    run_ranks(train_rank, world, argv, str(log), entry, timeout=240, daemon=False)
     records = metrics_records(metrics)
     losses = {r["iteration"]: r["lm_loss"] for r in records if "kind" not in r}
     evaluations = {r["kind"]: r for r in records if "kind" in r}

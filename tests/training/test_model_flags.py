@@ -56,3 +56,35 @@ def test_mla_on_megatron_core_0_16_without_transformer_engine_is_refused(monkeyp
         check_mla(args)
     monkeypatch.setattr(megatron.core, "__version__", "0.17.1")
     check_mla(args)
+
+
+@pytest.mark.parametrize("pattern,message", [
+    ("*-M-", r"'M': Mamba-2 layers carry a state .* restart at every document"),
+    ("*-G-", r"'G': Gated DeltaNet"),
+    ("D-D-", r"'D': DeepSeek sparse attention"),
+    ("+-+-", r"'\+': MLA layers in a hybrid stack are not wired"),
+    ("*-*-/*-", r"'/': multi-token prediction in a hybrid stack"),
+    ("*-x-", r"'x' is not a layer symbol pretrain_hybrid.py builds"),
+])
+def test_hybrid_layers_eod_reset_cannot_run_are_refused_by_symbol(pattern, message):
+    from megatron_eod.training.model_flags import check_hybrid_pattern
+
+    args = megatron_lm_args("--hybrid-layer-pattern", pattern)
+    args.eod_model = "hybrid"
+    with pytest.raises(FlagError, match=message):
+        check_hybrid_pattern(args)
+
+
+def test_the_entry_and_the_pattern_go_together():
+    from megatron_eod.training.model_flags import check_hybrid_pattern
+
+    args = megatron_lm_args("--hybrid-layer-pattern", "*-*E")
+    with pytest.raises(FlagError, match=r"builds Megatron-LM's HybridModel: launch "
+                                        r"pretrain_hybrid.py"):
+        check_hybrid_pattern(args)  # pretrain_gpt.py
+    args.eod_model = "hybrid"
+    check_hybrid_pattern(args)
+    args = megatron_lm_args()
+    args.eod_model = "hybrid"
+    with pytest.raises(FlagError, match=r"pretrain_hybrid.py needs --hybrid-layer-pattern"):
+        check_hybrid_pattern(args)

@@ -253,8 +253,9 @@ def test_megatron_lm_assertions_show_the_whole_statement(monkeypatch, tmp_path):
                                            "--nproc-per-node"]),
     (2, ["--data-path", "0.5", "DATA", "0", "DATA"], ["--data-path", "weight of DATA is 0"]),
     (2, ["--data-path", "0.5", "DATA", "DATA"], ["--data-path", "\"WEIGHT PREFIX\" pairs"]),
+    (2, ["--hybrid-layer-pattern", "*-*-"], ["--hybrid-layer-pattern", "pretrain_hybrid.py"]),
 ], ids=["ulysses-degree", "heads", "seq-length", "unknown-algo", "world-size", "blend-weight",
-        "blend-odd"])
+        "blend-odd", "hybrid-pattern"])
 def test_bad_flags_stop_every_rank_at_start_up(short_docs_data, world, extra, named):
     """Exit status 2 and one line on every rank naming the flags, before any model or data is
     built (not rank 0 alone: torchrun ends every rank once the first exits, so a line left to
