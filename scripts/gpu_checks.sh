@@ -28,7 +28,8 @@
 #   profile-open  profile's batched rows, with and without --cp-concurrent-calls, and fused
 #   training-open training's runs of CP=2 ring and CP=4 hybrid as processes sharing the GPU,
 #                 with the defaults (fused forward, concurrent calls) and without, against
-#                 the CP=1 run (itself with the defaults); the MoE, MTP and MLA GPTs at CP=2
+#                 the CP=1 run (itself with the defaults); the MoE, MTP and MLA GPTs and
+#                 pretrain_hybrid.py's '*-*-' at CP=2
 #                 against their CP=1 runs
 #   bench-default the issue-52 table: the busiest rank over the ideal with the defaults on GPUs
 #                 (fused forward + concurrent calls, training/gpu_defaults.py) beside the
@@ -74,7 +75,7 @@ COMMAND[bench-cp]="$PYTHON tools/bench_cp_gpu.py"
 COMMAND[profile]="$PYTHON tools/profile_cp_step.py"
 COMMAND[e2e]="$PYTHON tools/bench_e2e.py --preset 1b --work-dir $WORK/bench_e2e"
 COMMAND[bench-open]="${COMMAND[bench-cp]} --samples 2 --only '^ours (ring|hybrid u=2)( \\((concurrent|fused.*)\\))?\$|fused kernel'"
-COMMAND[training-open]="${COMMAND[training]} -k 'sharing_one_gpu and (ring2 or hybrid4 or moe or mtp or mla)'"
+COMMAND[training-open]="${COMMAND[training]} -k 'sharing_one_gpu and (ring2 or hybrid4 or moe or mtp or mla or hybrid_model)'"
 DEFAULT_ROWS="--only '^ours (ring|hybrid u=2)( \\(fused, concurrent\\))?\$'"
 COMMAND[bench-default]="${COMMAND[bench-cp]} --samples 2 $DEFAULT_ROWS"
 COMMAND[magi]="${COMMAND[bench-cp]} --samples 2 --mixes capped --configs 65536:8 --heads 64 --kv-heads 8 --head-dim 128 $DEFAULT_ROWS"
@@ -86,7 +87,7 @@ COMMAND[profile-open]="${COMMAND[profile]} --only '^ours (ring|hybrid u=2)( \((c
 BACKWARD_SHAPES="32:32:8:2,32:16:8:2,64:16:8:2,32:16:8:2@128,32:32:8:2@32,32:16:8:2:4@32,atomic:16:8:2,atomic:32:8:2@32,atomic:16:4:2@32"
 COMMAND[backward-sweep]="$PYTHON tools/sweep_fused_backward.py --shapes $BACKWARD_SHAPES"
 LIMIT=([env]=120 [kernels]=300 [multiprocess]=420 [training]=540 [bench-cp]=480
-       [profile]=240 [e2e]=540 [bench-open]=360 [profile-open]=180 [training-open]=480
+       [profile]=240 [e2e]=540 [bench-open]=360 [profile-open]=180 [training-open]=540
        [backward-sweep]=300 [bench-default]=300 [magi]=180)
 
 if [ "${1:-}" = "--list" ]; then

@@ -46,15 +46,15 @@ def free_port():
         return s.getsockname()[1]
 
 
-def train_on_gpus(nproc, data, tmp_path, *extra, env=None, drop=()):
+def train_on_gpus(nproc, data, tmp_path, *extra, env=None, drop=(), script="pretrain_gpt.py"):
     """Run pretrain_gpt.py under torchrun on `nproc` GPUs (processes sharing GPUs when there
     are fewer); the per-iteration lm losses. `drop`: golden flags left out (with a value when
-    one follows)."""
+    one follows); `script`: pretrain_gpt.py or pretrain_hybrid.py."""
     metrics = tmp_path / f"metrics_{nproc}_{'_'.join(extra) or 'cp1'}.jsonl"
     env = subprocess_env(**dict(env or {}, CUDA_DEVICE_MAX_CONNECTIONS="1"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           os.path.join(REPO, "pretrain_gpt.py"),
+           os.path.join(REPO, script),
            *_without(golden_flags(data, "--bf16", "--metrics-file", str(metrics), *extra),
                      drop)]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
@@ -207,3 +207,18 @@ def test_bf16_mla_cp2_processes_sharing_one_gpu_match_cp1(tiny_data, tmp_path):
                            drop=gqa)
     assert_close(losses, expected, CP_TOL, "bf16 MLA CP=2 ring, 2 processes sharing one GPU, "
                                            "vs CP=1")
+
+
+def test_bf16_hybrid_model_cp2_processes_sharing_one_gpu_match_cp1(tiny_data, tmp_path):
+    """pretrain_hybrid.py '*-*-' (megatron-core's HybridModel; TransformerEngine's final norm
+    replaced where it is missing) at CP=2 ring vs CP=1."""
+    if gpus() < 1:
+        pytest.skip("needs a CUDA GPU")
+    flags = ["--hybrid-layer-pattern", "*-*-"]
+    run = dict(drop=("--num-layers",), script="pretrain_hybrid.py")
+    expected = train_on_gpus(1, tiny_data, tmp_path, *flags, **run)
+    losses = train_on_gpus(2, tiny_data, tmp_path, *flags, "--context-parallel-size", "2",
+                           "--context-parallel-algo", "ring", "--distributed-backend", "gloo",
+                           **run)
+    assert_close(losses, expected, CP_TOL, "bf16 hybrid '*-*-' CP=2 ring, 2 processes sharing "
+                                           "one GPU, vs CP=1")
