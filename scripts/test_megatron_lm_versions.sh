@@ -26,6 +26,7 @@ TESTS=("$@")
                                   tests/functional/test_mtp_training.py tests/megatron/test_mtp.py
                                   tests/functional/test_mla_training.py tests/megatron/test_mla.py
                                   tests/megatron/test_mtp_stock_equivalence.py
+                                  tests/functional/test_hybrid_training.py
                                   tests/megatron/test_stock_equivalence.py tests/megatron/test_steps.py
                                   tests/megatron/test_plan_ahead.py tests/megatron/test_cpu_compat.py
                                   tests/megatron/test_dataset.py tests/data/test_checks.py
