@@ -106,7 +106,8 @@ def run(argv=None, model: str = "gpt"):
                   model_provider=providers.model_provider, model_type=model_type,
                   forward_step_func=providers.forward_step, store=store,
                   get_embedding_ranks=_embedding_ranks)
-    eod_args = functools.partial(add_eod_args, model=model)
+    eod_args = functools.update_wrapper(functools.partial(add_eod_args, model=model),
+                                        add_eod_args)
     try:
         with flags_compared_before_groups():
             if "cfg_container" in inspect.signature(training.pretrain).parameters:  # >= 0.18
