@@ -6,7 +6,13 @@ import pytest
 
 from megatron_eod.training.cp_flags import FlagError
 from megatron_eod.training.model_flags import check_mla, check_moe
+from tests.training.megatron_lm_checkout import megatron_lm_knows
 from tests.training.test_args import checked, megatron_lm_args
+
+
+def _needs_hybrid_flag():
+    if not megatron_lm_knows("--hybrid-layer-pattern"):
+        pytest.skip("this Megatron-LM has no --hybrid-layer-pattern (added in 0.17)")
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
 
@@ -69,6 +75,7 @@ def test_mla_on_megatron_core_0_16_without_transformer_engine_is_refused(monkeyp
 def test_hybrid_layers_eod_reset_cannot_run_are_refused_by_symbol(pattern, message):
     from megatron_eod.training.model_flags import check_hybrid_pattern
 
+    _needs_hybrid_flag()
     args = megatron_lm_args("--hybrid-layer-pattern", pattern)
     args.eod_model = "hybrid"
     with pytest.raises(FlagError, match=message):
@@ -78,6 +85,7 @@ def test_hybrid_layers_eod_reset_cannot_run_are_refused_by_symbol(pattern, messa
 def test_the_entry_and_the_pattern_go_together():
     from megatron_eod.training.model_flags import check_hybrid_pattern
 
+    _needs_hybrid_flag()
     args = megatron_lm_args("--hybrid-layer-pattern", "*-*E")
     with pytest.raises(FlagError, match=r"builds Megatron-LM's HybridModel: launch "
                                         r"pretrain_hybrid.py"):
