@@ -108,14 +108,6 @@ def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
     return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=seq_dim)
 
 
-def _host_copy(tensor, as_numpy=False, record_stream=False):
-    """MoE's device-to-host copy of its split sizes: already on the host, but as numpy where
-    asked (gloo's all_to_all_single takes a list-like of ints, not a tensor)."""
-    if as_numpy and torch.is_tensor(tensor):
-        return tensor.numpy()
-    return tensor
-
-
 def _stays(tensor_or_module, *args, **kwargs):
     return tensor_or_module
 
@@ -250,9 +242,9 @@ PATCHES: List[Tuple[str, str, Callable[[], object], str]] = [
      "get_pos_emb_on_this_cp_rank", lambda: _pos_emb_on_this_cp_rank, "core"),
     *[(module, "torch", _TORCH_ON_CPU, "core") for module in _CORE_TORCH],
     ("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu",
-     lambda: _host_copy, "core"),
+     lambda: stand_ins.host_copy, "core"),
     ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
-     lambda: _host_copy, "core"),
+     lambda: stand_ins.host_copy, "core"),
     ("torch.nn:Parameter", "type", lambda: stand_ins.parameter_type, "core"),
     ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
      lambda: stand_ins.clip_grad_by_total_norm_fp32, "core"),

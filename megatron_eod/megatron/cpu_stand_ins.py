@@ -17,7 +17,7 @@ import torch
 
 __all__ = ["TorchOnCpu", "cpu_rng_tracker_class", "clip_grad_by_total_norm_fp32",
            "parameter_type", "batch_invariant_kernels_module", "deallocate_output_after_send",
-           "forget_pending_sends"]
+           "forget_pending_sends", "host_copy"]
 
 
 def _on_cpu(device):
@@ -261,3 +261,12 @@ def batch_invariant_kernels_module():
     module.disable_batch_invariant_mode = lambda *args, **kwargs: None
     module.is_batch_invariant_mode_enabled = lambda: False
     return module
+
+
+def host_copy(tensor, as_numpy=False, record_stream=False):
+    """MoE's device-to-host copy of its split sizes (moe_utils.maybe_move_tensor_to_cpu): on
+    the CPU already, but as numpy where asked (gloo's all_to_all_single takes a list-like of
+    ints, not a tensor)."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor

@@ -30,8 +30,11 @@ def _at_reset_positions(rope, original, *args, **kwargs):
     context = _RUNNING.get()
     if context is None:
         return original(*args, **kwargs)
+    # MLA asks for the sequence's length (its local rows x CP): every reset position is below
+    # it, so no host sync on the positions' maximum (a layer's forward would wait for it).
+    max_seq_len = args[0] if args else kwargs["max_seq_len"]
     positions = context.position_ids
-    found = rope.get_emb(int(positions.max()) + 1 if positions.numel() else 1, 0)
+    found = rope.get_emb(max_seq_len, 0)
     if isinstance(found, tuple):  # YarnRotaryEmbedding: (angles, mscale)
         angles, mscale = found
         return angles[positions.to(angles.device)], mscale

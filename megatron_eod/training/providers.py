@@ -242,45 +242,27 @@ class EodProviders:
                 "megatron.training.arguments").core_transformer_config_from_args(args)
         if args.pipeline_model_parallel_size > 1:
             pack_stage_shapes(importlib.import_module("megatron.training.training"))
-        te = getattr(args, "transformer_impl", "local") == "transformer_engine"
-        spec = block_spec(self.registry, config, args, te and has_transformer_engine(),
-                                 vp_stage)
-        extra = {} if vp_stage is None else {"vp_stage": vp_stage}
-        if getattr(args, "eod_model", "gpt") == "hybrid":
-            return self._hybrid_model(args, config, pre_process, post_process, pg_collection,
-                                      extra)
-        gpt = import_megatron("megatron.core.models.gpt")
-        if getattr(args, "mtp_num_layers", None):
-            extra["mtp_block_spec"] = mtp_block_spec(config, spec, te and has_transformer_engine(),
-                                                     vp_stage)
-        # RoPE is applied inside the attention; learned positions by the embedding, both at
-        # the reset position ids get_batch hands the model.
-        return gpt.GPTModel(
-            config, spec, vocab_size=args.padded_vocab_size,
-            max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
-            post_process=post_process,
-            fp16_lm_cross_entropy=getattr(args, "fp16_lm_cross_entropy", False),
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=gpt_position_embedding_type(args),
-            pg_collection=pg_collection, **extra)
-
-    def _hybrid_model(self, args, config, pre_process, post_process, pg_collection, extra):
-        """megatron-core's HybridModel (pretrain_hybrid.py) over our hybrid stack spec
-        (megatron/hybrid_spec.py), RoPE inside the attention as for the GPT."""
         te = getattr(args, "transformer_impl", "local") == "transformer_engine" and \
             has_transformer_engine()
-        spec = get_hybrid_eod_stack_spec(self.registry, config, te,
-                                         **block_spec_arguments(args))
-        hybrid = import_megatron("megatron.core.models.hybrid.hybrid_model")
-        return hybrid.HybridModel(
-            config, spec, vocab_size=args.padded_vocab_size,
-            max_sequence_length=args.max_position_embeddings,
-            hybrid_layer_pattern=args.hybrid_layer_pattern, pre_process=pre_process,
-            post_process=post_process,
+        # RoPE is applied inside the attention; learned positions by the embedding, both at
+        # the reset position ids get_batch hands the model.
+        common = dict(
+            vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+            pre_process=pre_process, post_process=post_process,
             fp16_lm_cross_entropy=getattr(args, "fp16_lm_cross_entropy", False),
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             position_embedding_type=gpt_position_embedding_type(args),
-            pg_collection=pg_collection, **extra)
+            pg_collection=pg_collection, **({} if vp_stage is None else {"vp_stage": vp_stage}))
+        if getattr(args, "eod_model", "gpt") == "hybrid":  # pretrain_hybrid.py
+            spec = get_hybrid_eod_stack_spec(self.registry, config, te,
+                                             **block_spec_arguments(args))
+            hybrid = import_megatron("megatron.core.models.hybrid.hybrid_model")
+            return hybrid.HybridModel(config, spec,
+                                      hybrid_layer_pattern=args.hybrid_layer_pattern, **common)
+        spec = block_spec(self.registry, config, args, te, vp_stage)
+        if getattr(args, "mtp_num_layers", None):
+            common["mtp_block_spec"] = mtp_block_spec(config, spec, te, vp_stage)
+        return import_megatron("megatron.core.models.gpt").GPTModel(config, spec, **common)
 
     def datasets_provider(self, train_val_test_num_samples, vp_stage=None):
         """The same datasets for every model chunk (`vp_stage`): each chunk reads every

@@ -71,8 +71,11 @@ def test_launcher_without_algorithm_says_how_to_call_it():
 
 @pytest.mark.parametrize("algo", ["ring", "ulysses", "hybrid"])
 def test_the_moe_launcher_flags_are_valid(algo, monkeypatch):
-    """examples/gpu/train_moe_1node.sh: 8 GPUs, CP=4 x DP=2, 8 experts over EP=2."""
-    launcher, flags = dry_run("train_moe_1node.sh", algo, {"USE_FLASH_ATTN": "0"})
+    """examples/gpu/train_1node.sh with experts (gpt_flags.sh's NUM_EXPERTS): 8 GPUs, CP=4 x
+    DP=2, 8 experts over EP=2, as README's MoE line launches it."""
+    launcher, flags = dry_run("train_1node.sh", algo, {
+        "USE_FLASH_ATTN": "0", "NUM_EXPERTS": "8", "EP_SIZE": "2", "CP_SIZE": "4",
+        "ULYSSES_DEGREE": "2"})
     args = validated_argv(monkeypatch, flags, world=8, cuda=True)
     assert (args.context_parallel_size, args.num_experts, args.expert_model_parallel_size,
             args.moe_router_topk) == (4, 8, 2, 2)

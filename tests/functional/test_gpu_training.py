@@ -161,64 +161,35 @@ def test_deterministic_mode_runs_are_bitwise_equal_on_gpu(gpu_cp1, tiny_data, tm
                                          "sharing one GPU, vs CP=1")
 
 
-# The MoE GPT (tests/functional/test_moe_training.py's flags; its CPU parity runs there): on the
-# GPU megatron-core's MoE runs as shipped (CUDA streams, its device-to-host copies), which the
-# CPU tests replace (megatron/cpu_compat.py).
-MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96",
+# The models beyond the dense GPT, each at CP=2 ring (2 processes sharing one GPU) vs its own
+# CP=1 run: (flags, golden flags left out, entry). On the GPU megatron-core's MoE runs as
+# shipped (CUDA streams, device-to-host copies; the CPU tests replace them: cpu_compat.py);
+# MTP's document-aware shift gathers CUDA tensors (mtp.py); MLA's RoPE is taken at the reset
+# positions and its q/k head dim 24 != v 16 padded to 24 (mla.py); pretrain_hybrid.py's
+# HybridModel with TransformerEngine's final norm replaced where it is missing.
+MODELS = {
+    "moe": (["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96",
              "--moe-layer-freq", "[0,1]", "--moe-token-dispatcher-type", "alltoall",
-             "--disable-bias-linear"]
-
-
-def test_bf16_moe_cp2_processes_sharing_one_gpu_match_cp1(tiny_data, tmp_path):
-    if gpus() < 1:
-        pytest.skip("needs a CUDA GPU")
-    expected = train_on_gpus(1, tiny_data, tmp_path, *MOE_FLAGS)
-    losses = train_on_gpus(2, tiny_data, tmp_path, *MOE_FLAGS, "--context-parallel-size", "2",
-                           "--context-parallel-algo", "ring", "--distributed-backend", "gloo")
-    assert_close(losses, expected, CP_TOL, "bf16 MoE CP=2 ring, 2 processes sharing one GPU, "
-                                           "vs CP=1")
-
-
-def test_bf16_mtp_cp2_processes_sharing_one_gpu_match_cp1(tiny_data, tmp_path):
-    """Two multi-token prediction heads (megatron/mtp.py: the document-aware shift gathers
-    over the CP group, on CUDA tensors here)."""
-    if gpus() < 1:
-        pytest.skip("needs a CUDA GPU")
-    flags = ["--mtp-num-layers", "2"]
-    expected = train_on_gpus(1, tiny_data, tmp_path, *flags)
-    losses = train_on_gpus(2, tiny_data, tmp_path, *flags, "--context-parallel-size", "2",
-                           "--context-parallel-algo", "ring", "--distributed-backend", "gloo")
-    assert_close(losses, expected, CP_TOL, "bf16 MTP CP=2 ring, 2 processes sharing one GPU, "
-                                           "vs CP=1")
-
-
-def test_bf16_mla_cp2_processes_sharing_one_gpu_match_cp1(tiny_data, tmp_path):
-    """Multi-latent attention (megatron/mla.py: its RoPE at the reset positions; q/k head dim
-    24 != v head dim 16, padded for the GPU kernels to 24) at CP=2 ring vs CP=1."""
-    if gpus() < 1:
-        pytest.skip("needs a CUDA GPU")
-    flags = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "24",
+             "--disable-bias-linear"], (), "pretrain_gpt.py"),
+    "mtp": (["--mtp-num-layers", "2"], (), "pretrain_gpt.py"),
+    "mla": (["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "24",
              "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
-             "--rope-type", "yarn", "--rotary-scaling-factor", "4"]
-    gqa = ("--group-query-attention", "--num-query-groups")  # MLA has none
-    expected = train_on_gpus(1, tiny_data, tmp_path, *flags, drop=gqa)
-    losses = train_on_gpus(2, tiny_data, tmp_path, *flags, "--context-parallel-size", "2",
-                           "--context-parallel-algo", "ring", "--distributed-backend", "gloo",
-                           drop=gqa)
-    assert_close(losses, expected, CP_TOL, "bf16 MLA CP=2 ring, 2 processes sharing one GPU, "
-                                           "vs CP=1")
+             "--rope-type", "yarn", "--rotary-scaling-factor", "4"],
+            ("--group-query-attention", "--num-query-groups"), "pretrain_gpt.py"),  # no GQA
+    "hybrid_model": (["--hybrid-layer-pattern", "*-*-"], ("--num-layers",),
+                     "pretrain_hybrid.py"),
+}
 
 
-def test_bf16_hybrid_model_cp2_processes_sharing_one_gpu_match_cp1(tiny_data, tmp_path):
-    """pretrain_hybrid.py '*-*-' (megatron-core's HybridModel; TransformerEngine's final norm
-    replaced where it is missing) at CP=2 ring vs CP=1."""
+@pytest.mark.parametrize("model", list(MODELS))
+def test_bf16_model_cp2_processes_sharing_one_gpu_match_cp1(tiny_data, tmp_path, model):
     if gpus() < 1:
         pytest.skip("needs a CUDA GPU")
-    flags = ["--hybrid-layer-pattern", "*-*-"]
-    run = dict(drop=("--num-layers",), script="pretrain_hybrid.py")
+    flags, drop, script = MODELS[model]
+    run = dict(drop=drop, script=script)
     expected = train_on_gpus(1, tiny_data, tmp_path, *flags, **run)
     losses = train_on_gpus(2, tiny_data, tmp_path, *flags, "--context-parallel-size", "2",
                            "--context-parallel-algo", "ring", "--distributed-backend", "gloo",
                            **run)
-    assert_close(losses, expected, CP_TOL, "bf16 hybrid '*-*-' CP=2 ring, 2 processes sharing "
-                                           "one GPU, vs CP=1")
+    assert_close(losses, expected, CP_TOL, f"bf16 {model} CP=2 ring, 2 processes sharing one "
+                                           f"GPU, vs CP=1")

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.training.runs import train
+from tests.training.runs import relative, train
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron.core.models.hybrid") is None,
@@ -16,10 +16,6 @@ pytestmark = pytest.mark.skipif(
 
 PATTERN = ["--hybrid-layer-pattern", "*-*-"]
 TOL = 1e-5
-
-
-def relative(a, b):
-    return max(abs(a[i] - b[i]) / abs(b[i]) for i in b)
 
 
 def hybrid(tmp_path, name, data, *extra):

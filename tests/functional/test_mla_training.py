@@ -6,7 +6,7 @@ CP=N == CP=1."""
 import pytest
 
 from tests.megatron.tiny_model import NEEDS_MLA, mla_buildable
-from tests.training.runs import train
+from tests.training.runs import relative, train
 
 # q/kv LoRA ranks, a decoupled RoPE head dim, v head dim != q/k head dim; YaRN as DeepSeek-V3
 MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "24",
@@ -15,10 +15,6 @@ MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "24"
 DROP = ("--group-query-attention", "--num-query-groups")  # MLA has no GQA (Megatron-LM's rule)
 TOL = 1e-5
 pytestmark = pytest.mark.skipif(not mla_buildable(), reason=NEEDS_MLA)
-
-
-def relative(a, b):
-    return max(abs(a[i] - b[i]) / abs(b[i]) for i in b)
 
 
 @pytest.fixture(scope="module")

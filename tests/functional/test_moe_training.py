@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.training.runs import train
+from tests.training.runs import relative, train
 
 # 4 experts, top-2, the load-balancing loss, one dense layer then one MoE layer
 # (--moe-layer-freq); dropout off (tests/training/runs.py), so CP=N == CP=1 holds exactly
@@ -19,10 +19,6 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
        "--disable-bias-linear"]
 
 TOL = 1e-5
-
-
-def relative(a, b):
-    return max(abs(a[i] - b[i]) / abs(b[i]) for i in b)
 
 
 def balancing_losses(log):

@@ -7,16 +7,12 @@ import re
 
 import pytest
 
-from tests.training.runs import train
+from tests.training.runs import relative, train
 
 # Two heads, weighted as much as the main loss: their gradients move the model's weights as
 # much as its own, so a head that took a wrong neighbour moves the losses past TOL.
 MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "1.0"]
 TOL = 1e-5
-
-
-def relative(a, b):
-    return max(abs(a[i] - b[i]) / abs(b[i]) for i in b)
 
 
 def mtp_losses(log):

@@ -22,7 +22,8 @@ import os
 from tests.harness import run_ranks
 from tests.training.megatron_lm_checkout import import_megatron_lm, null_tokenizer_vocab_size
 
-__all__ = ["ITERS", "error_lines", "flags", "metrics_records", "run_ranks", "start", "start_each",
+__all__ = ["ITERS", "error_lines", "flags", "metrics_records", "relative", "run_ranks", "start",
+           "start_each",
            "train", "train_rank"]
 
 ITERS = 4
@@ -97,6 +98,12 @@ def error_lines(results):
     """Each rank's `pretrain_gpt.py: error:` lines, from `start`'s results."""
     return [[line for line in text.splitlines() if line.startswith("pretrain_gpt.py: error:")]
             for _, text in results]
+
+
+def relative(losses, reference):
+    """The largest relative difference of `losses` from `reference`, over reference's keys
+    (iterations, or (iteration, head))."""
+    return max(abs(losses[i] - reference[i]) / abs(reference[i]) for i in reference)
 
 
 def metrics_records(path):
