@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # Usage: bash scripts/test_triton_versions.sh [VERSION ...]
 # Compiles the fused kernels (--cp-fused-forward, --cp-fused-backward) with each Triton
-# VERSION (default: 3.0.0 3.2.0 3.3.1 3.5.1 3.6.0: the versions of PyTorch 2.4, 2.6, 2.7,
-# 2.9 and 2.11, the GPU machine's; CI's venv has 3.7.1) for sm_80 and sm_90 without a GPU,
-# as the flags' start-up check does (attention/triton_compile.py, whose description of a
-# kernel changed at Triton 3.2 and 3.3): each kernel compiles, its loads are 16-byte vectors,
-# its shared memory fits the GPU's; registers and spills are printed, not checked (they move between versions).
+# VERSION for sm_80 and sm_90 without a GPU, as the flags' start-up check does
+# (attention/triton_compile.py, whose description of a kernel changed at Triton 3.2 and 3.3):
+# each kernel compiles, its loads are 16-byte vectors, its shared memory fits the GPU's;
+# registers and spills are printed, not checked (they move between versions).
+# Default versions: 3.0.0 3.2.0 3.3.1 3.5.1 3.6.0 3.7.1 3.8.0, those of PyTorch 2.4, 2.6, 2.7,
+# 2.9, 2.11 (the GPU machine's), 2.13 (the Python 3.11 venv's) and 2.14 (CI's venv, whose
+# tests/attention/test_triton_compile.py compiles only the default shapes, bf16 at head dim
+# 128: the other shapes, e.g. head dims 64, 80 in 16-row tiles and 256, are compiled here).
 # The backward's atomic-dq benchmark form (triton_backward.ATOMIC_DQ) is compiled where it
-# is not refused by name (3.2 aborts compiling it, 3.3 fails). Each version is installed once, without its dependencies,
-# under .triton-versions/VERSION (550-700 MB each), and imported ahead of the venv's own.
+# is not refused by name (3.2 aborts compiling it, 3.3 fails). Each version is installed
+# once, without its dependencies, under .triton-versions/VERSION (550-700 MB each), and
+# imported ahead of the venv's own.
 # Not in CI (the downloads); needs the venv of scripts/setup_cpu_env.sh.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
-[ $# -gt 0 ] || set -- 3.0.0 3.2.0 3.3.1 3.5.1 3.6.0
+[ $# -gt 0 ] || set -- 3.0.0 3.2.0 3.3.1 3.5.1 3.6.0 3.7.1 3.8.0
 status=0
 for version in "$@"; do
   target="$ROOT/.triton-versions/$version"
@@ -62,6 +66,11 @@ for arch in (80, 90):
             regs, spilled = registers(kernel, arch)
             print(f"  sm_{arch} {shape[0]} head dim {shape[1]} {name}: {regs} registers, "
                   f"{spilled} bytes spilled, {kernel.metadata.shared} bytes shared")
+# a head dim not a power of two in 16-row tiles (the forward's smallest)
+kernel = compile_for(90, "bf16", 80, 8, 16)
+assert "ld.global.v4" in kernel.asm["ptx"] and kernel.metadata.shared <= LIMIT[90]
+print("  sm_90 bf16 head dim 80, 16-row tiles, forward: %s registers, %s bytes spilled"
+      % registers(kernel, 90))
 if triton_backward.atomic_dq_problem() is None:
     kernel = compile_backward_for(90, atomic_dq=True)[1]
     ptx = kernel.asm["ptx"]

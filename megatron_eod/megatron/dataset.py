@@ -84,8 +84,9 @@ def build_gpt_datasets(data_path, seq_length: int, tokenizer, num_samples: Seque
                        path_to_cache: Optional[str] = None,
                        is_built_on_rank: Callable[[], bool] = lambda: True,
                        blend=None, blend_per_split=None, **settings):
-    """-> (train, valid, test) megatron-core GPTDatasets (None for a split of size 0; with
-    `multiple_validation_sets`, valid is a list).
+    """-> [train, valid, test] megatron-core GPTDatasets (None for a split --split leaves
+    empty or `num_samples` asks no sample of; with `multiple_validation_sets`, valid is a
+    list).
 
     `data_path=None` and no blends builds megatron-core's MockGPTDataset (synthetic
     documents, --mock-data). `blend` / `blend_per_split`: blends already parsed
@@ -121,5 +122,8 @@ def build_gpt_datasets(data_path, seq_length: int, tokenizer, num_samples: Seque
         path_to_cache=path_to_cache,
         **settings,
     )
-    return builder.BlendedMegatronDatasetBuilder(dataset_class, list(num_samples),
-                                                 is_built_on_rank, config).build()
+    datasets = builder.BlendedMegatronDatasetBuilder(dataset_class, list(num_samples),
+                                                     is_built_on_rank, config).build()
+    # A split asked for no sample (--eval-iters 0) is None: megatron-core builds a weighted
+    # blend's as an empty dataset, on which Megatron-LM's sampler stops every rank.
+    return [None if n == 0 else dataset for n, dataset in zip(num_samples, datasets)]

@@ -2,14 +2,15 @@
 
 import pytest
 
-from tests.training.runs import metrics_records, train
+from tests.training.runs import EVALUATE, metrics_records, train
 
 
 @pytest.fixture(scope="session")
 def baseline(short_docs_data, tmp_path_factory):
-    """The tiny GPT at CP=1 x DP=4, uninterrupted: (losses, log, its --metrics-file records)."""
+    """The tiny GPT at CP=1 x DP=4, uninterrupted, evaluated at the end: (losses, log, its
+    --metrics-file records)."""
     folder = tmp_path_factory.mktemp("cp1")
-    losses, log = train(folder, "cp1", short_docs_data)
+    losses, log = train(folder, "cp1", short_docs_data, *EVALUATE)
     return losses, log, metrics_records(folder / "cp1.jsonl")
 
 

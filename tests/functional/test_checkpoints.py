@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tests.training.runs import ITERS, flags, metrics_records, run_ranks, start, train
+from tests.training.runs import EVALUATE, ITERS, flags, metrics_records, run_ranks, start, train
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -116,7 +116,8 @@ def test_save_at_the_end_and_another_lr_on_resume(short_docs_data, tmp_path):
                                                                    6: pytest.approx(1e-3)}
     # --skip-train: the evaluations of the loaded weights, recorded at the loaded iteration
     # (our --metrics-file said 0: no training_log came before them).
-    losses, text = train(tmp_path, "skip", short_docs_data, "--load", ckpt, "--skip-train")
+    losses, text = train(tmp_path, "skip", short_docs_data, "--load", ckpt, "--skip-train",
+                         *EVALUATE)
     import json
 
     evaluations = json.loads(text.rsplit("\n", 1)[1])
@@ -153,7 +154,8 @@ def test_a_resumed_run_with_dropout_is_the_uninterrupted_run(short_docs_data, tm
     generator is the CPU one, from which each of Megatron-LM's loaders drew its workers' seed
     when its iterator was made: after the RNG state was restored in a resumed run, shifting
     every later dropout mask; cpu_compat gives the loaders a generator of their own.)"""
-    dropout = ("--hidden-dropout", "0.1", "--context-parallel-size", "2", "--eval-interval", "2")
+    dropout = ("--hidden-dropout", "0.1", "--context-parallel-size", "2", "--eval-interval", "2",
+               *EVALUATE)
     drop = ("--hidden-dropout", "--eval-interval")
 
     def run(name, *extra):

@@ -24,7 +24,7 @@ from tests.functional.tiny_gpt import ITERS as GOLDEN_ITERS
 from tests.functional.tiny_gpt import golden_flags
 from tests.training.megatron_lm_checkout import (import_megatron_lm, megatron_lm_knows,
                                                  null_tokenizer_vocab_size)
-from tests.training.runs import (ITERS, flags, metrics_records, run_ranks, start, train,
+from tests.training.runs import (EVALUATE, ITERS, flags, metrics_records, run_ranks, start, train,
                                  train_rank)
 
 pytestmark = pytest.mark.timeout(300)
@@ -83,11 +83,17 @@ def _quiet_rank(rank, world, argv):
      "--deterministic-mode"],
 ], ids=["ring4", "ulysses4", "hybrid2x2", "cp2xdp2-keep-deterministic"])
 def test_cp_matches_cp1(baseline, short_docs_data, tmp_path, extra, monkeypatch):
-    """The losses, and the attention work Megatron-LM's FLOPs count (the documents' sum of
-    length^2, summed over the data-parallel replicas once each, whatever the CP layout)."""
+    """The losses, the end-of-run validation and test losses, and the attention work
+    Megatron-LM's FLOPs count (the documents' sum of length^2, summed over the data-parallel
+    replicas once each, whatever the CP layout)."""
     monkeypatch.setenv("NCCL_ALGO", "Ring")  # --deterministic-mode asks for it before 0.19
-    losses, _ = train(tmp_path, "cp", short_docs_data, *extra)
+    losses, log = train(tmp_path, "cp", short_docs_data, *extra, *EVALUATE)
     assert_same(losses, baseline[0])
+    evaluations, expected = (json.loads(text.splitlines()[-1]) for text in (log, baseline[1]))
+    assert set(evaluations) == set(expected) == {"valid", "test"}
+    for kind in expected:
+        assert evaluations[kind]["lm_loss"] == pytest.approx(expected[kind]["lm_loss"],
+                                                             rel=TOL), kind
     assert _work(metrics_records(tmp_path / "cp.jsonl")) == _work(baseline[2])
 
 
@@ -255,7 +261,7 @@ def test_planning_ahead_changes_nothing(short_docs_data, tmp_path):
     the header broadcast) and validation interleaved with training every 2 iterations."""
     import_megatron_lm()
     common = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
-              "--make-vocab-size-divisible-by", "64", "--eval-interval", "2"]
+              "--make-vocab-size-divisible-by", "64", "--eval-interval", "2", *EVALUATE]
     runs = {}
     for name, extra in (("ahead", []), ("inline", ["--no-plan-ahead"])):
         threads = run_ranks(_noting_plan_threads, 4, flags(
@@ -279,11 +285,11 @@ def test_every_data_source_megatron_lm_reads(baseline, short_docs_data, tmp_path
     losses, _ = train(tmp_path, "args_file", short_docs_data, "--data-args-path", str(blend_file),
                       drop=("--data-path",))
     assert losses == pytest.approx(baseline[0], rel=1e-6)
-    whole, _ = train(tmp_path, "whole", short_docs_data, "--split", "100,0,0", "--eval-iters", "0")
+    whole, _ = train(tmp_path, "whole", short_docs_data, "--split", "100,0,0")
     data = short_docs_data
     per_split, log = train(tmp_path, "per_split", data, "--train-data-path", data,
                            "--valid-data-path", data, "--test-data-path", data,
-                           "--no-mmap-bin-files", drop=("--data-path", "--split"))
+                           "--no-mmap-bin-files", *EVALUATE, drop=("--data-path", "--split"))
     assert per_split == pytest.approx(whole, rel=1e-6)
     assert set(json.loads(log.splitlines()[-1])) == {"valid", "test"}
     spec = tmp_path / "splits.json"
@@ -307,7 +313,7 @@ def test_multiple_validation_sets(short_docs_data, tmp_path):
     small += "_text_document"
     losses, log = train(tmp_path, "multi", short_docs_data, "--train-data-path", short_docs_data,
                         "--valid-data-path", small, small, "--multiple-validation-sets",
-                        "--full-validation", drop=("--data-path", "--split"))
+                        "--full-validation", *EVALUATE, drop=("--data-path", "--split"))
     assert sorted(losses) == list(range(1, ITERS + 1))
     assert "validation-0 loss at iteration 4" in log and "validation-1 loss at iteration 4" in log
     sets = [r for r in metrics_records(tmp_path / "multi.jsonl") if r.get("kind") == "valid"]
@@ -430,7 +436,7 @@ def test_the_overlapped_warmup_and_flush_train_as_the_default_schedule(short_doc
     layout = ("--num-layers", "8", "--pipeline-model-parallel-size", "4",
               "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "1",
               "--global-batch-size", "10", "--microbatch-group-size-per-virtual-pipeline-stage",
-              "5", "--train-iters", "3", "--eval-interval", "2")
+              "5", "--train-iters", "3", "--eval-interval", "2", *EVALUATE)
     records = []
     for name, extra in (("default", ()), ("flush", ("--overlap-p2p-communication-warmup-flush",))):
         train(tmp_path, name, short_docs_data, *layout, *extra,

@@ -108,3 +108,15 @@ def test_blend_prefixes_lists_each_once(data_prefix):
     blend = ([data_prefix, data_prefix], [0.3, 0.7])
     per_split = [([data_prefix], None), None, ([data_prefix], [1.0])]
     assert blend_prefixes(blend, None) == blend_prefixes(None, per_split) == [data_prefix]
+
+
+@pytest.mark.parametrize("weights", [None, [0.3, 0.7]], ids=["one-prefix", "weighted-blend"])
+def test_a_split_asked_for_no_sample_is_none(tmp_path, data_prefix, weights):
+    """--eval-iters 0 asks for 0 validation and test samples. megatron-core builds a weighted
+    blend's splits as empty datasets then, on which Megatron-LM's sampler stopped every rank
+    ("no sample to consume: 0"): such a split is None, as one that --split leaves empty."""
+    prefixes = [data_prefix] * (2 if weights else 1)
+    train, valid, test = build_gpt_datasets(
+        None, SEQ_LENGTH, ByteTokenizer(), [16, 0, 0], split="90,8,2",
+        path_to_cache=str(tmp_path), blend=(prefixes, weights))
+    assert len(train) >= 16 and valid is None and test is None

@@ -6,7 +6,7 @@ through pretrain_gpt.py: the tiny GPT every training test trains, and how they r
     run_ranks(start, world, argv)         -> per rank (exit status, stderr)
 
 The tiny GPT: 2 layers, hidden 64, 4 heads over 2 query groups, RoPE, sequence 128, micro-batch
-2, global batch 8, ITERS iterations, float32, dropout off (dropout masks depend on which rank
+2, global batch 8, ITERS iterations, no evaluation (EVALUATE turns it on), float32, dropout off (dropout masks depend on which rank
 holds a token, so they would differ between CP sizes), EoD reset on, the distributed
 optimizer, the byte-level data's tokenizer (NullTokenizer at the --vocab-size that makes 256
 its EoD on this megatron-core), Megatron-LM's fused kernels off (they need TransformerEngine
@@ -22,11 +22,16 @@ import os
 from tests.harness import run_ranks
 from tests.training.megatron_lm_checkout import import_megatron_lm, null_tokenizer_vocab_size
 
-__all__ = ["ITERS", "error_lines", "flags", "metrics_records", "relative", "run_ranks", "start",
+__all__ = ["EVALUATE", "ITERS", "error_lines", "flags", "metrics_records", "relative", "run_ranks", "start",
            "start_each",
            "train", "train_rank"]
 
 ITERS = 4
+
+# Flags that turn on the evaluations `flags` leaves off: one validation and one test batch at
+# the end (and every --eval-interval). They cost a fifth of a tiny-GPT run, so only the
+# tests of evaluations (and the CP=1 baseline they compare with) pay for them.
+EVALUATE = ("--eval-iters", "1")
 
 
 def flags(data, metrics, *extra):
@@ -39,7 +44,7 @@ def flags(data, metrics, *extra):
             "--tokenizer-type", "NullTokenizer",
             "--vocab-size", str(null_tokenizer_vocab_size(256)),  # byte data: EoD 256
             "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
-            "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1",
+            "--eval-interval", "1000", "--eval-iters", "0", "--log-interval", "1",
             "--log-throughput", "--seed", "1234", "--hidden-dropout", "0",
             "--attention-dropout", "0", "--position-embedding-type", "rope",
             "--distributed-backend", "gloo", "--transformer-impl", "local",
