@@ -6,8 +6,9 @@ through pretrain_gpt.py: the tiny GPT every training test trains, and how they r
     run_ranks(start, world, argv)         -> per rank (exit status, stderr)
 
 The tiny GPT: 2 layers, hidden 64, 4 heads over 2 query groups, RoPE, sequence 128, micro-batch
-2, global batch 8, ITERS iterations, no evaluation (EVALUATE turns it on), float32, dropout off (dropout masks depend on which rank
-holds a token, so they would differ between CP sizes), EoD reset on, the distributed
+2, global batch 8, ITERS iterations, no evaluation (EVALUATE turns it on), float32, dropout
+off (dropout masks depend on which rank holds a token, so they would differ between CP
+sizes), EoD reset on, the distributed
 optimizer, the byte-level data's tokenizer (NullTokenizer at the --vocab-size that makes 256
 its EoD on this megatron-core), Megatron-LM's fused kernels off (they need TransformerEngine
 or Apex).
@@ -22,9 +23,8 @@ import os
 from tests.harness import run_ranks
 from tests.training.megatron_lm_checkout import import_megatron_lm, null_tokenizer_vocab_size
 
-__all__ = ["EVALUATE", "ITERS", "error_lines", "flags", "metrics_records", "relative", "run_ranks", "start",
-           "start_each",
-           "train", "train_rank"]
+__all__ = ["EVALUATE", "ITERS", "error_lines", "flags", "metrics_records", "relative",
+           "run_ranks", "start", "start_each", "train", "train_rank"]
 
 ITERS = 4
 
