@@ -29,6 +29,7 @@ def _accumulators(dtype, seed=0):
     return out, lse, rows, part, part_lse
 
 
+@pytest.mark.slow
 def test_fused_merge_equals_eager():
     """The two merges a bf16 GPU run makes, in one process as there: the steps executor's
     (float32 out and lse, the kernel's bf16 part) and the batched ring's (bf16 out, float32

@@ -206,6 +206,7 @@ def broken(X, BLOCK: tl.constexpr):
 LIMIT_LINE = "LIMIT = {80: 166912, 90: 232448}\n"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # its subprocess's own limit is 600 s; ~40 s here, 5+ min on a slow disk
 def test_kernel_compiles_for_ampere_and_hopper(tmp_path):
     """Without a GPU: Triton (its own ptxas) compiles the kernels a GPU runs by default, bf16

@@ -171,6 +171,7 @@ def test_bad_arguments(tmp_path, kwargs, message):
         preprocess_jsonl(str(tmp_path / "missing.jsonl"), str(tmp_path / "o"), ByteTokenizer())
 
 
+@pytest.mark.slow
 def test_command_line_tool(tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": "hello"}] * 30 + ['{"text": 1}'])
     cmd = [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", src,

@@ -143,7 +143,7 @@ def _of_job(port):
     return [p for p in psutil.process_iter() if mine(p)]
 
 
-DELAYS = (0.02, 0.1, 0.25)
+DELAYS = (0.1, 0.25)  # (0.1: where a writer outlived its rank before process_tree.py)
 
 
 def _said(process):

@@ -54,6 +54,7 @@ def check_plan(plan, cu):
     return stats
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(300))
 @given(plan_inputs())
 def test_every_valid_input_is_planned_exactly_and_balanced(case):

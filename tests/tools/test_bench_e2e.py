@@ -14,6 +14,7 @@ import bench_e2e  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.slow
 def test_tiny_eod_and_causal_runs(tmp_path, capsys):
     rows = bench_e2e.main(["--preset", "tiny", "--seq-length", "1024", "--iters", "2",
                            "--warmup", "0", "--work-dir", str(tmp_path)])  # (the web mix's

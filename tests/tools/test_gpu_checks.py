@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "scripts", "gpu_checks.sh")
@@ -62,6 +63,7 @@ def selected_tests(stage_args):
     return [tuple(result) for result in json.loads(lines[-1].split(" ", 1)[1])], collect.stdout
 
 
+@pytest.mark.slow
 def test_every_stage_runs_a_file_that_exists_and_pytest_stages_select_gpu_tests():
     found = stages()
     assert list(found) == ["env", "kernels", "multiprocess", "training", "bench-cp", "profile",
@@ -144,7 +146,12 @@ def test_a_spent_budget_starts_nothing_and_says_so(tmp_path):
 
 
 def test_without_a_gpu_the_env_stage_fails_and_stops_the_rest(tmp_path):
-    result = checks("env", "kernels", tmp_path=tmp_path)
+    """The stage's Python stood in for by what tools/gpu_env_report.py says on a machine
+    without a GPU (checked below, in this process: a fresh interpreter took 15 s)."""
+    python = tmp_path / "python"
+    python.write_text("#!/bin/bash\necho 'torch 2.x sees no CUDA device' >&2\nexit 1\n")
+    python.chmod(0o755)
+    result = checks("env", "kernels", env={"PYTHON": str(python)}, tmp_path=tmp_path)
     assert result.returncode == 1
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "| env | FAILED (exit 1) |" in summary
@@ -174,6 +181,9 @@ def test_env_report_runs_its_kernel_check_on_cpu(capsys):
     out = capsys.readouterr().out
     assert "megatron.core" in out
     assert "one varlen forward+backward on cpu: out (356, 4, 64), finite: True" in out
+    if not torch.cuda.is_available():  # what the env stage's failure above stands for
+        with pytest.raises(SystemExit, match="sees no CUDA device"):
+            gpu_env_report.main([])
 
 
 def _pins(name):

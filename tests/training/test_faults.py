@@ -38,6 +38,7 @@ def free_port():
 TIMEOUT = 0.25
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_stopped_rank_ends_the_job_within_the_timeout(short_docs_data, tmp_path):
     metrics = tmp_path / "metrics.jsonl"
