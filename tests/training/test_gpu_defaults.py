@@ -10,7 +10,7 @@ import pytest
 
 from megatron_eod.training.cp_flags import FlagError
 from megatron_eod.training.gpu_defaults import choose_attention_path
-from tests.training.test_args import checked, megatron_lm_args
+from tests.training.parsed_flags import checked, megatron_lm_args
 
 @pytest.fixture(autouse=True)
 def no_interpreter(monkeypatch):

@@ -7,7 +7,7 @@ import pytest
 from megatron_eod.training.cp_flags import FlagError
 from megatron_eod.training.model_flags import check_mla, check_moe
 from tests.training.megatron_lm_checkout import megatron_lm_knows
-from tests.training.test_args import checked, megatron_lm_args
+from tests.training.parsed_flags import checked, megatron_lm_args
 
 
 def _needs_hybrid_flag():

@@ -17,7 +17,7 @@ from megatron_eod.training import run
 from megatron_eod.training.cp_flags import FlagError
 from tests.harness import run_ranks
 from tests.training.megatron_lm_checkout import import_megatron_lm, megatron_lm_knows
-from tests.training.test_args import BASE
+from tests.training.parsed_flags import BASE
 
 
 def validated(monkeypatch, *flags, base=BASE, mock=True):
