@@ -19,7 +19,7 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do VERSIONS+=("$1"); shift; done
 [ $# -gt 0 ] && shift  # the "--"
 [ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(0.18.2 0.17.1 0.16.1)
 TESTS=("$@")
-[ ${#TESTS[@]} -gt 0 ] || TESTS=(tests/training tests/functional/test_cpu_training.py
+[ ${#TESTS[@]} -gt 0 ] || TESTS=(tests/training tests/functional/test_cpu_training.py tests/functional/test_data_training.py
                                   tests/functional/test_checkpoints.py
                                   tests/functional/test_checkpoint_faults.py
                                   tests/functional/test_moe_training.py
