@@ -42,33 +42,16 @@ settings.load_profile("ci")
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
-    config.addinivalue_line("markers", "slow: takes more than ten seconds (its file runs "
-                            "first: _longest_files_first)")
+    config.addinivalue_line("markers", "slow: takes more than ten seconds")
 
 
 def pytest_collection_modifyitems(config, items):
-    _longest_files_first(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-
-
-def _longest_files_first(items):
-    """pytest-xdist (scripts/test_cpu.sh) hands out whole files in collection order, and a
-    long file handed out last left one worker alone for its last minute or two. Longest
-    first: the files of Megatron-LM's trainer runs (tests/functional), then the files with a
-    test marked slow, then the rest, each group in collection order."""
-    slow_files = {item.fspath for item in items if "slow" in item.keywords}
-
-    def group(item):
-        if os.sep + "functional" + os.sep in str(item.fspath):
-            return 0
-        return 1 if item.fspath in slow_files else 2
-
-    items.sort(key=group)  # stable: each file's tests stay together and in order
 
 
 TINY_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures",

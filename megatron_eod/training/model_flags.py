@@ -1,8 +1,9 @@
-"""The model flags (mixture of experts, multi-latent attention) megatron-core cannot run beside
-EoD attention.
+"""The model flags (mixture of experts, multi-latent attention, the hybrid layer pattern)
+megatron-core cannot run beside EoD attention.
 
-One job: `check_moe(args, cuda_available)` and `check_mla(args)`, after Megatron-LM's
-validate_args, raise FlagError naming the flag and the rule. MoE itself is megatron-core's own
+One job: `check_moe(args, cuda_available)`, `check_mla(args)` and
+`check_hybrid_pattern(args)`, after Megatron-LM's validate_args, raise FlagError naming the
+flag and the rule. MoE itself is megatron-core's own
 layer (router, token dispatcher, experts) in megatron-core's decoder block spec
 (megatron/layer_spec.py); the router counts tokens, not attention pairs, so the document mask
 and where CP puts a token change nothing of it (tests/functional/test_moe_training.py: CP=4 ==
@@ -19,7 +20,9 @@ CP=1, the load-balancing loss too). Refused:
   grouped_gemm package's CUDA kernels;
 * `--multi-latent-attention` on megatron-core 0.16 without TransformerEngine: its MLA tests
   its projection against TransformerEngine's class, which 0.16 then leaves a stand-in (a
-  TypeError when the model is built, stock megatron-core's too).
+  TypeError when the model is built, stock megatron-core's too);
+* `--hybrid-layer-pattern` symbols pretrain_hybrid.py does not build (HYBRID_REFUSED, each
+  with its reason), a pattern given to pretrain_gpt.py, or none given to pretrain_hybrid.py.
 
 What it does not do: no model building (layer_spec.py), no other flags (args.py, cp_flags.py,
 flag_rules.py).
